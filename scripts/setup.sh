@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs the Debian packages turbospark needs, builds it (Release, Ninja) into build/, and
+# runs the main job on a small model that ships in the repo: greedy generation from a token
+# prompt on tests/models/qwen3_moe. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(build-essential cmake ninja-build libgtest-dev nlohmann-json3-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+fi
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build
+
+if [ "${1:-}" != "--no-demo" ]; then
+  model=tests/models/qwen3_moe
+  echo "setup: turbospark inspect --model $model"
+  ./build/turbospark inspect --model "$model"
+  echo "setup: turbospark generate --model $model --tokens 1,2,3,4,5,6,7,8 -n 16"
+  ./build/turbospark generate --model "$model" --tokens 1,2,3,4,5,6,7,8 -n 16
+fi

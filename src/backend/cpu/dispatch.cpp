@@ -1,0 +1,165 @@
+// The one dispatch point for the CPU kernels: which instruction set this CPU (and its OS)
+// supports, which one is in use, and the parallel wrappers that split rows across a pool.
+// Compiled with baseline flags: nothing here may execute an AVX instruction.
+#include <cpuid.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <string_view>
+
+#include "backend/cpu/kernels.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+
+namespace ts::cpu {
+namespace {
+
+struct Cpuid {
+  uint32_t eax = 0, ebx = 0, ecx = 0, edx = 0;
+};
+
+Cpuid cpuid(uint32_t leaf, uint32_t subleaf) {
+  Cpuid r;
+  if (!__get_cpuid_count(leaf, subleaf, &r.eax, &r.ebx, &r.ecx, &r.edx)) return Cpuid{};
+  return r;
+}
+
+bool bit(uint32_t reg, int b) { return (reg >> b) & 1u; }
+
+// XCR0: which register states the OS saves on context switch. An instruction set whose
+// registers the OS does not save is unusable even if cpuid lists it. Executed only when
+// cpuid reports OSXSAVE (xgetbv faults otherwise).
+uint64_t xcr0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return uint64_t(edx) << 32 | eax;
+}
+
+Isa detect_isa_uncached() {
+  Cpuid l1 = cpuid(1, 0);
+  bool osxsave = bit(l1.ecx, 27);
+  bool avx = bit(l1.ecx, 28), fma = bit(l1.ecx, 12), f16c = bit(l1.ecx, 29);
+  if (!osxsave || !avx || !fma || !f16c) return Isa::kPortable;
+  uint64_t xcr = xcr0();
+  constexpr uint64_t kYmmState = 0x6;     // SSE + AVX upper halves
+  constexpr uint64_t kZmmState = 0xe6;    // + opmask, ZMM0-15 upper halves, ZMM16-31
+  if ((xcr & kYmmState) != kYmmState) return Isa::kPortable;
+  Cpuid l7 = cpuid(7, 0);
+  if (!bit(l7.ebx, 5)) return Isa::kPortable;  // AVX2
+  bool avx512 = bit(l7.ebx, 16) && bit(l7.ebx, 17) && bit(l7.ebx, 30) &&
+                bit(l7.ebx, 31);  // F, DQ, BW, VL
+  // AVX512_BF16 is leaf 7 subleaf 1 EAX bit 5; subleaf 1 exists only if l7.eax >= 1.
+  bool bf16 = l7.eax >= 1 && bit(cpuid(7, 1).eax, 5);
+  if (avx512 && bf16 && (xcr & kZmmState) == kZmmState) return Isa::kAvx512;
+  return Isa::kAvx2;
+}
+
+Isa isa_from_env(Isa best) {
+  const char* env = std::getenv("TURBOSPARK_ISA");
+  if (env == nullptr || *env == '\0') return best;
+  std::string_view v(env);
+  Isa want;
+  if (v == "portable") {
+    want = Isa::kPortable;
+  } else if (v == "avx2") {
+    want = Isa::kAvx2;
+  } else if (v == "avx512") {
+    want = Isa::kAvx512;
+  } else {
+    std::fprintf(stderr, "turbospark: ignoring TURBOSPARK_ISA=%s (want portable|avx2|avx512)\n",
+                 env);
+    return best;
+  }
+  // The variable only lowers the ISA; asking for more than the CPU has would crash later.
+  return std::min(want, best);
+}
+
+std::atomic<Isa>& active_slot() {
+  static std::atomic<Isa> slot{isa_from_env(detect_isa())};
+  return slot;
+}
+
+void check_dtype(DType wt) {
+  TS_CHECK(wt == DType::kF32 || wt == DType::kF16 || wt == DType::kBF16,
+           "CPU kernels take F32, F16 or BF16 weights");
+}
+
+// A parallel_for chunk must carry enough work to pay for waking a thread (~10 us). Row
+// grains are multiples of 12 so chunks hold whole register tiles of both SIMD paths
+// (4 and 3 rows).
+constexpr int64_t kRowGrain = 12;
+constexpr int64_t kMinChunkBytes = 128 << 10;    // matvec: ~5 us of memory traffic
+constexpr int64_t kMinChunkFlops = int64_t(4) << 20;  // matmul
+
+int64_t round_up_grain(int64_t rows) {
+  rows = std::max<int64_t>(rows, 1);
+  return (rows + kRowGrain - 1) / kRowGrain * kRowGrain;
+}
+
+}  // namespace
+
+Isa detect_isa() {
+  static const Isa best = detect_isa_uncached();
+  return best;
+}
+
+Isa active_isa() { return active_slot().load(std::memory_order_relaxed); }
+
+void set_active_isa(Isa isa) {
+  active_slot().store(std::min(isa, detect_isa()), std::memory_order_relaxed);
+}
+
+std::string_view isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kPortable: return "portable";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+bool matmul_rounds_x_to_bf16(Isa isa, DType wt) {
+  return isa == Isa::kAvx512 && wt == DType::kBF16;
+}
+
+void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                 int64_t r1) {
+  check_dtype(wt);
+  switch (active_isa()) {
+    case Isa::kPortable: return portable::matvec_rows(w, wt, x, y, cols, r0, r1);
+    case Isa::kAvx2: return avx2::matvec_rows(w, wt, x, y, cols, r0, r1);
+    case Isa::kAvx512: return avx512::matvec_rows(w, wt, x, y, cols, r0, r1);
+  }
+}
+
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
+                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
+  check_dtype(wt);
+  switch (active_isa()) {
+    case Isa::kPortable: return portable::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kAvx2: return avx2::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kAvx512: return avx512::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+  }
+}
+
+void matvec(ThreadPool& pool, const void* w, DType wt, const float* x, float* y, int64_t rows,
+            int64_t cols) {
+  int64_t row_bytes = std::max<int64_t>(1, cols * int64_t(dtype_size(wt)));
+  int64_t grain = round_up_grain(kMinChunkBytes / row_bytes);
+  pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+    matvec_rows(w, wt, x, y, cols, r0, r1);
+  });
+}
+
+void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n_tokens,
+            float* y, int64_t rows, int64_t cols) {
+  int64_t row_flops = std::max<int64_t>(1, 2 * cols * n_tokens);
+  int64_t grain = round_up_grain(kMinChunkFlops / row_flops);
+  pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+    matmul_rows(w, wt, x, n_tokens, y, rows, cols, r0, r1);
+  });
+}
+
+}  // namespace ts::cpu

@@ -1,0 +1,74 @@
+// CPU kernels for the hot paths: matrix-vector (decode) and matrix-matrix (prefill) with
+// F32 activations and F32 / F16 / BF16 weights. One dispatch point picks the instruction set
+// at run time (AVX-512 with BF16, AVX2+FMA+F16C, or portable C++); every SIMD path is tested
+// against the portable one on random inputs.
+//
+// Determinism: the value of an output element depends only on its row of W and its row of
+// X, never on the [r0, r1) range a call covers, so splitting rows across threads cannot
+// change results.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "core/dtype.h"
+
+namespace ts {
+class ThreadPool;
+}
+
+namespace ts::cpu {
+
+enum class Isa : uint8_t { kPortable, kAvx2, kAvx512 };
+
+Isa detect_isa();            // best this CPU supports
+Isa active_isa();            // in use; env TURBOSPARK_ISA=portable|avx2|avx512 lowers it
+void set_active_isa(Isa isa);  // tests; clamps to detect_isa()
+std::string_view isa_name(Isa isa);
+
+// y[r] = sum_c W[r, c] * x[c] for r in [r0, r1). W row-major [rows, cols] of type wt.
+void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                 int64_t r1);
+
+// Y[t, r] = sum_c W[r, c] * X[t, c] for t in [0, n_tokens), r in [r0, r1).
+// X is [n_tokens, cols] contiguous; Y has row stride ldy (floats).
+// BF16 weights on AVX-512-BF16 round X to BF16 and use vdpbf16ps (as llama.cpp does);
+// other paths keep X in F32.
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
+                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+
+// Parallel wrappers: rows split across the pool.
+void matvec(ThreadPool& pool, const void* w, DType wt, const float* x, float* y, int64_t rows,
+            int64_t cols);
+void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n_tokens,
+            float* y, int64_t rows, int64_t cols);
+
+// True when matmul_rows on `isa` rounds X to BF16 before multiplying (BF16 weights on
+// AVX-512): its error is then ~2^-9 * sum_c |W[r, c] * X[t, c]| rather than F32 rounding.
+// Tests and callers that compare against a reference pick their tolerance with it.
+bool matmul_rounds_x_to_bf16(Isa isa, DType wt);
+
+// Per-ISA entry points with the same contracts as matvec_rows / matmul_rows above. The
+// dispatcher calls them; so may tests that pin one ISA. Calling avx2:: or avx512:: on a CPU
+// without that ISA is undefined (illegal instruction): everything else goes through the
+// dispatching functions.
+namespace portable {
+void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                 int64_t r1);
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
+                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+}  // namespace portable
+namespace avx2 {
+void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                 int64_t r1);
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
+                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+}  // namespace avx2
+namespace avx512 {
+void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                 int64_t r1);
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
+                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+}  // namespace avx512
+
+}  // namespace ts::cpu

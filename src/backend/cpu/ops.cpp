@@ -1,0 +1,88 @@
+#include "backend/cpu/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/thread_pool.h"
+
+namespace ts::cpu {
+namespace {
+
+// Eight independent partial sums: vectorisable without -ffast-math, and not latency-bound.
+float dot(const float* a, const float* b, int n) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
+  for (; i < n; ++i) s[0] += a[i] * b[i];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+}  // namespace
+
+void rmsnorm_rows(const float* x, const float* w, float* y, int64_t n_rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* xr = x + r * n;
+    double ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * xr[i];
+    float inv = float(1.0 / std::sqrt(ss / double(n) + double(eps)));
+    float* yr = y + r * n;
+    for (int64_t i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
+  }
+}
+
+void rope_apply(float* x, int n_heads, const RopeTable& rope, int position) {
+  const int half = rope.head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    // transformers computes freqs = position * inv_freq in float32, then cos/sin.
+    float freq = float(position) * rope.inv_freq[size_t(i)];
+    float c = float(std::cos(double(freq))), s = float(std::sin(double(freq)));
+    for (int h = 0; h < n_heads; ++h) {
+      float* xh = x + size_t(h) * size_t(rope.head_dim);
+      float a = xh[i], b = xh[i + half];
+      xh[i] = a * c - b * s;
+      xh[i + half] = b * c + a * s;
+    }
+  }
+}
+
+void silu_mul(const float* g, const float* u, float* h, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+void attention(ThreadPool& pool, const AttentionArgs& a) {
+  const int group = a.n_heads / a.n_kv_heads;
+  const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
+  const float scale = 1.0f / std::sqrt(float(a.head_dim));
+  const int64_t jobs = int64_t(a.n_tokens) * a.n_heads;
+  pool.parallel_for(jobs, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(size_t(a.pos0 + a.n_tokens));
+    for (int64_t job = b; job < e; ++job) {
+      const int t = int(job / a.n_heads), h = int(job % a.n_heads), g = h / group;
+      const int n_keys = a.pos0 + t + 1;
+      const float* q = a.q + size_t(t) * q_dim + size_t(h) * a.head_dim;
+      float mx = -INFINITY;
+      for (int j = 0; j < n_keys; ++j) {
+        scores[size_t(j)] = dot(q, a.k_cache + size_t(j) * kv_dim + size_t(g) * a.head_dim,
+                                a.head_dim) * scale;
+        mx = std::max(mx, scores[size_t(j)]);
+      }
+      float sum = 0;
+      for (int j = 0; j < n_keys; ++j) {
+        scores[size_t(j)] = std::exp(scores[size_t(j)] - mx);
+        sum += scores[size_t(j)];
+      }
+      const float inv = 1.0f / sum;
+      float* o = a.out + size_t(t) * q_dim + size_t(h) * a.head_dim;
+      std::fill(o, o + a.head_dim, 0.0f);
+      for (int j = 0; j < n_keys; ++j) {
+        const float p = scores[size_t(j)] * inv;
+        const float* v = a.v_cache + size_t(j) * kv_dim + size_t(g) * a.head_dim;
+        for (int d = 0; d < a.head_dim; ++d) o[d] += p * v[d];
+      }
+    }
+  });
+}
+
+}  // namespace ts::cpu

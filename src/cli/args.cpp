@@ -1,0 +1,110 @@
+#include "cli/args.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+namespace ts::cli {
+
+Result<Args> Args::parse(const std::vector<std::string>& argv,
+                         const std::set<std::string>& flags_without_value) {
+  Args a;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& s = argv[i];
+    if (s.rfind("--", 0) == 0 && s.size() > 2) {
+      std::string name = s.substr(2), value;
+      size_t eq = name.find('=');
+      if (eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+      } else if (flags_without_value.count(name)) {
+        value = "1";
+      } else {
+        if (i + 1 >= argv.size()) return make_error("flag --" + name + " needs a value");
+        value = argv[++i];
+      }
+      if (a.values_.count(name)) return make_error("flag --" + name + " given twice");
+      a.values_[name] = value;
+    } else {
+      a.positional_.push_back(s);
+    }
+  }
+  return a;
+}
+
+bool Args::has(const std::string& name) const {
+  used_.insert(name);
+  return values_.count(name) > 0;
+}
+
+Result<std::string> Args::str(const std::string& name) const {
+  used_.insert(name);
+  auto it = values_.find(name);
+  if (it == values_.end()) return make_error("missing required flag --" + name);
+  return it->second;
+}
+
+std::string Args::str_or(const std::string& name, const std::string& fallback) const {
+  used_.insert(name);
+  auto it = values_.find(name);
+  return it == values_.end() ? fallback : it->second;
+}
+
+Result<int64_t> Args::integer_or(const std::string& name, int64_t fallback, int64_t lo,
+                                 int64_t hi) const {
+  used_.insert(name);
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  const char* s = it->second.c_str();
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(s, &end, 10);
+  if (errno || end == s || *end)
+    return make_error("flag --" + name + ": '" + it->second + "' is not an integer");
+  if (v < lo || v > hi)
+    return make_error("flag --" + name + ": " + it->second + " is outside [" +
+                      std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return int64_t(v);
+}
+
+Result<double> Args::number_or(const std::string& name, double fallback, double lo,
+                               double hi) const {
+  used_.insert(name);
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  const char* s = it->second.c_str();
+  char* end = nullptr;
+  errno = 0;
+  double v = std::strtod(s, &end);
+  if (errno || end == s || *end || !(v >= lo && v <= hi))
+    return make_error("flag --" + name + ": '" + it->second + "' is not a number in [" +
+                      std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return v;
+}
+
+Status Args::check_all_used() const {
+  for (const auto& [name, value] : values_)
+    if (!used_.count(name)) return make_error("unknown flag --" + name);
+  return {};
+}
+
+Result<std::vector<int>> parse_token_list(const std::string& s) {
+  std::vector<int> out;
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    std::string item = s.substr(i, j - i);
+    char* end = nullptr;
+    errno = 0;
+    long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || errno || *end || v < 0 || v > 0x7fffffff)
+      return make_error("--tokens: element " + std::to_string(out.size()) + " ('" + item +
+                        "') is not a non-negative integer");
+    out.push_back(int(v));
+    i = j + 1;
+  }
+  if (out.empty()) return make_error("--tokens: the token list is empty");
+  return out;
+}
+
+}  // namespace ts::cli

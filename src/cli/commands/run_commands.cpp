@@ -1,0 +1,62 @@
+// logits and generate: the token-id contract other tools rely on.
+#include <cstdio>
+
+#include "cli/commands/commands.h"
+#include "cli/commands/common.h"
+#include "io/npy.h"
+#include "runtime/sampler.h"
+#include "runtime/session.h"
+
+namespace ts::cli {
+
+Status cmd_logits(const Args& args) {
+  TS_ASSIGN(std::string tokens_arg, args.str("tokens"));
+  TS_ASSIGN(std::string out_path, args.str("out"));
+  TS_ASSIGN(std::vector<int> tokens, parse_token_list(tokens_arg));
+  TS_ASSIGN(ModelFlags flags, read_model_flags(args));
+  TS_TRY(args.check_all_used());
+  TS_ASSIGN(Loaded m, load_model(flags));
+  runtime::Session session(*m.model, *m.pool, {.n_ctx = int(tokens.size())});
+  std::vector<float> logits;
+  TS_TRY(session.forward(tokens, &logits));
+  return io::write_npy_f32(out_path, {int64_t(tokens.size()), m.model->hp().vocab},
+                           logits.data());
+}
+
+Status cmd_generate(const Args& args) {
+  TS_ASSIGN(std::string tokens_arg, args.str("tokens"));
+  TS_ASSIGN(std::vector<int> tokens, parse_token_list(tokens_arg));
+  TS_ASSIGN(int64_t n, args.integer_or("n", 16, 0, 1 << 20));
+  runtime::SamplerOptions so;
+  TS_ASSIGN(double temperature, args.number_or("temperature", 0.0, 0.0, 100.0));
+  TS_ASSIGN(int64_t top_k, args.integer_or("top-k", 0, 0, 1 << 30));
+  TS_ASSIGN(double top_p, args.number_or("top-p", 1.0, 0.0, 1.0));
+  TS_ASSIGN(int64_t seed, args.integer_or("seed", 0, 0, INT64_MAX));
+  so.temperature = float(temperature);
+  so.top_k = int(top_k);
+  so.top_p = float(top_p);
+  so.seed = uint64_t(seed);
+  TS_ASSIGN(ModelFlags flags, read_model_flags(args));
+  TS_TRY(args.check_all_used());
+  TS_ASSIGN(Loaded m, load_model(flags));
+  int n_ctx = int(tokens.size() + size_t(n));
+  if (n_ctx > m.model->hp().max_positions)
+    return make_error("prompt + n = " + std::to_string(n_ctx) +
+                      " tokens exceed max_position_embeddings = " +
+                      std::to_string(m.model->hp().max_positions));
+  runtime::Session session(*m.model, *m.pool, {.n_ctx = n_ctx});
+  runtime::Sampler sampler(so);
+  std::string line;
+  if (n > 0) {
+    TS_TRY(session.forward(tokens, nullptr));
+    for (int64_t i = 0; i < n; ++i) {
+      int next = sampler.sample(session.last_logits());
+      line += (i ? " " : "") + std::to_string(next);
+      if (i + 1 < n) TS_TRY(session.forward(std::span<const int>(&next, 1), nullptr));
+    }
+  }
+  std::printf("%s\n", line.c_str());
+  return {};
+}
+
+}  // namespace ts::cli

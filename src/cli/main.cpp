@@ -1,0 +1,61 @@
+// turbospark command-line entry point: dispatches to a subcommand. Any error is one line on
+// stderr naming what was wrong, and exit code 2.
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cli/commands/commands.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: turbospark <command> [flags]\n"
+    "commands:\n"
+    "  logits   --model DIR --tokens 1,2,3 --out FILE.npy   logits at every prompt position\n"
+    "  generate --model DIR --tokens 1,2,3 -n N [--temperature T --top-k K --top-p P --seed S]\n"
+    "  inspect  --model DIR [--json]                         shapes, parameters, bytes\n"
+    "  synth    --config CONFIG.json --out DIR [--dtype bf16] [--seed N]\n"
+    "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G] [--json]\n"
+    "common flags: --threads N\n";
+
+struct Command {
+  const char* name;
+  ts::Status (*fn)(const ts::cli::Args&);
+  std::set<std::string> switches;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const Command commands[] = {
+      {"logits", ts::cli::cmd_logits, {}},
+      {"generate", ts::cli::cmd_generate, {}},
+      {"inspect", ts::cli::cmd_inspect, {"json"}},
+      {"synth", ts::cli::cmd_synth, {}},
+      {"bench", ts::cli::cmd_bench, {"json"}},
+  };
+  std::string name = argv[1];
+  std::vector<std::string> rest;
+  for (int i = 2; i < argc; ++i) {
+    // `-n N` is the one short flag (generate's token count).
+    rest.push_back(std::strcmp(argv[i], "-n") == 0 ? "--n" : argv[i]);
+  }
+  for (const Command& c : commands) {
+    if (name != c.name) continue;
+    auto args = ts::cli::Args::parse(rest, c.switches);
+    ts::Status st = args.ok() ? c.fn(args.value()) : ts::Status(args.error());
+    if (!st.ok()) {
+      std::fprintf(stderr, "turbospark %s: error: %s\n", c.name, st.error().message.c_str());
+      return 2;
+    }
+    return 0;
+  }
+  std::fprintf(stderr, "turbospark: error: unknown command '%s'\n%s", name.c_str(), kUsage);
+  return 2;
+}

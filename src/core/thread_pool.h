@@ -1,0 +1,45 @@
+// A fixed pool of worker threads running one parallel-for at a time. The calling thread
+// takes part as worker 0. Work is split into contiguous ranges by index, so a row's result
+// never depends on how many threads ran (each row is computed by exactly one thread with
+// one fixed summation order): output is identical for any thread count.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ts {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return n_threads_; }
+
+  // Calls fn(begin, end) on disjoint ranges covering [0, n), at most one per thread;
+  // ranges are multiples of `grain` (except the last). Returns when all are done.
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+  // Calls fn(thread_index) once on each of size() threads.
+  void run_on_all(const std::function<void(int)>& fn);
+
+ private:
+  void worker(int index);
+
+  int n_threads_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_start_, cv_done_;
+  const std::function<void(int)>* job_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
+}  // namespace ts

@@ -1,0 +1,92 @@
+// Weight views of a loaded model. Matrices point into memory-mapped checkpoint files (or
+// other owned storage) and keep their dtype; small vectors (norms, biases) are converted to
+// F32 at load. Shapes follow PyTorch nn.Linear: [out_features, in_features], row-major.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "model/hparams.h"
+
+namespace ts::io {
+class TensorSet;
+}
+
+namespace ts::model {
+
+struct Matrix {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  size_t n_bytes() const { return size_t(rows * cols) * dtype_size(dtype); }
+  bool present() const { return data != nullptr; }
+};
+
+struct ExpertWeights {
+  Matrix gate;  // [d_expert, d_model]
+  Matrix up;    // [d_expert, d_model]
+  Matrix down;  // [d_model, d_expert]
+};
+
+struct LayerWeights {
+  std::vector<float> attn_norm;  // [d_model]
+  Matrix wq;                     // [n_heads * head_dim, d_model]
+  Matrix wk;                     // [n_kv_heads * head_dim, d_model]
+  Matrix wv;                     // [n_kv_heads * head_dim, d_model]
+  Matrix wo;                     // [d_model, n_heads * head_dim]
+  std::vector<float> bq, bk, bv;  // biases when qkv_bias, else empty
+  std::vector<float> q_norm;     // [head_dim] per head, or [q_dim] full projection, or empty
+  std::vector<float> k_norm;     // [head_dim] or [kv_dim] or empty
+  std::vector<float> ffn_norm;   // [d_model]
+
+  bool is_moe = false;
+  Matrix router;                 // [n_experts, d_model]
+  ExpertWeights shared;          // shared expert (d_shared), absent if none
+  Matrix shared_gate;            // [1, d_model] sigmoid gate on the shared expert
+  ExpertWeights dense;           // dense MLP (d_ff) on layers without experts
+};
+
+struct DenseWeights {
+  Matrix embed;                  // [vocab, d_model]
+  std::vector<LayerWeights> layers;
+  std::vector<float> final_norm;  // [d_model]
+  Matrix lm_head;                // [vocab, d_model]; the embedding when tied
+};
+
+// Routed expert weights per layer: experts[layer][expert]; empty for dense layers.
+using ExpertTable = std::vector<std::vector<ExpertWeights>>;
+
+// Checkpoint tensor names of one family.
+struct FamilyNames {
+  const char* moe_block;    // "mlp" or "block_sparse_moe"
+  const char* expert_gate;  // "gate_proj" or "w1"
+  const char* expert_up;    // "up_proj" or "w3"
+  const char* expert_down;  // "down_proj" or "w2"
+};
+const FamilyNames& family_names(Family f);
+
+struct BoundWeights {
+  DenseWeights dense;
+  ExpertTable experts;
+};
+
+// Binds every tensor the family needs from `tensors`, checking names, dtypes and shapes
+// against hp. Errors name the tensor and what was expected.
+Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensors);
+
+// Parameter and byte counts for `inspect` and `bench`.
+struct WeightCounts {
+  int64_t params_total = 0;
+  int64_t params_active = 0;      // per token: dense + top_k experts per MoE layer
+  uint64_t dense_bytes = 0;       // everything but routed experts
+  uint64_t routed_bytes = 0;      // all routed experts
+  uint64_t decode_bytes = 0;      // bytes read per decode token (one embedding row, top_k experts)
+};
+WeightCounts count_weights(const HParams& hp, const BoundWeights& w);
+
+}  // namespace ts::model

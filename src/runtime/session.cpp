@@ -1,0 +1,270 @@
+#include "runtime/session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/ops.h"
+#include "core/thread_pool.h"
+#include "model/router.h"
+
+namespace ts::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+// y[n, rows] = x[n, cols] . W^T; one token goes through the matrix-vector kernel.
+void linear(ThreadPool& pool, const model::Matrix& w, const float* x, int n, float* y) {
+  if (n == 1) {
+    cpu::matvec(pool, w.data, w.dtype, x, y, w.rows, w.cols);
+  } else {
+    cpu::matmul(pool, w.data, w.dtype, x, n, y, w.rows, w.cols);
+  }
+}
+
+void add_bias(float* y, const std::vector<float>& b, int n) {
+  if (b.empty()) return;
+  for (int t = 0; t < n; ++t)
+    for (size_t i = 0; i < b.size(); ++i) y[size_t(t) * b.size() + i] += b[i];
+}
+
+}  // namespace
+
+Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions options)
+    : model_(model), pool_(pool) {
+  const model::HParams& hp = model.hp();
+  n_ctx_ = options.n_ctx > 0 ? options.n_ctx : std::min(hp.max_positions, 4096);
+  chunk_ = std::max(1, options.prefill_chunk);
+  const size_t kv = size_t(hp.n_layers) * size_t(n_ctx_) * size_t(hp.kv_dim());
+  k_cache_.assign(kv, 0.0f);
+  v_cache_.assign(kv, 0.0f);
+  // transformers: inv_freq = 1 / theta ** (arange(0, dim, 2) / dim), in float32.
+  for (int i = 0; i < hp.head_dim / 2; ++i)
+    inv_freq_.push_back(1.0f / std::pow(hp.rope_theta, float(2 * i) / float(hp.head_dim)));
+  const size_t c = size_t(chunk_), d = size_t(hp.d_model);
+  const size_t hidden = size_t(std::max({hp.d_expert, hp.d_ff, hp.d_shared}));
+  x_.resize(c * d);
+  xn_.resize(c * d);
+  tmp_.resize(c * d);
+  q_.resize(c * size_t(hp.q_dim()));
+  att_.resize(c * size_t(hp.q_dim()));
+  k_.resize(c * size_t(hp.kv_dim()));
+  v_.resize(c * size_t(hp.kv_dim()));
+  router_.resize(c * size_t(hp.n_experts));
+  slots_.resize(c * size_t(hp.top_k) * d);
+  gather_.resize(c * d);
+  h1_.resize(c * hidden);
+  h2_.resize(c * hidden);
+  h3_.resize(c * d);
+  sel_ids_.resize(c * size_t(hp.top_k));
+  sel_w_.resize(c * size_t(hp.top_k));
+  last_logits_.resize(size_t(hp.vocab));
+}
+
+Status Session::forward(std::span<const int> tokens, std::vector<float>* all_logits) {
+  const model::HParams& hp = model_.hp();
+  if (tokens.empty()) return make_error("the token list is empty");
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= hp.vocab)
+      return make_error("token id " + std::to_string(tokens[i]) + " at index " +
+                        std::to_string(i) + " is outside the vocabulary [0, " +
+                        std::to_string(hp.vocab) + ")");
+  if (pos_ + int64_t(tokens.size()) > n_ctx_)
+    return make_error("context overflow: " + std::to_string(pos_) + " + " +
+                      std::to_string(tokens.size()) + " tokens exceed n_ctx = " +
+                      std::to_string(n_ctx_));
+  if (all_logits) all_logits->assign(tokens.size() * size_t(hp.vocab), 0.0f);
+  for (size_t b = 0; b < tokens.size(); b += size_t(chunk_)) {
+    int n = int(std::min(tokens.size() - b, size_t(chunk_)));
+    forward_chunk(tokens.data() + b, n,
+                  all_logits ? all_logits->data() + b * size_t(hp.vocab) : nullptr);
+  }
+  return {};
+}
+
+void Session::forward_chunk(const int* tokens, int n, float* logits_out) {
+  const model::HParams& hp = model_.hp();
+  const model::DenseWeights& w = model_.dense();
+  const size_t d = size_t(hp.d_model);
+  // Embedding rows, converted to F32.
+  for (int t = 0; t < n; ++t) {
+    const model::Matrix& e = w.embed;
+    const uint8_t* row = static_cast<const uint8_t*>(e.data) +
+                         size_t(tokens[t]) * d * dtype_size(e.dtype);
+    float* x = x_.data() + size_t(t) * d;
+    for (size_t i = 0; i < d; ++i) {
+      uint16_t h;
+      switch (e.dtype) {
+        case DType::kF32: std::memcpy(&x[i], row + 4 * i, 4); break;
+        case DType::kF16: std::memcpy(&h, row + 2 * i, 2); x[i] = f16_to_f32(h); break;
+        case DType::kBF16: std::memcpy(&h, row + 2 * i, 2); x[i] = bf16_to_f32(h); break;
+      }
+    }
+  }
+  for (int l = 0; l < hp.n_layers; ++l) {
+    attention_block(l, n);
+    const model::LayerWeights& L = w.layers[size_t(l)];
+    if (L.is_moe) {
+      moe_block(l, n);
+    } else {
+      auto t0 = Clock::now();
+      cpu::rmsnorm_rows(x_.data(), L.ffn_norm.data(), xn_.data(), n, int64_t(d), hp.rms_eps);
+      dense_mlp_block(L.dense, n, hp.d_ff, tmp_.data());
+      for (size_t i = 0; i < size_t(n) * d; ++i) x_[i] += tmp_[i];
+      phases_.dense_ffn_us += us_since(t0);
+    }
+  }
+  pos_ += n;
+  auto t0 = Clock::now();
+  cpu::rmsnorm_rows(x_.data(), w.final_norm.data(), xn_.data(), n, int64_t(d), hp.rms_eps);
+  const float* last = xn_.data() + size_t(n - 1) * d;
+  if (logits_out) {
+    linear(pool_, w.lm_head, xn_.data(), n, logits_out);
+    std::copy_n(logits_out + size_t(n - 1) * size_t(hp.vocab), hp.vocab, last_logits_.data());
+  } else {
+    linear(pool_, w.lm_head, last, 1, last_logits_.data());
+  }
+  phases_.lm_head_us += us_since(t0);
+}
+
+void Session::attention_block(int layer, int n) {
+  auto t0 = Clock::now();
+  const model::HParams& hp = model_.hp();
+  const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
+  const int d = hp.d_model, qd = hp.q_dim(), kvd = hp.kv_dim();
+  cpu::rmsnorm_rows(x_.data(), L.attn_norm.data(), xn_.data(), n, d, hp.rms_eps);
+  linear(pool_, L.wq, xn_.data(), n, q_.data());
+  linear(pool_, L.wk, xn_.data(), n, k_.data());
+  linear(pool_, L.wv, xn_.data(), n, v_.data());
+  add_bias(q_.data(), L.bq, n);
+  add_bias(k_.data(), L.bk, n);
+  add_bias(v_.data(), L.bv, n);
+  switch (hp.qk_norm) {
+    case model::QkNorm::kNone: break;
+    case model::QkNorm::kPerHead:
+      cpu::rmsnorm_rows(q_.data(), L.q_norm.data(), q_.data(), int64_t(n) * hp.n_heads,
+                        hp.head_dim, hp.rms_eps);
+      cpu::rmsnorm_rows(k_.data(), L.k_norm.data(), k_.data(), int64_t(n) * hp.n_kv_heads,
+                        hp.head_dim, hp.rms_eps);
+      break;
+    case model::QkNorm::kFullProjection:
+      cpu::rmsnorm_rows(q_.data(), L.q_norm.data(), q_.data(), n, qd, hp.rms_eps);
+      cpu::rmsnorm_rows(k_.data(), L.k_norm.data(), k_.data(), n, kvd, hp.rms_eps);
+      break;
+  }
+  const cpu::RopeTable rope{hp.head_dim, inv_freq_};
+  const size_t layer_off = size_t(layer) * size_t(n_ctx_) * size_t(kvd);
+  for (int t = 0; t < n; ++t) {
+    cpu::rope_apply(q_.data() + size_t(t) * qd, hp.n_heads, rope, pos_ + t);
+    cpu::rope_apply(k_.data() + size_t(t) * kvd, hp.n_kv_heads, rope, pos_ + t);
+    std::copy_n(k_.data() + size_t(t) * kvd, kvd,
+                k_cache_.data() + layer_off + size_t(pos_ + t) * kvd);
+    std::copy_n(v_.data() + size_t(t) * kvd, kvd,
+                v_cache_.data() + layer_off + size_t(pos_ + t) * kvd);
+  }
+  cpu::attention(pool_, {.q = q_.data(),
+                         .k_cache = k_cache_.data() + layer_off,
+                         .v_cache = v_cache_.data() + layer_off,
+                         .out = att_.data(),
+                         .n_tokens = n,
+                         .pos0 = pos_,
+                         .n_heads = hp.n_heads,
+                         .n_kv_heads = hp.n_kv_heads,
+                         .head_dim = hp.head_dim});
+  linear(pool_, L.wo, att_.data(), n, tmp_.data());
+  for (size_t i = 0; i < size_t(n) * size_t(d); ++i) x_[i] += tmp_[i];
+  phases_.attention_us += us_since(t0);
+}
+
+void Session::dense_mlp_block(const model::ExpertWeights& mlp, int n, int d_hidden, float* out) {
+  linear(pool_, mlp.gate, xn_.data(), n, h1_.data());
+  linear(pool_, mlp.up, xn_.data(), n, h2_.data());
+  cpu::silu_mul(h1_.data(), h2_.data(), h1_.data(), int64_t(n) * d_hidden);
+  linear(pool_, mlp.down, h1_.data(), n, out);
+}
+
+void Session::moe_block(int layer, int n) {
+  const model::HParams& hp = model_.hp();
+  const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
+  const size_t d = size_t(hp.d_model), k = size_t(hp.top_k);
+  auto t0 = Clock::now();
+  cpu::rmsnorm_rows(x_.data(), L.ffn_norm.data(), xn_.data(), n, int64_t(d), hp.rms_eps);
+  linear(pool_, L.router, xn_.data(), n, router_.data());
+  for (int t = 0; t < n; ++t) {
+    model::select_experts(
+        std::span<const float>(router_.data() + size_t(t) * size_t(hp.n_experts),
+                               size_t(hp.n_experts)),
+        hp.moe,
+        {.ids = std::span<int>(sel_ids_.data() + size_t(t) * k, k),
+         .weights = std::span<float>(sel_w_.data() + size_t(t) * k, k)});
+  }
+  phases_.router_us += us_since(t0);
+  phases_.expert_requests += uint64_t(n) * k;
+
+  // Group (token, rank) slots by expert; experts are visited in id order, but every slot has
+  // its own output row, so the visiting order cannot change the result.
+  t0 = Clock::now();
+  std::vector<std::vector<int>> slots_of(size_t(hp.n_experts));
+  for (size_t s = 0; s < size_t(n) * k; ++s) slots_of[size_t(sel_ids_[s])].push_back(int(s));
+  std::vector<int> used;
+  for (int e = 0; e < hp.n_experts; ++e)
+    if (!slots_of[size_t(e)].empty()) used.push_back(e);
+  std::vector<model::ExpertWeights> views(used.size());
+  Status st = model_.experts().acquire(layer, used, views);
+  TS_CHECK(st.ok(), "expert store acquire failed");  // resident stores cannot fail
+  phases_.expert_io_us += us_since(t0);
+
+  t0 = Clock::now();
+  for (size_t u = 0; u < used.size(); ++u) {
+    const auto& slots = slots_of[size_t(used[u])];
+    const int m = int(slots.size());
+    // phase 1: gate|up + activation over the tokens routed to this expert.
+    for (int i = 0; i < m; ++i)
+      std::copy_n(xn_.data() + size_t(slots[size_t(i)]) / k * d, d, gather_.data() + size_t(i) * d);
+    linear(pool_, views[u].gate, gather_.data(), m, h1_.data());
+    linear(pool_, views[u].up, gather_.data(), m, h2_.data());
+    cpu::silu_mul(h1_.data(), h2_.data(), h1_.data(), int64_t(m) * hp.d_expert);
+    // phase 2 (first half): down projection into each slot's own row.
+    linear(pool_, views[u].down, h1_.data(), m, h3_.data());
+    for (int i = 0; i < m; ++i)
+      std::copy_n(h3_.data() + size_t(i) * d, d, slots_.data() + size_t(slots[size_t(i)]) * d);
+  }
+  model_.experts().release(layer);
+  // phase 2 (second half): weighted sum in router rank order.
+  for (int t = 0; t < n; ++t) {
+    float* out = tmp_.data() + size_t(t) * d;
+    std::fill(out, out + d, 0.0f);
+    for (size_t r = 0; r < k; ++r) {
+      const float wgt = sel_w_[size_t(t) * k + r];
+      const float* s = slots_.data() + (size_t(t) * k + r) * d;
+      for (size_t i = 0; i < d; ++i) out[i] += wgt * s[i];
+    }
+  }
+  phases_.expert_compute_us += us_since(t0);
+
+  if (L.shared.gate.present()) {
+    t0 = Clock::now();
+    // Shared expert output goes to slots_ (free again) and is added after the routed sum.
+    dense_mlp_block(L.shared, n, hp.d_shared, slots_.data());
+    for (int t = 0; t < n; ++t) {
+      float g = 1.0f;
+      if (L.shared_gate.present()) {
+        float z;
+        cpu::matvec_rows(L.shared_gate.data, L.shared_gate.dtype, xn_.data() + size_t(t) * d, &z,
+                         int64_t(d), 0, 1);
+        g = 1.0f / (1.0f + std::exp(-z));
+      }
+      for (size_t i = 0; i < d; ++i) tmp_[size_t(t) * d + i] += g * slots_[size_t(t) * d + i];
+    }
+    phases_.dense_ffn_us += us_since(t0);
+  }
+  for (size_t i = 0; i < size_t(n) * d; ++i) x_[i] += tmp_[i];
+}
+
+}  // namespace ts::runtime

@@ -1,0 +1,156 @@
+// The CLI contract and its bad-input behaviour, through the real binary: one error line
+// naming the file / key / tensor, exit code 2, and no partial output file.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "io/npy.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct RunResult {
+  int code;
+  std::string out, err;
+};
+
+std::string read_all(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/ts_cli_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    tmp_ = tmpl;
+    model_ = (fs::path(TS_TEST_DATA_DIR) / "models" / "qwen3_moe").string();
+  }
+  void TearDown() override { fs::remove_all(tmp_); }
+
+  RunResult run(const std::string& args) {
+    std::string cmd = std::string(TS_BINARY) + " " + args + " >" + (tmp_ / "stdout").string() +
+                      " 2>" + (tmp_ / "stderr").string();
+    int st = std::system(cmd.c_str());
+    RunResult r{WIFEXITED(st) ? WEXITSTATUS(st) : -1, read_all(tmp_ / "stdout"),
+                read_all(tmp_ / "stderr")};
+    return r;
+  }
+  // A copy of the fixture model to damage.
+  fs::path copy_model() {
+    fs::path d = tmp_ / "model";
+    fs::create_directories(d);
+    for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(fs::path(model_) / f, d / f);
+    return d;
+  }
+  void expect_error(const RunResult& r, const std::string& needle) {
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line: " << r.err;
+  }
+
+  fs::path tmp_;
+  std::string model_;
+};
+
+TEST_F(Cli, LogitsWritesNpyOfShapeTokensByVocab) {
+  fs::path out = tmp_ / "l.npy";
+  RunResult r = run("logits --model " + model_ + " --tokens 5,6,7 --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto a = ts::io::read_npy_f32(out.string());
+  ASSERT_TRUE(a.ok()) << a.error().message;
+  EXPECT_EQ(a->shape, (std::vector<int64_t>{3, 512}));
+}
+
+TEST_F(Cli, GenerateGreedyPrintsNIdsOnOneLine) {
+  RunResult r = run("generate --model " + model_ + " --tokens 5,6,7 -n 6 --temperature 0");
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::istringstream ss(r.out);
+  std::vector<int> ids;
+  int x;
+  while (ss >> x) ids.push_back(x);
+  EXPECT_EQ(ids.size(), 6u);
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1);
+  // Same seed, same sampled ids; the run is reproducible.
+  RunResult a = run("generate --model " + model_ + " --tokens 5,6,7 -n 8 --temperature 0.9 --top-p 0.9 --seed 7");
+  RunResult b = run("generate --model " + model_ + " --tokens 5,6,7 -n 8 --temperature 0.9 --top-p 0.9 --seed 7");
+  ASSERT_EQ(a.code, 0) << a.err;
+  EXPECT_EQ(a.out, b.out);
+}
+
+TEST_F(Cli, InspectJsonCountsExperts) {
+  RunResult r = run("inspect --model " + model_ + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"family\": \"qwen3_moe\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"bytes_routed_experts\""), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, MissingDirectory) {
+  expect_error(run("logits --model /nonexistent/dir --tokens 1 --out " + (tmp_ / "x.npy").string()),
+               "/nonexistent/dir");
+  EXPECT_FALSE(fs::exists(tmp_ / "x.npy"));
+}
+
+TEST_F(Cli, TokenOutOfVocabulary) {
+  fs::path out = tmp_ / "x.npy";
+  expect_error(run("logits --model " + model_ + " --tokens 1,512 --out " + out.string()), "512");
+  EXPECT_FALSE(fs::exists(out));
+}
+
+TEST_F(Cli, EmptyAndMalformedTokenLists) {
+  expect_error(run("generate --model " + model_ + " --tokens '' -n 2"), "empty");
+  expect_error(run("generate --model " + model_ + " --tokens 1,x,3 -n 2"), "'x'");
+}
+
+TEST_F(Cli, UnknownFlagAndUnknownCommand) {
+  expect_error(run("generate --model " + model_ + " --tokens 1 --tempreture 1"), "--tempreture");
+  RunResult r = run("frobnicate");
+  EXPECT_EQ(r.code, 2);
+}
+
+TEST_F(Cli, UnknownModelType) {
+  fs::path d = copy_model();
+  std::string cfg = read_all(d / "config.json");
+  cfg.replace(cfg.find("qwen3_moe"), 9, "gpt_neo_x");
+  std::ofstream(d / "config.json") << cfg;
+  expect_error(run("inspect --model " + d.string()), "model_type");
+}
+
+TEST_F(Cli, TruncatedSafetensors) {
+  fs::path d = copy_model();
+  fs::resize_file(d / "model.safetensors", fs::file_size(d / "model.safetensors") - 100);
+  fs::path out = tmp_ / "x.npy";
+  expect_error(run("logits --model " + d.string() + " --tokens 1,2 --out " + out.string()),
+               "model.safetensors");
+  EXPECT_FALSE(fs::exists(out));
+}
+
+TEST_F(Cli, MissingTensorIsNamed) {
+  fs::path d = copy_model();
+  // Rename one tensor in the header (same length, so offsets stay valid).
+  std::string bytes = read_all(d / "model.safetensors");
+  size_t at = bytes.find("model.layers.1.mlp.gate.weight");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 20] = 'X';  // "mlp.gate" -> "mlp.Xate"
+  std::ofstream(d / "model.safetensors", std::ios::binary) << bytes;
+  expect_error(run("inspect --model " + d.string()), "model.layers.1.mlp.gate.weight");
+}
+
+TEST_F(Cli, ShapeMismatchIsNamed) {
+  fs::path d = copy_model();
+  std::string cfg = read_all(d / "config.json");
+  cfg.replace(cfg.find("\"moe_intermediate_size\": 48"), 27, "\"moe_intermediate_size\": 24");
+  std::ofstream(d / "config.json") << cfg;
+  expect_error(run("inspect --model " + d.string()), "experts.0.gate_proj.weight");
+}
+
+}  // namespace

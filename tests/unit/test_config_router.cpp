@@ -1,0 +1,183 @@
+// config.json parsing (both rope spellings, family rules, bad keys), the router's top-k /
+// renormalisation / rank order, RoPE and RMSNorm against direct formulas.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "backend/cpu/ops.h"
+#include "model/hparams.h"
+#include "model/router.h"
+
+namespace {
+
+using ts::model::parse_hparams;
+
+std::string qwen2(const std::string& extra) {
+  return R"({"model_type":"qwen2_moe","hidden_size":64,"num_hidden_layers":4,
+    "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":512,"num_experts":8,
+    "num_experts_per_tok":2,"moe_intermediate_size":32,"intermediate_size":160,
+    "shared_expert_intermediate_size":96)" + extra + "}";
+}
+
+TEST(Config, RopeSpellingsAgree) {
+  auto a = parse_hparams(qwen2(R"(,"rope_theta":12345.0)"), "a.json");
+  auto b = parse_hparams(qwen2(R"(,"rope_parameters":{"rope_theta":12345.0,"rope_type":"default"})"),
+                         "b.json");
+  ASSERT_TRUE(a.ok()) << a.error().message;
+  ASSERT_TRUE(b.ok()) << b.error().message;
+  EXPECT_EQ(a->rope_theta, 12345.0f);
+  EXPECT_EQ(b->rope_theta, 12345.0f);
+}
+
+TEST(Config, ContradictoryRopeThetaIsAnError) {
+  auto r = parse_hparams(qwen2(R"(,"rope_theta":1.0e6,"rope_parameters":{"rope_theta":1.0e4})"),
+                         "c.json");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("rope_theta"), std::string::npos);
+  EXPECT_NE(r.error().message.find("c.json"), std::string::npos);
+}
+
+TEST(Config, Qwen2SparseStepAndMlpOnlyLayers) {
+  auto r = parse_hparams(qwen2(R"(,"decoder_sparse_step":2,"mlp_only_layers":[3])"), "x.json");
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  // sparse iff not in mlp_only_layers and (l + 1) % step == 0
+  EXPECT_EQ(r->layer_is_moe, (std::vector<bool>{false, true, false, false}));
+  EXPECT_EQ(r->d_ff, 160);
+  EXPECT_EQ(r->d_shared, 96);
+  EXPECT_TRUE(r->shared_expert_gate);
+  EXPECT_TRUE(r->qkv_bias);
+  EXPECT_FALSE(r->moe.renormalize);
+  EXPECT_EQ(r->head_dim, 16);
+}
+
+TEST(Config, FamilyRules) {
+  auto mx = parse_hparams(R"({"model_type":"mixtral","hidden_size":64,"num_hidden_layers":2,
+      "num_attention_heads":4,"vocab_size":100,"num_local_experts":8,"num_experts_per_tok":2,
+      "intermediate_size":128})", "m.json");
+  ASSERT_TRUE(mx.ok()) << mx.error().message;
+  EXPECT_TRUE(mx->moe.renormalize);
+  EXPECT_EQ(mx->n_kv_heads, 4);
+  EXPECT_EQ(mx->qk_norm, ts::model::QkNorm::kNone);
+  auto q3 = parse_hparams(R"({"model_type":"qwen3_moe","hidden_size":96,"num_hidden_layers":2,
+      "num_attention_heads":6,"num_key_value_heads":2,"head_dim":32,"vocab_size":100,
+      "num_experts":16,"num_experts_per_tok":4,"moe_intermediate_size":48,
+      "norm_topk_prob":true})", "q.json");
+  ASSERT_TRUE(q3.ok()) << q3.error().message;
+  EXPECT_EQ(q3->head_dim, 32);
+  EXPECT_EQ(q3->q_dim(), 192);
+  EXPECT_EQ(q3->qk_norm, ts::model::QkNorm::kPerHead);
+  EXPECT_TRUE(q3->moe.renormalize);
+  auto ol = parse_hparams(R"({"model_type":"olmoe","hidden_size":64,"num_hidden_layers":2,
+      "num_attention_heads":4,"vocab_size":100,"num_experts":8,"num_experts_per_tok":2,
+      "intermediate_size":64})", "o.json");
+  ASSERT_TRUE(ol.ok()) << ol.error().message;
+  EXPECT_EQ(ol->qk_norm, ts::model::QkNorm::kFullProjection);
+  EXPECT_FALSE(ol->moe.renormalize);
+}
+
+struct BadCase {
+  std::string json;
+  std::string key;
+};
+
+TEST(Config, BadConfigsNameTheKey) {
+  const BadCase cases[] = {
+      {R"({"model_type":"llama","hidden_size":64})", "model_type"},
+      {R"({"hidden_size":64})", "model_type"},
+      {qwen2(R"(,"num_experts_per_tok":9)").replace(qwen2("").find("\"num_experts_per_tok\":2,"),
+                                                   24, ""),
+       "num_experts_per_tok"},
+      {qwen2(",\"num_key_value_heads\":3").replace(qwen2("").find("\"num_key_value_heads\":2,"),
+                                                  24, ""),
+       "num_key_value_heads"},
+      {R"({"model_type":"mixtral","hidden_size":65,"num_hidden_layers":2,
+          "num_attention_heads":4,"vocab_size":100,"num_local_experts":8,
+          "num_experts_per_tok":2,"intermediate_size":128})", "num_attention_heads"},
+      {R"({"model_type":"mixtral","hidden_size":64,"num_hidden_layers":"two"})", "num_hidden_layers"},
+      {qwen2(R"(,"rope_parameters":{"rope_type":"yarn","rope_theta":1e6})"), "rope_type"},
+      {qwen2(R"(,"mlp_only_layers":[7])"), "mlp_only_layers"},
+      {"{not json", "not valid JSON"},
+  };
+  for (const BadCase& c : cases) {
+    auto r = parse_hparams(c.json, "dir/config.json");
+    ASSERT_FALSE(r.ok()) << c.json;
+    EXPECT_NE(r.error().message.find(c.key), std::string::npos) << r.error().message;
+    EXPECT_NE(r.error().message.find("dir/config.json"), std::string::npos) << r.error().message;
+  }
+}
+
+TEST(Router, TopKInRankOrderWithRenormalisation) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<float> logits(16);
+    for (float& v : logits) v = nd(rng);
+    for (bool renorm : {false, true}) {
+      std::vector<int> ids(4);
+      std::vector<float> w(4);
+      ts::model::select_experts(logits, {.renormalize = renorm}, {.ids = ids, .weights = w});
+      // Reference: softmax, then sort indices by probability descending.
+      double mx = *std::max_element(logits.begin(), logits.end()), sum = 0;
+      std::vector<double> p(16);
+      for (int i = 0; i < 16; ++i) sum += p[size_t(i)] = std::exp(double(logits[size_t(i)]) - mx);
+      std::vector<int> order(16);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return p[size_t(a)] > p[size_t(b)]; });
+      double top_sum = 0;
+      for (int r = 0; r < 4; ++r) top_sum += p[size_t(order[size_t(r)])] / sum;
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_EQ(ids[size_t(r)], order[size_t(r)]) << "rank " << r;
+        double want = p[size_t(order[size_t(r)])] / sum / (renorm ? top_sum : 1.0);
+        EXPECT_NEAR(w[size_t(r)], want, 1e-6);
+      }
+    }
+  }
+}
+
+TEST(Router, TiesGoToTheLowerExpertId) {
+  std::vector<float> logits = {0.5f, 2.0f, 1.0f, 2.0f, 1.0f};
+  std::vector<int> ids(3);
+  std::vector<float> w(3);
+  ts::model::select_experts(logits, {}, {.ids = ids, .weights = w});
+  EXPECT_EQ(ids, (std::vector<int>{1, 3, 2}));
+}
+
+TEST(Ops, RmsNormMatchesFormula) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  const int n = 37;
+  std::vector<float> x(2 * n), w(n), y(2 * n, NAN);
+  for (float& v : x) v = nd(rng);
+  for (float& v : w) v = 1.0f + 0.2f * nd(rng);
+  ts::cpu::rmsnorm_rows(x.data(), w.data(), y.data(), 2, n, 1e-5f);
+  for (int r = 0; r < 2; ++r) {
+    double ss = 0;
+    for (int i = 0; i < n; ++i) ss += double(x[size_t(r * n + i)]) * x[size_t(r * n + i)];
+    double inv = 1.0 / std::sqrt(ss / n + 1e-5);
+    for (int i = 0; i < n; ++i)
+      EXPECT_NEAR(y[size_t(r * n + i)], w[size_t(i)] * x[size_t(r * n + i)] * inv, 1e-5);
+  }
+}
+
+TEST(Ops, RopeRotatesHalvesByPositionTimesFrequency) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int hd = 8, heads = 3, pos = 45;
+  const double theta = 10000.0;
+  std::vector<float> inv(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv[size_t(i)] = float(1.0 / std::pow(theta, 2.0 * i / hd));
+  std::vector<float> x(heads * hd);
+  for (float& v : x) v = nd(rng);
+  std::vector<float> y = x;
+  ts::cpu::rope_apply(y.data(), heads, {.head_dim = hd, .inv_freq = inv}, pos);
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < hd / 2; ++i) {
+      double a = x[size_t(h * hd + i)], b = x[size_t(h * hd + i + hd / 2)];
+      double ang = pos * double(inv[size_t(i)]);
+      EXPECT_NEAR(y[size_t(h * hd + i)], a * std::cos(ang) - b * std::sin(ang), 1e-5);
+      EXPECT_NEAR(y[size_t(h * hd + i + hd / 2)], b * std::cos(ang) + a * std::sin(ang), 1e-5);
+    }
+}
+
+}  // namespace
