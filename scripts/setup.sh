@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(build-essential cmake ninja-build libgtest-dev nlohmann-json3-dev)
+packages=(build-essential cmake ninja-build libgtest-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -45,7 +45,9 @@ Result<std::unique_ptr<MappedFile>> MappedFile::open(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) return make_error("cannot open " + path + ": " + os_reason(errno));
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return make_error("cannot stat " + path + ": " + os_reason(errno));
+  if (::fstat(fd.get(), &st) != 0) {
+    return make_error("cannot stat " + path + ": " + os_reason(errno));
+  }
   if (!S_ISREG(st.st_mode)) return make_error(path + " is not a regular file");
 
   auto file = std::unique_ptr<MappedFile>(new MappedFile());
@@ -70,8 +72,7 @@ Status write_file_atomic(const std::string& path, const std::vector<ConstBytes>&
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) {
-    return make_error("cannot write " + path + ": cannot create " + tmp + ": " +
-                      os_reason(errno));
+    return make_error("cannot write " + path + ": cannot create " + tmp + ": " + os_reason(errno));
   }
   auto fail = [&](const std::string& what, int err) -> Status {
     ::unlink(tmp.c_str());

@@ -24,7 +24,7 @@ static_assert(std::endian::native == std::endian::little,
 namespace {
 
 constexpr std::string_view kMagic = "\x93NUMPY";
-constexpr size_t kArrayAlign = 64;         // numpy's ARRAY_ALIGN
+constexpr size_t kArrayAlign = 64;           // numpy's ARRAY_ALIGN
 constexpr size_t kGrowthAxisMaxDigits = 21;  // numpy's GROWTH_AXIS_MAX_DIGITS
 
 // Element count of `shape`; false on a negative dim or overflow of the byte count.
@@ -192,8 +192,8 @@ Status write_npy_f32(const std::string& path, const std::vector<int64_t>& shape,
   prefix += dict;
   prefix.append(pad, ' ');
   prefix += '\n';
-  return write_file_atomic(path, {{prefix.data(), prefix.size()},
-                                  {data, size_t(numel) * sizeof(float)}});
+  return write_file_atomic(path,
+                           {{prefix.data(), prefix.size()}, {data, size_t(numel) * sizeof(float)}});
 }
 
 Result<NpyArray> read_npy_f32(const std::string& path) {
@@ -236,7 +236,7 @@ Result<NpyArray> read_npy_f32(const std::string& path) {
   }
   const uint64_t data_bytes = size - header_start - header_len;
   const uint64_t need_bytes = uint64_t(numel) * sizeof(float);
-  if (data_bytes < need_bytes) {
+  if (data_bytes != need_bytes) {
     return make_error(path + ": data is " + std::to_string(data_bytes) + " bytes but shape " +
                       shape_tuple(header.shape) + " needs " + std::to_string(need_bytes));
   }

@@ -95,8 +95,7 @@ Result<Entry> parse_entry(const std::string& path, const std::string& name, cons
   Result<DType> parsed = parse_safetensors_dtype(dtype_s);
   if (!parsed.ok()) {
     return make_error(std::string(is_format_dtype(dtype_s) ? "unsupported" : "unknown") +
-                      " dtype " + dtype_s + " for " + where + " (" + std::string(kSupported) +
-                      ")");
+                      " dtype " + dtype_s + " for " + where + " (" + std::string(kSupported) + ")");
   }
   entry.dtype = parsed.value();
 
@@ -126,8 +125,7 @@ Result<Entry> parse_entry(const std::string& path, const std::string& name, cons
   }
   uint64_t need_bytes = 0;
   if (!byte_count(entry.shape, entry.dtype, &need_bytes)) {
-    return make_error(where + ": element count of shape " + shape_str(entry.shape) +
-                      " overflows");
+    return make_error(where + ": element count of shape " + shape_str(entry.shape) + " overflows");
   }
 
   const json& offsets = v["data_offsets"];
@@ -149,9 +147,8 @@ Result<Entry> parse_entry(const std::string& path, const std::string& name, cons
   if (entry.end - entry.begin != need_bytes) {
     return make_error(where + ": data_offsets " + range + " span " +
                       std::to_string(entry.end - entry.begin) + " bytes but " +
-                      std::string(dtype_name(entry.dtype)) + " shape " +
-                      shape_str(entry.shape) + " needs " + std::to_string(need_bytes) +
-                      " bytes");
+                      std::string(dtype_name(entry.dtype)) + " shape " + shape_str(entry.shape) +
+                      " needs " + std::to_string(need_bytes) + " bytes");
   }
   return entry;
 }
@@ -185,7 +182,7 @@ Result<json> parse_header(const std::string& path, const char* first, const char
 }
 
 struct ShardIndex {
-  std::set<std::string> shards;                               // file names, each opened once
+  std::set<std::string> shards;                              // file names, each opened once
   std::vector<std::pair<std::string, std::string>> weights;  // tensor -> shard file name
 };
 
@@ -324,8 +321,7 @@ Result<std::unique_ptr<TensorSet>> TensorSet::open_dir(const std::string& dir) {
     for (const std::string& shard : index.shards) {
       const std::string shard_path = (fs::path(dir) / shard).string();
       if (!fs::exists(shard_path, ec)) {
-        return make_error("shard " + shard_path + " listed in " + index_path +
-                          " does not exist");
+        return make_error("shard " + shard_path + " listed in " + index_path + " does not exist");
       }
       TS_TRY(set->add_file(shard_path));
     }
@@ -333,12 +329,12 @@ Result<std::unique_ptr<TensorSet>> TensorSet::open_dir(const std::string& dir) {
       const std::string shard_path = (fs::path(dir) / shard).string();
       const TensorView* view = set->find(tensor);
       if (view == nullptr) {
-        return make_error("tensor " + tensor + " is mapped to " + shard_path + " by " +
-                          index_path + " but that shard does not hold it");
+        return make_error("tensor " + tensor + " is mapped to " + shard_path + " by " + index_path +
+                          " but that shard does not hold it");
       }
       if (view->file != shard_path) {
-        return make_error("tensor " + tensor + " is mapped to " + shard_path + " by " +
-                          index_path + " but is in " + view->file);
+        return make_error("tensor " + tensor + " is mapped to " + shard_path + " by " + index_path +
+                          " but is in " + view->file);
       }
     }
     return set;

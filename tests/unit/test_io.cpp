@@ -194,9 +194,15 @@ TEST(Safetensors, RoundTripKeepsDtypeShapeAndBytes) {
   auto scalar = random_floats(1);
   std::vector<TensorToWrite> in = {
       {.name = "a.f16", .dtype = DType::kF16, .shape = {7}, .data = a.data(), .n_bytes = a.size()},
-      {.name = "b.f32", .dtype = DType::kF32, .shape = {3, 5}, .data = b.data(),
+      {.name = "b.f32",
+       .dtype = DType::kF32,
+       .shape = {3, 5},
+       .data = b.data(),
        .n_bytes = b.size() * 4},
-      {.name = "c.bf16", .dtype = DType::kBF16, .shape = {4, 2, 3}, .data = c.data(),
+      {.name = "c.bf16",
+       .dtype = DType::kBF16,
+       .shape = {4, 2, 3},
+       .data = c.data(),
        .n_bytes = c.size()},
       {.name = "empty", .dtype = DType::kF32, .shape = {0, 8}, .data = nullptr, .n_bytes = 0},
       {.name = "scalar", .dtype = DType::kF32, .shape = {}, .data = scalar.data(), .n_bytes = 4},
@@ -243,8 +249,9 @@ TEST(Safetensors, WriterRejectsInconsistentTensors) {
   };
   fails_with({{"w.bytes", DType::kF32, {2, 3}, data.data(), 20}}, "w.bytes has 20 bytes");
   fails_with({{"w.neg", DType::kF32, {-2, -3}, data.data(), 24}}, "w.neg has negative");
-  fails_with({{"w.dup", DType::kF32, {6}, data.data(), 24}, {"w.dup", DType::kF32, {6}, data.data(), 24}},
-             "w.dup appears twice");
+  fails_with(
+      {{"w.dup", DType::kF32, {6}, data.data(), 24}, {"w.dup", DType::kF32, {6}, data.data(), 24}},
+      "w.dup appears twice");
 }
 
 TEST(Safetensors, ReadsHandWrittenHeaderWithMetadataAndPadding) {
@@ -352,19 +359,17 @@ TEST(SafetensorsBad, HeaderIsNotAnObject) {
 TEST(SafetensorsBad, UnknownDtype) {
   TempDir dir;
   const std::string msg = open_error(
-      dir, R"({"model.layers.0.w": {"dtype": "Q4_K", "shape": [4], "data_offsets": [0, 16]}})",
-      16);
+      dir, R"({"model.layers.0.w": {"dtype": "Q4_K", "shape": [4], "data_offsets": [0, 16]}})", 16);
   EXPECT_NE(msg.find("unknown dtype Q4_K for tensor model.layers.0.w in"), npos) << msg;
 }
 
 TEST(SafetensorsBad, ValidButUnsupportedDtypes) {
   for (const char* dtype : {"I64", "F64", "F8_E4M3"}) {
     TempDir dir;
-    const std::string msg =
-        open_error(dir,
-                   std::string(R"({"model.layers.0.w": {"dtype": ")") + dtype +
-                       R"(", "shape": [1], "data_offsets": [0, 8]}})",
-                   8);
+    const std::string msg = open_error(dir,
+                                       std::string(R"({"model.layers.0.w": {"dtype": ")") + dtype +
+                                           R"(", "shape": [1], "data_offsets": [0, 8]}})",
+                                       8);
     EXPECT_NE(msg.find(std::string("unsupported dtype ") + dtype +
                        " for tensor model.layers.0.w in " + dir.file("bad.safetensors")),
               npos)
@@ -383,11 +388,11 @@ TEST(SafetensorsBad, NegativeDimension) {
 
 TEST(SafetensorsBad, ElementCountOverflow) {
   TempDir dir;
-  const std::string msg = open_error(
-      dir,
-      R"({"model.layers.0.w": {"dtype": "F32", "shape": [4294967296, 4294967296, 2],)"
-      R"( "data_offsets": [0, 0]}})",
-      0);
+  const std::string msg =
+      open_error(dir,
+                 R"({"model.layers.0.w": {"dtype": "F32", "shape": [4294967296, 4294967296, 2],)"
+                 R"( "data_offsets": [0, 0]}})",
+                 0);
   EXPECT_NE(msg.find("tensor model.layers.0.w"), npos) << msg;
   EXPECT_NE(msg.find("overflows"), npos) << msg;
 }
@@ -436,11 +441,11 @@ TEST(SafetensorsBad, MetadataIsNotAnObject) {
 
 TEST(SafetensorsBad, TensorTwiceInOneHeader) {
   TempDir dir;
-  const std::string msg = open_error(
-      dir,
-      R"({"model.layers.0.w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
-      R"( "model.layers.0.w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
-      16);
+  const std::string msg =
+      open_error(dir,
+                 R"({"model.layers.0.w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                 R"( "model.layers.0.w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+                 16);
   EXPECT_NE(msg.find("tensor model.layers.0.w appears twice"), npos) << msg;
 }
 
@@ -454,7 +459,10 @@ std::map<std::string, std::vector<float>> write_shard(const std::string& path,
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < names.size(); ++i) contents[names[i]] = random_floats(2 + i);
   for (const std::string& n : names) {
-    tensors.push_back({n, DType::kF32, {int64_t(contents[n].size())}, contents[n].data(),
+    tensors.push_back({n,
+                       DType::kF32,
+                       {int64_t(contents[n].size())},
+                       contents[n].data(),
                        contents[n].size() * 4});
   }
   Status s = write_safetensors(path, tensors);
@@ -689,8 +697,7 @@ std::string npy_bytes(int major, const std::string& dict, const std::vector<floa
   std::string prefix = std::string("\x93NUMPY", 6) + char(major) + char(0);
   const size_t len_bytes = major == 1 ? 2 : 4;
   for (size_t i = 0; i < len_bytes; ++i) prefix += char(uint8_t(header.size() >> (8 * i)));
-  return prefix + header +
-         std::string(reinterpret_cast<const char*>(data.data()), data.size() * 4);
+  return prefix + header + std::string(reinterpret_cast<const char*>(data.data()), data.size() * 4);
 }
 
 TEST(Npy, ReadsHandWrittenHeaders) {
@@ -734,6 +741,7 @@ TEST(Npy, RejectsBadFiles) {
       {npy_bytes(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 4), }", data),
        "data is 24 bytes but shape (2, 4) needs 32"},
       {npy_bytes(1, good, data).substr(0, 40), "header length 60 exceeds file size 40"},
+      {npy_bytes(1, good, random_floats(7)), "data is 28 bytes but shape (2, 3) needs 24"},
   };
   for (const auto& [bytes, what] : cases) {
     TempDir dir;

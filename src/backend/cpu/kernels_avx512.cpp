@@ -167,7 +167,7 @@ void fma_tile(const TileArgs& a) {
   }
   if (c < cols) {
     __m512 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) wv[r] = L::load_tail(w + r * cols + c, cols - c);
     for (int t = 0; t < NT; ++t) {
       __m512 xv = _mm512_maskz_loadu_ps(tail_mask16(cols - c), x + t * a.ldx + c);
       for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
