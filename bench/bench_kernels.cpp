@@ -125,8 +125,7 @@ double bench_matmul(ts::ThreadPool* pool, const std::vector<uint8_t>& arena, ts:
     if (pool != nullptr) {
       ts::cpu::matmul(*pool, arena.data(), wt, x.data(), n_tokens, y.data(), rows, cols);
     } else {
-      ts::cpu::matmul_rows(arena.data(), wt, x.data(), n_tokens, y.data(), rows, cols, 0,
-                           rows);
+      ts::cpu::matmul_rows(arena.data(), wt, x.data(), n_tokens, y.data(), rows, cols, 0, rows);
     }
     best = std::max(best, flops / seconds_since(t0) / 1e9);
   }
@@ -148,12 +147,11 @@ int main(int argc, char** argv) {
   std::printf("roofline: AVX-512 read of 1 GiB, 1 thread: %.1f GB/s\n\n", read_gbs);
 
   const ts::DType dtypes[] = {ts::DType::kF32, ts::DType::kF16, ts::DType::kBF16};
-  const ts::cpu::Isa isas[] = {ts::cpu::Isa::kPortable, ts::cpu::Isa::kAvx2,
-                               ts::cpu::Isa::kAvx512};
+  const ts::cpu::Isa isas[] = {ts::cpu::Isa::kPortable, ts::cpu::Isa::kAvx2, ts::cpu::Isa::kAvx512};
   std::printf("%-9s %-5s %12s %12s %12s %14s %14s\n", "isa", "dtype", "mv4096 1t", "mv4096 2t",
               "lmhead 2t", "mm256 1t", "mm256 2t");
-  std::printf("%-9s %-5s %12s %12s %12s %14s %14s\n", "", "", "GB/s", "GB/s", "GB/s",
-              "GFLOP/s", "GFLOP/s");
+  std::printf("%-9s %-5s %12s %12s %12s %14s %14s\n", "", "", "GB/s", "GB/s", "GB/s", "GFLOP/s",
+              "GFLOP/s");
   for (ts::DType wt : dtypes) {
     fill_weights(arena, wt, rng);
     for (ts::cpu::Isa isa : isas) {
@@ -164,7 +162,8 @@ int main(int argc, char** argv) {
       double mv1 = bench_matvec(nullptr, arena, wt, 4096, 4096, r);
       double mv2 = bench_matvec(&pool2, arena, wt, 4096, 4096, r);
       // lm head of a 152k vocabulary, d_model 2048 (BF16: 622 MB); F32 is cut to the arena.
-      int64_t lm_rows = std::min<int64_t>(151936, int64_t(kArenaBytes / (2048 * ts::dtype_size(wt))));
+      int64_t lm_rows =
+          std::min<int64_t>(151936, int64_t(kArenaBytes / (2048 * ts::dtype_size(wt))));
       double lm = slow ? 0.0 : bench_matvec(&pool2, arena, wt, lm_rows, 2048, r);
       double mm1 = bench_matmul(nullptr, arena, wt, slow ? 16 : 256, 2048, 2048, r);
       double mm2 = bench_matmul(&pool2, arena, wt, slow ? 16 : 256, 2048, 2048, r);
@@ -174,7 +173,8 @@ int main(int argc, char** argv) {
                   slow ? "  (matmul with 16 tokens)" : "");
     }
   }
-  std::printf("\nmv4096: 4096x4096 matvec cycling through 1 GiB of weights; lmhead: 151936 rows "
-              "x 2048 cols; mm256: 256 tokens x [2048, 2048].\n");
+  std::printf(
+      "\nmv4096: 4096x4096 matvec cycling through 1 GiB of weights; lmhead: 151936 rows "
+      "x 2048 cols; mm256: 256 tokens x [2048, 2048].\n");
   return 0;
 }

@@ -18,7 +18,12 @@ constexpr const char* kUsage =
     "  inspect  --model DIR [--json]                         shapes, parameters, bytes\n"
     "  synth    --config CONFIG.json --out DIR [--dtype bf16] [--seed N]\n"
     "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G] [--json]\n"
-    "common flags: --threads N\n";
+    "  tokenize --model DIR --input FILE.jsonl [--add-special]  JSON string per line -> ids\n"
+    "common flags: --threads N\n"
+    "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
+    "  --expert-cache-slots N | --expert-cache-mb M   streamed cache size (slots per layer)\n"
+    "  --cache-policy lru|lfu  --direct-io  --io-threads N   streamed cache and readers\n"
+    "  --stats (or TURBOSPARK_PHASES=1)  --router-hist FILE.json\n";
 
 struct Command {
   const char* name;
@@ -34,11 +39,12 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const Command commands[] = {
-      {"logits", ts::cli::cmd_logits, {}},
-      {"generate", ts::cli::cmd_generate, {}},
+      {"logits", ts::cli::cmd_logits, {"direct-io", "stats"}},
+      {"generate", ts::cli::cmd_generate, {"direct-io", "stats"}},
       {"inspect", ts::cli::cmd_inspect, {"json"}},
       {"synth", ts::cli::cmd_synth, {}},
-      {"bench", ts::cli::cmd_bench, {"json"}},
+      {"bench", ts::cli::cmd_bench, {"json", "direct-io", "stats"}},
+      {"tokenize", ts::cli::cmd_tokenize, {"add-special"}},
   };
   std::string name = argv[1];
   std::vector<std::string> rest;

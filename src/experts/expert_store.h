@@ -2,39 +2,101 @@
 // pass reaches its weights. acquire() returns an address table (weight views) for the
 // experts a step needs; kernels compute on those views and never learn the residency.
 //
-// This file holds the interface and the resident store (all experts addressable in memory,
-// e.g. the checkpoint's memory mapping). Streamed stores implement the same interface.
+// Modes (--residency):
+//   resident  every expert copied into process memory at load;
+//   mapped    views point into the memory-mapped files; the OS page cache decides;
+//   streamed  a fixed number of cache slots per layer, misses read with pread (optionally
+//             O_DIRECT) by reader threads; slots acquired by in-flight work are protected.
 #pragma once
 
+#include <climits>
+#include <memory>
 #include <span>
+#include <string>
+#include <vector>
 
 #include "core/status.h"
+#include "experts/expert_cache.h"
 #include "model/weights.h"
 
 namespace ts::experts {
 
+enum class Residency : uint8_t { kResident, kMapped, kStreamed };
+Result<Residency> parse_residency(const std::string& s);
+std::string_view residency_name(Residency r);
+
+struct StoreStats {
+  uint64_t requests = 0;    // experts asked for by acquire()
+  uint64_t hits = 0;        // of those, already in memory
+  uint64_t bytes_read = 0;  // read from storage by the store itself
+  double io_us = 0;         // wall time spent waiting for reads
+};
+
 class ExpertStore {
  public:
   virtual ~ExpertStore() = default;
-  // Fills out[i] with the weights of expert ids[i] of `layer`. The views stay valid until
-  // release(layer) (a cache slot is protected while acquired).
+  // Fills out[i] with the weights of expert ids[i] of `layer` (ids distinct, at most
+  // max_batch(layer) of them). Views stay valid and their slots protected until release().
   virtual Status acquire(int layer, std::span<const int> ids,
                          std::span<model::ExpertWeights> out) = 0;
   virtual void release(int layer) { (void)layer; }
+  // The most experts one acquire() may hold at once (the cache's slots per layer).
+  virtual int max_batch(int layer) const {
+    (void)layer;
+    return INT_MAX;
+  }
+  virtual StoreStats stats() const { return stats_; }
+  virtual Residency residency() const = 0;
+
+ protected:
+  StoreStats stats_;
 };
 
-class ResidentStore final : public ExpertStore {
+// Where one expert's bytes are in the source files, and how they sit in a slot.
+struct ExpertPiece {
+  int file = 0;              // index into ExpertSource::files
+  uint64_t file_offset = 0;  // bytes
+  uint64_t n_bytes = 0;
+  uint64_t slot_offset = 0;  // where the piece goes in the slot
+};
+struct ExpertLocation {
+  std::vector<ExpertPiece> pieces;  // gate, up, down (safetensors) or one blob (pack)
+  model::ExpertWeights layout;      // dtype/shape; data = slot-relative offset
+  uint64_t slot_bytes = 0;
+};
+struct ExpertSource {
+  std::vector<std::string> files;
+  std::vector<std::vector<ExpertLocation>> layers;  // [layer][expert]; empty for dense layers
+};
+
+// Every expert addressable through a table (resident copies or the mapping itself).
+class TableStore final : public ExpertStore {
  public:
-  explicit ResidentStore(model::ExpertTable table) : table_(std::move(table)) {}
+  // mapped: views into the mapping as given.
+  static std::unique_ptr<TableStore> mapped(model::ExpertTable table);
+  // resident: copies every expert into memory owned by the store.
+  static std::unique_ptr<TableStore> resident(const model::ExpertTable& table);
   Status acquire(int layer, std::span<const int> ids,
-                 std::span<model::ExpertWeights> out) override {
-    const auto& experts = table_[size_t(layer)];
-    for (size_t i = 0; i < ids.size(); ++i) out[i] = experts[size_t(ids[i])];
-    return {};
-  }
+                 std::span<model::ExpertWeights> out) override;
+  Residency residency() const override { return residency_; }
 
  private:
+  TableStore(model::ExpertTable table, Residency r) : table_(std::move(table)), residency_(r) {}
   model::ExpertTable table_;
+  Residency residency_;
+  std::vector<std::unique_ptr<uint8_t[]>> owned_;
 };
+
+struct StreamedOptions {
+  int slots_per_layer = 8;
+  CachePolicy policy = CachePolicy::kLru;
+  bool direct_io = false;
+  int io_threads = 4;
+};
+
+// Opens the source files and allocates the slots. Errors: unreadable files, or O_DIRECT on
+// pieces that are not 4096-byte aligned (use a pack).
+Result<std::unique_ptr<ExpertStore>> open_streamed_store(ExpertSource source,
+                                                         StreamedOptions options);
 
 }  // namespace ts::experts

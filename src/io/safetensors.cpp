@@ -268,6 +268,7 @@ Status TensorSet::add_file(const std::string& path) {
     view.data = data_area + entry.begin;
     view.n_bytes = size_t(entry.end - entry.begin);
     view.file = path;
+    view.file_offset = 8 + header_bytes + entry.begin;
     // Empty tensors own no bytes, so they cannot overlap anything.
     if (entry.end > entry.begin) ranges.push_back({entry.begin, entry.end, &it->first});
   }

@@ -27,7 +27,8 @@ struct TensorView {
   std::vector<int64_t> shape;
   const uint8_t* data = nullptr;  // inside a MappedFile owned by the TensorSet
   size_t n_bytes = 0;
-  std::string file;  // path of the file holding it, for error messages
+  std::string file;  // path of the file holding it
+  uint64_t file_offset = 0;  // byte offset of data in that file (for pread-based streaming)
   int64_t numel() const {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;

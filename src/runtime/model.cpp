@@ -1,14 +1,56 @@
 #include "runtime/model.h"
 
 #include <filesystem>
+#include <map>
+#include <unordered_map>
 
 #include "io/safetensors.h"
 
 namespace ts::runtime {
+namespace {
+
+// Streaming source for a safetensors checkpoint: each expert is three tensors (three pieces),
+// laid out gate | up | down in a slot at 4096-byte boundaries.
+experts::ExpertSource safetensors_source(const io::TensorSet& set,
+                                         const model::ExpertTable& table) {
+  std::unordered_map<const void*, const io::TensorView*> by_data;
+  for (const auto& [name, view] : set.tensors()) by_data[view.data] = &view;
+  experts::ExpertSource src;
+  std::map<std::string, int> file_index;
+  auto file_of = [&](const std::string& f) {
+    auto [it, inserted] = file_index.emplace(f, int(src.files.size()));
+    if (inserted) src.files.push_back(f);
+    return it->second;
+  };
+  src.layers.resize(table.size());
+  for (size_t l = 0; l < table.size(); ++l) {
+    for (const model::ExpertWeights& e : table[l]) {
+      experts::ExpertLocation loc;
+      loc.layout = e;
+      uint64_t at = 0;
+      for (auto [m, lm] : {std::pair{&e.gate, &loc.layout.gate}, std::pair{&e.up, &loc.layout.up},
+                           std::pair{&e.down, &loc.layout.down}}) {
+        const io::TensorView* v = by_data.at(m->data);
+        loc.pieces.push_back({.file = file_of(v->file),
+                              .file_offset = v->file_offset,
+                              .n_bytes = v->n_bytes,
+                              .slot_offset = at});
+        lm->data = reinterpret_cast<const void*>(uintptr_t(at));
+        at = (at + v->n_bytes + 4095) / 4096 * 4096;
+      }
+      loc.slot_bytes = at;
+      src.layers[l].push_back(std::move(loc));
+    }
+  }
+  return src;
+}
+
+}  // namespace
 
 LoadedModel::~LoadedModel() = default;
 
-Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir) {
+Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
+                                                       const LoadOptions& options) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec))
     return make_error("model directory " + dir + " does not exist");
@@ -18,7 +60,30 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir) {
   TS_ASSIGN(m->tensors_, io::TensorSet::open_dir(dir));
   TS_ASSIGN(m->weights_, model::bind_weights(m->hp_, *m->tensors_));
   m->counts_ = model::count_weights(m->hp_, m->weights_);
-  m->store_ = std::make_unique<experts::ResidentStore>(m->weights_.experts);
+  switch (options.residency) {
+    case experts::Residency::kMapped:
+      m->store_ = experts::TableStore::mapped(m->weights_.experts);
+      break;
+    case experts::Residency::kResident:
+      m->store_ = experts::TableStore::resident(m->weights_.experts);
+      break;
+    case experts::Residency::kStreamed: {
+      experts::StreamedOptions so = options.streamed;
+      if (options.expert_cache_mb > 0) {
+        int n_moe = 0;
+        for (bool b : m->hp_.layer_is_moe) n_moe += b;
+        const uint64_t expert_bytes = m->counts_.routed_bytes /
+                                      uint64_t(std::max(1, n_moe * m->hp_.n_experts));
+        so.slots_per_layer = int(std::max<uint64_t>(
+            1, uint64_t(options.expert_cache_mb) * 1000000 / (expert_bytes * uint64_t(std::max(1, n_moe)))));
+      }
+      so.slots_per_layer = std::min(so.slots_per_layer, m->hp_.n_experts);
+      m->slots_per_layer_ = so.slots_per_layer;
+      TS_ASSIGN(m->store_, experts::open_streamed_store(
+                               safetensors_source(*m->tensors_, m->weights_.experts), so));
+      break;
+    }
+  }
   return m;
 }
 

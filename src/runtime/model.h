@@ -1,4 +1,5 @@
-// A loaded model: hyper-parameters, dense weights (resident) and the expert store.
+// A loaded model: hyper-parameters, dense weights (resident) and the expert store chosen by
+// the residency options.
 #pragma once
 
 #include <memory>
@@ -15,11 +16,18 @@ class TensorSet;
 
 namespace ts::runtime {
 
+struct LoadOptions {
+  experts::Residency residency = experts::Residency::kMapped;
+  experts::StreamedOptions streamed;  // slots_per_layer, policy, direct_io, io_threads
+  int64_t expert_cache_mb = 0;        // if > 0, sets slots_per_layer from a total budget
+};
+
 class LoadedModel {
  public:
   // DIR holds config.json and the safetensors (single or sharded). Errors name the file,
   // key or tensor.
-  static Result<std::unique_ptr<LoadedModel>> load(const std::string& dir);
+  static Result<std::unique_ptr<LoadedModel>> load(const std::string& dir,
+                                                   const LoadOptions& options = {});
   ~LoadedModel();
 
   const model::HParams& hp() const { return hp_; }
@@ -27,6 +35,8 @@ class LoadedModel {
   experts::ExpertStore& experts() const { return *store_; }
   const model::WeightCounts& counts() const { return counts_; }
   const std::string& dir() const { return dir_; }
+  // Slot count per layer in streamed mode (0 otherwise) and bytes of one slot (largest expert).
+  int slots_per_layer() const { return slots_per_layer_; }
 
  private:
   LoadedModel() = default;
@@ -36,6 +46,7 @@ class LoadedModel {
   model::BoundWeights weights_;
   std::unique_ptr<experts::ExpertStore> store_;
   model::WeightCounts counts_;
+  int slots_per_layer_ = 0;
 };
 
 }  // namespace ts::runtime

@@ -65,6 +65,7 @@ Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions opti
   sel_ids_.resize(c * size_t(hp.top_k));
   sel_w_.resize(c * size_t(hp.top_k));
   last_logits_.resize(size_t(hp.vocab));
+  router_hist_.assign(size_t(hp.n_layers) * size_t(hp.n_experts), 0);
 }
 
 Status Session::forward(std::span<const int> tokens, std::vector<float>* all_logits) {
@@ -81,14 +82,19 @@ Status Session::forward(std::span<const int> tokens, std::vector<float>* all_log
                       std::to_string(n_ctx_));
   if (all_logits) all_logits->assign(tokens.size() * size_t(hp.vocab), 0.0f);
   for (size_t b = 0; b < tokens.size(); b += size_t(chunk_)) {
+    const size_t pos0 = size_t(pos_);
     int n = int(std::min(tokens.size() - b, size_t(chunk_)));
-    forward_chunk(tokens.data() + b, n,
-                  all_logits ? all_logits->data() + b * size_t(hp.vocab) : nullptr);
+    Status st = forward_chunk(tokens.data() + b, n,
+                              all_logits ? all_logits->data() + b * size_t(hp.vocab) : nullptr);
+    if (!st.ok()) {
+      pos_ = int(pos0);  // the failed chunk's KV rows are ignored; earlier chunks stay
+      return st;
+    }
   }
   return {};
 }
 
-void Session::forward_chunk(const int* tokens, int n, float* logits_out) {
+Status Session::forward_chunk(const int* tokens, int n, float* logits_out) {
   const model::HParams& hp = model_.hp();
   const model::DenseWeights& w = model_.dense();
   const size_t d = size_t(hp.d_model);
@@ -111,7 +117,7 @@ void Session::forward_chunk(const int* tokens, int n, float* logits_out) {
     attention_block(l, n);
     const model::LayerWeights& L = w.layers[size_t(l)];
     if (L.is_moe) {
-      moe_block(l, n);
+      TS_TRY(moe_block(l, n));
     } else {
       auto t0 = Clock::now();
       cpu::rmsnorm_rows(x_.data(), L.ffn_norm.data(), xn_.data(), n, int64_t(d), hp.rms_eps);
@@ -131,6 +137,7 @@ void Session::forward_chunk(const int* tokens, int n, float* logits_out) {
     linear(pool_, w.lm_head, last, 1, last_logits_.data());
   }
   phases_.lm_head_us += us_since(t0);
+  return {};
 }
 
 void Session::attention_block(int layer, int n) {
@@ -189,7 +196,7 @@ void Session::dense_mlp_block(const model::ExpertWeights& mlp, int n, int d_hidd
   linear(pool_, mlp.down, h1_.data(), n, out);
 }
 
-void Session::moe_block(int layer, int n) {
+Status Session::moe_block(int layer, int n) {
   const model::HParams& hp = model_.hp();
   const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
   const size_t d = size_t(hp.d_model), k = size_t(hp.top_k);
@@ -211,31 +218,46 @@ void Session::moe_block(int layer, int n) {
   // its own output row, so the visiting order cannot change the result.
   t0 = Clock::now();
   std::vector<std::vector<int>> slots_of(size_t(hp.n_experts));
-  for (size_t s = 0; s < size_t(n) * k; ++s) slots_of[size_t(sel_ids_[s])].push_back(int(s));
+  for (size_t s = 0; s < size_t(n) * k; ++s) {
+    slots_of[size_t(sel_ids_[s])].push_back(int(s));
+    ++router_hist_[size_t(layer) * size_t(hp.n_experts) + size_t(sel_ids_[s])];
+  }
   std::vector<int> used;
   for (int e = 0; e < hp.n_experts; ++e)
     if (!slots_of[size_t(e)].empty()) used.push_back(e);
-  std::vector<model::ExpertWeights> views(used.size());
-  Status st = model_.experts().acquire(layer, used, views);
-  TS_CHECK(st.ok(), "expert store acquire failed");  // resident stores cannot fail
-  phases_.expert_io_us += us_since(t0);
-
-  t0 = Clock::now();
-  for (size_t u = 0; u < used.size(); ++u) {
-    const auto& slots = slots_of[size_t(used[u])];
-    const int m = int(slots.size());
-    // phase 1: gate|up + activation over the tokens routed to this expert.
-    for (int i = 0; i < m; ++i)
-      std::copy_n(xn_.data() + size_t(slots[size_t(i)]) / k * d, d, gather_.data() + size_t(i) * d);
-    linear(pool_, views[u].gate, gather_.data(), m, h1_.data());
-    linear(pool_, views[u].up, gather_.data(), m, h2_.data());
-    cpu::silu_mul(h1_.data(), h2_.data(), h1_.data(), int64_t(m) * hp.d_expert);
-    // phase 2 (first half): down projection into each slot's own row.
-    linear(pool_, views[u].down, h1_.data(), m, h3_.data());
-    for (int i = 0; i < m; ++i)
-      std::copy_n(h3_.data() + size_t(i) * d, d, slots_.data() + size_t(slots[size_t(i)]) * d);
+  // Experts are acquired in batches no larger than the store can hold at once (a cache with
+  // fewer slots than top_k still works, just with more reads); each batch is released
+  // before the next, so its slots may be reused.
+  experts::ExpertStore& store = model_.experts();
+  const size_t batch = size_t(std::max(1, store.max_batch(layer)));
+  std::vector<model::ExpertWeights> views(std::min(batch, used.size()));
+  for (size_t b0 = 0; b0 < used.size(); b0 += batch) {
+    const size_t nb = std::min(batch, used.size() - b0);
+    t0 = Clock::now();
+    Status st = store.acquire(layer, std::span<const int>(used.data() + b0, nb),
+                              std::span<model::ExpertWeights>(views.data(), nb));
+    phases_.expert_io_us += us_since(t0);
+    if (!st.ok()) return st;
+    t0 = Clock::now();
+    for (size_t u = 0; u < nb; ++u) {
+      const auto& slots = slots_of[size_t(used[b0 + u])];
+      const int m = int(slots.size());
+      // phase 1: gate|up + activation over the tokens routed to this expert.
+      for (int i = 0; i < m; ++i)
+        std::copy_n(xn_.data() + size_t(slots[size_t(i)]) / k * d, d,
+                    gather_.data() + size_t(i) * d);
+      linear(pool_, views[u].gate, gather_.data(), m, h1_.data());
+      linear(pool_, views[u].up, gather_.data(), m, h2_.data());
+      cpu::silu_mul(h1_.data(), h2_.data(), h1_.data(), int64_t(m) * hp.d_expert);
+      // phase 2 (first half): down projection into each slot's own row.
+      linear(pool_, views[u].down, h1_.data(), m, h3_.data());
+      for (int i = 0; i < m; ++i)
+        std::copy_n(h3_.data() + size_t(i) * d, d, slots_.data() + size_t(slots[size_t(i)]) * d);
+    }
+    store.release(layer);
+    phases_.expert_compute_us += us_since(t0);
   }
-  model_.experts().release(layer);
+  t0 = Clock::now();
   // phase 2 (second half): weighted sum in router rank order.
   for (int t = 0; t < n; ++t) {
     float* out = tmp_.data() + size_t(t) * d;
@@ -265,6 +287,7 @@ void Session::moe_block(int layer, int n) {
     phases_.dense_ffn_us += us_since(t0);
   }
   for (size_t i = 0; i < size_t(n) * d; ++i) x_[i] += tmp_[i];
+  return {};
 }
 
 }  // namespace ts::runtime

@@ -47,11 +47,13 @@ class Session {
   Status forward(std::span<const int> tokens, std::vector<float>* all_logits);
   std::span<const float> last_logits() const { return last_logits_; }
   const PhaseTimes& phases() const { return phases_; }
+  // Selections per (layer, expert), [n_layers * n_experts], over the session's lifetime.
+  const std::vector<uint64_t>& router_hist() const { return router_hist_; }
 
  private:
-  void forward_chunk(const int* tokens, int n, float* logits_out);
+  Status forward_chunk(const int* tokens, int n, float* logits_out);
   void attention_block(int layer, int n);
-  void moe_block(int layer, int n);
+  Status moe_block(int layer, int n);
   void dense_mlp_block(const model::ExpertWeights& mlp, int n, int d_hidden, float* out);
 
   const LoadedModel& model_;
@@ -67,6 +69,7 @@ class Session {
   std::vector<float> sel_w_;
   std::vector<float> last_logits_;
   PhaseTimes phases_;
+  std::vector<uint64_t> router_hist_;
 };
 
 }  // namespace ts::runtime

@@ -49,6 +49,7 @@ def forward(d, ids=None):
     ids = ref["prompt_ids"] if ids is None else ids; T = len(ids); pos = np.arange(T, dtype=np.float64)
     x = W["model.embed_tokens.weight"][ids]
     hs = [x]
+    margins = []
     mask = np.triu(np.full((T, T), -np.inf), 1)
     for l in range(L):
         p = f"model.layers.{l}."
@@ -79,7 +80,10 @@ def forward(d, ids=None):
             g, u, dn = (W[pre + n + ".weight"] for n in names)
             return (silu(inp @ g.T) * (inp @ u.T)) @ dn.T
         if mp + "gate.weight" in W:
-            probs = softmax(h @ W[mp + "gate.weight"].T)
+            rl = h @ W[mp + "gate.weight"].T
+            srt = np.sort(rl, -1)
+            margins.append(srt[:, -K] - srt[:, -K - 1])  # k-th minus (k+1)-th router logit
+            probs = softmax(rl)
             out = np.zeros_like(h)
             for t in range(T):
                 top = np.argsort(-probs[t])[:K]; wts = probs[t, top]
@@ -95,7 +99,7 @@ def forward(d, ids=None):
         hs.append(x)
     xn = rms(x, W["model.norm.weight"], eps)
     lm = W.get("lm_head.weight", W["model.embed_tokens.weight"])
-    return xn @ lm.T, hs, xn
+    return xn @ lm.T, hs, xn, np.concatenate(margins)
 
 root = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 bad = 0
@@ -103,7 +107,7 @@ for name in sorted(os.listdir(root)):
     d = os.path.join(root, name)
     if not os.path.isfile(os.path.join(d, "ref.json")):
         continue
-    logits, hs, xn = forward(d)
+    logits, hs, xn, _ = forward(d)
     ref = json.load(open(f"{d}/ref.json"))
     lg = np.load(f"{d}/logits.npy"); HS = np.load(f"{d}/hidden_states.npy")
     rd = np.abs(logits - lg).max() / np.abs(lg).max()
@@ -111,12 +115,14 @@ for name in sorted(os.listdir(root)):
     hrd = max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(hs[:-1] + [last], HS))
     # greedy: a causal forward over prompt + greedy[:-1] must pick greedy[i] at prompt end + i
     P, G = ref["prompt_ids"], ref["greedy_ids"]
-    gl = forward(d, P + G[:-1])[0][len(P) - 1:]
+    gl, _, _, rmarg = forward(d, P + G[:-1])
+    gl = gl[len(P) - 1:]
     g_ok = gl.argmax(-1).tolist() == G
     srt = np.sort(gl, -1)
     gmargin = (srt[:, -1] - srt[:, -2]).min()
     ok = rd < 1e-4 and hrd < 1e-4 and g_ok
     bad += not ok
     print(f"{'ok  ' if ok else 'FAIL'} {name:17s} numpy-ref logits rel diff {rd:.2e}  hidden rel diff {hrd:.2e}  argmax agree {np.mean(logits.argmax(-1)==lg.argmax(-1)):.3f}  "
-          f"greedy {'matches' if g_ok else 'DIFFERS'} (min top-1 gap {gmargin:.1e})")
+          f"greedy {'matches' if g_ok else 'DIFFERS'} (min top-1 gap {gmargin:.1e}); "
+          f"router top-k gap over prompt+greedy: min {rmarg.min():.1e}, <1e-3: {np.mean(rmarg < 1e-3):.3f}")
 sys.exit(1 if bad else 0)

@@ -40,8 +40,7 @@ class Weights {
     // +elem bytes of offset from a 64-byte aligned start: 2-byte (F16/BF16) or 4-byte (F32)
     // alignment only, and the extra 64 bytes leave room for it.
     storage_.resize(size_t(rows * cols) * elem + 64 + elem);
-    data_ = storage_.data() + (64 - reinterpret_cast<uintptr_t>(storage_.data()) % 64) % 64 +
-            elem;
+    data_ = storage_.data() + (64 - reinterpret_cast<uintptr_t>(storage_.data()) % 64) % 64 + elem;
     values_.resize(size_t(rows * cols));
     std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
     std::uniform_int_distribution<int> scale(-16, 2);
@@ -132,8 +131,7 @@ class KernelTest : public ::testing::TestWithParam<std::tuple<Isa, DType>> {
     isa_ = std::get<0>(GetParam());
     wt_ = std::get<1>(GetParam());
     if (isa_ > detect_isa()) {
-      GTEST_SKIP() << "CPU lacks " << isa_name(isa_) << " (has " << isa_name(detect_isa())
-                   << ")";
+      GTEST_SKIP() << "CPU lacks " << isa_name(isa_) << " (has " << isa_name(detect_isa()) << ")";
     }
     saved_isa_ = active_isa();
     set_active_isa(isa_);
@@ -167,8 +165,8 @@ TEST_P(KernelTest, MatvecMatchesReference) {
       Weights w(wt_, rows, cols, rng);
       Activations x(cols, rng);
       for (auto [r0, r1] : row_ranges(rows)) {
-        SCOPED_TRACE("rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
-                     " range=[" + std::to_string(r0) + "," + std::to_string(r1) + ")");
+        SCOPED_TRACE("rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) + " range=[" +
+                     std::to_string(r0) + "," + std::to_string(r1) + ")");
         // One guard element on each side catches writes before row 0 or past the last row.
         std::vector<float> buf(size_t(rows) + 2, kNaN);
         float* y = buf.data() + 1;
@@ -201,13 +199,12 @@ TEST_P(KernelTest, MatmulMatchesReference) {
         int64_t ldy = rows + 3;  // padding columns in Y must stay untouched
         for (auto [r0, r1] : row_ranges(rows)) {
           SCOPED_TRACE("rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
-                       " tokens=" + std::to_string(n_tokens) + " range=[" +
-                       std::to_string(r0) + "," + std::to_string(r1) + ")");
+                       " tokens=" + std::to_string(n_tokens) + " range=[" + std::to_string(r0) +
+                       "," + std::to_string(r1) + ")");
           std::vector<float> buf(size_t(n_tokens * ldy) + 2, kNaN);
           float* y = buf.data() + 1;
           matmul_rows(w.data(), wt_, x.data(), n_tokens, y, ldy, cols, r0, r1);
-          EXPECT_TRUE(std::isnan(buf.front()) && std::isnan(buf.back()))
-              << "wrote out of bounds";
+          EXPECT_TRUE(std::isnan(buf.front()) && std::isnan(buf.back())) << "wrote out of bounds";
           for (int64_t t = 0; t < n_tokens; ++t) {
             for (int64_t r = 0; r < ldy; ++r) {
               float got = y[t * ldy + r];
@@ -250,7 +247,8 @@ TEST_P(KernelTest, RowPartitionDoesNotChangeResults) {
 
   std::vector<float> whole(rows, kNaN), pieces(rows, kNaN);
   matvec_rows(w.data(), wt_, x.data(), whole.data(), cols, 0, rows);
-  for (int64_t r = 0; r < rows; ++r) matvec_rows(w.data(), wt_, x.data(), pieces.data(), cols, r, r + 1);
+  for (int64_t r = 0; r < rows; ++r)
+    matvec_rows(w.data(), wt_, x.data(), pieces.data(), cols, r, r + 1);
   EXPECT_EQ(0, std::memcmp(whole.data(), pieces.data(), whole.size() * sizeof(float)))
       << "matvec: row-by-row differs from one call";
   std::fill(pieces.begin(), pieces.end(), kNaN);
@@ -271,8 +269,8 @@ TEST_P(KernelTest, RowPartitionDoesNotChangeResults) {
   // gets the same result whatever other tokens share its call.
   std::fill(mm_pieces.begin(), mm_pieces.end(), kNaN);
   for (int64_t t = 0; t < n_tokens; ++t)
-    matmul_rows(w.data(), wt_, x.data() + t * cols, 1, mm_pieces.data() + t * rows, rows, cols,
-                0, rows);
+    matmul_rows(w.data(), wt_, x.data() + t * cols, 1, mm_pieces.data() + t * rows, rows, cols, 0,
+                rows);
   EXPECT_EQ(0, std::memcmp(mm_whole.data(), mm_pieces.data(), mm_whole.size() * sizeof(float)))
       << "matmul: token-by-token differs from one call";
 }
@@ -309,12 +307,11 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Isa, DType>>& i
          std::string(dtype_name(std::get<1>(info.param)));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsasAndDtypes, KernelTest,
-                         ::testing::Combine(::testing::Values(Isa::kPortable, Isa::kAvx2,
-                                                              Isa::kAvx512),
-                                            ::testing::Values(DType::kF32, DType::kF16,
-                                                              DType::kBF16)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(
+    AllIsasAndDtypes, KernelTest,
+    ::testing::Combine(::testing::Values(Isa::kPortable, Isa::kAvx2, Isa::kAvx512),
+                       ::testing::Values(DType::kF32, DType::kF16, DType::kBF16)),
+    param_name);
 
 TEST(IsaDispatch, SetActiveIsaClampsToDetected) {
   Isa saved = active_isa();

@@ -43,13 +43,13 @@ Isa detect_isa_uncached() {
   bool avx = bit(l1.ecx, 28), fma = bit(l1.ecx, 12), f16c = bit(l1.ecx, 29);
   if (!osxsave || !avx || !fma || !f16c) return Isa::kPortable;
   uint64_t xcr = xcr0();
-  constexpr uint64_t kYmmState = 0x6;     // SSE + AVX upper halves
-  constexpr uint64_t kZmmState = 0xe6;    // + opmask, ZMM0-15 upper halves, ZMM16-31
+  constexpr uint64_t kYmmState = 0x6;   // SSE + AVX upper halves
+  constexpr uint64_t kZmmState = 0xe6;  // + opmask, ZMM0-15 upper halves, ZMM16-31
   if ((xcr & kYmmState) != kYmmState) return Isa::kPortable;
   Cpuid l7 = cpuid(7, 0);
   if (!bit(l7.ebx, 5)) return Isa::kPortable;  // AVX2
-  bool avx512 = bit(l7.ebx, 16) && bit(l7.ebx, 17) && bit(l7.ebx, 30) &&
-                bit(l7.ebx, 31);  // F, DQ, BW, VL
+  bool avx512 =
+      bit(l7.ebx, 16) && bit(l7.ebx, 17) && bit(l7.ebx, 30) && bit(l7.ebx, 31);  // F, DQ, BW, VL
   // AVX512_BF16 is leaf 7 subleaf 1 EAX bit 5; subleaf 1 exists only if l7.eax >= 1.
   bool bf16 = l7.eax >= 1 && bit(cpuid(7, 1).eax, 5);
   if (avx512 && bf16 && (xcr & kZmmState) == kZmmState) return Isa::kAvx512;
@@ -90,7 +90,7 @@ void check_dtype(DType wt) {
 // grains are multiples of 12 so chunks hold whole register tiles of both SIMD paths
 // (4 and 3 rows).
 constexpr int64_t kRowGrain = 12;
-constexpr int64_t kMinChunkBytes = 128 << 10;    // matvec: ~5 us of memory traffic
+constexpr int64_t kMinChunkBytes = 128 << 10;         // matvec: ~5 us of memory traffic
 constexpr int64_t kMinChunkFlops = int64_t(4) << 20;  // matmul
 
 int64_t round_up_grain(int64_t rows) {
@@ -113,9 +113,12 @@ void set_active_isa(Isa isa) {
 
 std::string_view isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kPortable: return "portable";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kPortable:
+      return "portable";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "?";
 }
@@ -128,19 +131,25 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
                  int64_t r1) {
   check_dtype(wt);
   switch (active_isa()) {
-    case Isa::kPortable: return portable::matvec_rows(w, wt, x, y, cols, r0, r1);
-    case Isa::kAvx2: return avx2::matvec_rows(w, wt, x, y, cols, r0, r1);
-    case Isa::kAvx512: return avx512::matvec_rows(w, wt, x, y, cols, r0, r1);
+    case Isa::kPortable:
+      return portable::matvec_rows(w, wt, x, y, cols, r0, r1);
+    case Isa::kAvx2:
+      return avx2::matvec_rows(w, wt, x, y, cols, r0, r1);
+    case Isa::kAvx512:
+      return avx512::matvec_rows(w, wt, x, y, cols, r0, r1);
   }
 }
 
-void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
-                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
+                 int64_t cols, int64_t r0, int64_t r1) {
   check_dtype(wt);
   switch (active_isa()) {
-    case Isa::kPortable: return portable::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
-    case Isa::kAvx2: return avx2::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
-    case Isa::kAvx512: return avx512::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kPortable:
+      return portable::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kAvx2:
+      return avx2::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kAvx512:
+      return avx512::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
   }
 }
 
@@ -148,13 +157,12 @@ void matvec(ThreadPool& pool, const void* w, DType wt, const float* x, float* y,
             int64_t cols) {
   int64_t row_bytes = std::max<int64_t>(1, cols * int64_t(dtype_size(wt)));
   int64_t grain = round_up_grain(kMinChunkBytes / row_bytes);
-  pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
-    matvec_rows(w, wt, x, y, cols, r0, r1);
-  });
+  pool.parallel_for(rows, grain,
+                    [&](int64_t r0, int64_t r1) { matvec_rows(w, wt, x, y, cols, r0, r1); });
 }
 
-void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n_tokens,
-            float* y, int64_t rows, int64_t cols) {
+void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
+            int64_t rows, int64_t cols) {
   int64_t row_flops = std::max<int64_t>(1, 2 * cols * n_tokens);
   int64_t grain = round_up_grain(kMinChunkFlops / row_flops);
   pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {

@@ -21,8 +21,8 @@ namespace ts::cpu {
 
 enum class Isa : uint8_t { kPortable, kAvx2, kAvx512 };
 
-Isa detect_isa();            // best this CPU supports
-Isa active_isa();            // in use; env TURBOSPARK_ISA=portable|avx2|avx512 lowers it
+Isa detect_isa();              // best this CPU supports
+Isa active_isa();              // in use; env TURBOSPARK_ISA=portable|avx2|avx512 lowers it
 void set_active_isa(Isa isa);  // tests; clamps to detect_isa()
 std::string_view isa_name(Isa isa);
 
@@ -34,14 +34,14 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
 // X is [n_tokens, cols] contiguous; Y has row stride ldy (floats).
 // BF16 weights on AVX-512-BF16 round X to BF16 and use vdpbf16ps (as llama.cpp does);
 // other paths keep X in F32.
-void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
-                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
+                 int64_t cols, int64_t r0, int64_t r1);
 
 // Parallel wrappers: rows split across the pool.
 void matvec(ThreadPool& pool, const void* w, DType wt, const float* x, float* y, int64_t rows,
             int64_t cols);
-void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n_tokens,
-            float* y, int64_t rows, int64_t cols);
+void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
+            int64_t rows, int64_t cols);
 
 // True when matmul_rows on `isa` rounds X to BF16 before multiplying (BF16 weights on
 // AVX-512): its error is then ~2^-9 * sum_c |W[r, c] * X[t, c]| rather than F32 rounding.
@@ -55,20 +55,20 @@ bool matmul_rounds_x_to_bf16(Isa isa, DType wt);
 namespace portable {
 void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                  int64_t r1);
-void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
-                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
+                 int64_t cols, int64_t r0, int64_t r1);
 }  // namespace portable
 namespace avx2 {
 void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                  int64_t r1);
-void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
-                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
+                 int64_t cols, int64_t r0, int64_t r1);
 }  // namespace avx2
 namespace avx512 {
 void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                  int64_t r1);
-void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
-                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
+                 int64_t cols, int64_t r0, int64_t r1);
 }  // namespace avx512
 
 }  // namespace ts::cpu

@@ -67,7 +67,7 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
                  int64_t r1) {
   if (wt == DType::kF32) {
     const float* wf = static_cast<const float*>(w);
-    for (int64_t r = 0; r < r1; ++r) y[r] = dot_f32(wf + r * cols, x, cols);
+    for (int64_t r = r0; r < r1; ++r) y[r] = dot_f32(wf + r * cols, x, cols);
     return;
   }
   float* row = row_buffer(cols).data();
@@ -77,8 +77,8 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
   }
 }
 
-void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
-                 int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
+void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
+                 int64_t cols, int64_t r0, int64_t r1) {
   // Row outer, tokens inner: each weight row is converted once and stays in cache while
   // every token uses it.
   float* row = row_buffer(cols).data();

@@ -2,11 +2,15 @@
 #pragma once
 
 #include <memory>
+#include <cstdlib>
 #include <thread>
 
 #include "cli/args.h"
 #include "core/thread_pool.h"
+#include <nlohmann/json.hpp>
+
 #include "runtime/model.h"
+#include "runtime/session.h"
 
 namespace ts::cli {
 
@@ -20,6 +24,9 @@ struct Loaded {
 struct ModelFlags {
   std::string dir;
   int threads = 1;
+  runtime::LoadOptions load;
+  bool stats = false;       // --stats or TURBOSPARK_PHASES=1: phase summary on stderr
+  std::string router_hist;  // --router-hist FILE: per-layer per-expert selection counts
 };
 
 inline Result<ModelFlags> read_model_flags(const Args& args) {
@@ -28,14 +35,46 @@ inline Result<ModelFlags> read_model_flags(const Args& args) {
   TS_ASSIGN(int64_t threads,
             args.integer_or("threads", std::max(1u, std::thread::hardware_concurrency()), 1, 1024));
   f.threads = int(threads);
+  TS_ASSIGN(f.load.residency, experts::parse_residency(args.str_or("residency", "mapped")));
+  TS_ASSIGN(int64_t slots, args.integer_or("expert-cache-slots", 0, 1, 1 << 20));
+  TS_ASSIGN(f.load.expert_cache_mb, args.integer_or("expert-cache-mb", 0, 1, int64_t(1) << 40));
+  std::string policy = args.str_or("cache-policy", "lru");
+  if (policy == "lru") f.load.streamed.policy = experts::CachePolicy::kLru;
+  else if (policy == "lfu") f.load.streamed.policy = experts::CachePolicy::kLfu;
+  else return make_error("--cache-policy: '" + policy + "' is not one of lru, lfu");
+  f.load.streamed.direct_io = args.has("direct-io");
+  TS_ASSIGN(int64_t io_threads, args.integer_or("io-threads", 4, 1, 256));
+  f.load.streamed.io_threads = int(io_threads);
+  const bool streamed = f.load.residency == experts::Residency::kStreamed;
+  if (!streamed && (slots || f.load.expert_cache_mb || args.has("cache-policy") ||
+                    f.load.streamed.direct_io))
+    return make_error("--expert-cache-slots, --expert-cache-mb, --cache-policy and --direct-io "
+                      "need --residency streamed");
+  if (slots && f.load.expert_cache_mb)
+    return make_error("give --expert-cache-slots or --expert-cache-mb, not both");
+  if (slots) f.load.streamed.slots_per_layer = int(slots);
+  const char* env = std::getenv("TURBOSPARK_PHASES");
+  f.stats = args.has("stats") || (env && std::string(env) == "1");
+  f.router_hist = args.str_or("router-hist", "");
   return f;
 }
 
 inline Result<Loaded> load_model(const ModelFlags& flags) {
   Loaded out;
-  TS_ASSIGN(out.model, runtime::LoadedModel::load(flags.dir));
+  TS_ASSIGN(out.model, runtime::LoadedModel::load(flags.dir, flags.load));
   out.pool = std::make_unique<ThreadPool>(flags.threads);
   return out;
 }
+
+// Phase times, expert cache counters and storage bytes of a finished run, for --stats.
+nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Session& session,
+                          int64_t tokens_processed);
+void print_stats(const nlohmann::json& stats);
+// Writes the session's router histogram as JSON: {"n_layers", "n_experts", "counts": [[..]]}.
+Status write_router_hist(const std::string& path, const runtime::LoadedModel& model,
+                         const runtime::Session& session);
+// --stats and --router-hist at the end of a run.
+Status finish_run(const ModelFlags& flags, const Loaded& m, const runtime::Session& session,
+                  int64_t tokens_processed);
 
 }  // namespace ts::cli

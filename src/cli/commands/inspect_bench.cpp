@@ -109,6 +109,7 @@ Status cmd_bench(const Args& args) {
   j["decode_achieved_gbps"] = achieved_gbps;
   j["roofline_gbps"] = roofline_gbps;
   j["decode_roofline_fraction"] = achieved_gbps / roofline_gbps;
+  j["stats"] = stats_json(*m.model, session, n_prompt + n_gen);
   if (json) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {
@@ -122,6 +123,8 @@ Status cmd_bench(const Args& args) {
                 (long long)n_gen, decode_tps, bytes / 1e6, achieved_gbps,
                 100.0 * achieved_gbps / roofline_gbps, roofline_gbps);
   }
+  if (flags.stats && !json) print_stats(j["stats"]);
+  if (!flags.router_hist.empty()) TS_TRY(write_router_hist(flags.router_hist, *m.model, session));
   return {};
 }
 

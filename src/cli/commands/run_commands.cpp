@@ -19,8 +19,9 @@ Status cmd_logits(const Args& args) {
   runtime::Session session(*m.model, *m.pool, {.n_ctx = int(tokens.size())});
   std::vector<float> logits;
   TS_TRY(session.forward(tokens, &logits));
-  return io::write_npy_f32(out_path, {int64_t(tokens.size()), m.model->hp().vocab},
-                           logits.data());
+  TS_TRY(io::write_npy_f32(out_path, {int64_t(tokens.size()), m.model->hp().vocab},
+                           logits.data()));
+  return finish_run(flags, m, session, int64_t(tokens.size()));
 }
 
 Status cmd_generate(const Args& args) {
@@ -56,7 +57,8 @@ Status cmd_generate(const Args& args) {
     }
   }
   std::printf("%s\n", line.c_str());
-  return {};
+  std::fflush(stdout);
+  return finish_run(flags, m, session, int64_t(tokens.size()) + n);
 }
 
 }  // namespace ts::cli

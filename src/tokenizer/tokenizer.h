@@ -1,0 +1,93 @@
+// Text <-> token ids for a Hugging Face model directory: tokenizer.json (required), plus
+// tokenizer_config.json and generation_config.json when present (BOS / EOS).
+//
+// encode() follows the `tokenizers` library step by step, so ids match it exactly (tested on
+// the Qwen3, DeepSeek-V3, gpt-oss and Llama-2 tokenizers):
+//   1. invalid UTF-8 in the input is replaced by U+FFFD (maximal subparts; Rust strings can
+//      never hold invalid UTF-8, so this is turbospark's own, documented policy);
+//   2. added tokens with normalized=false are cut out first (leftmost-longest, honouring
+//      lstrip / rstrip / single_word); special and non-special alike, always;
+//   3. each remaining stretch is normalized, then added tokens with normalized=true are cut;
+//   4. each stretch is pre-tokenized into words, and each word goes through the BPE model;
+//   5. with add_special, the post-processor adds its tokens (TemplateProcessing: e.g. BOS;
+//      ByteLevel adds none).
+// decode() maps ids to token strings (added tokens by their content, special ones dropped
+// when skip_special) and runs the decoder chain; the result is always valid UTF-8.
+//
+// A Tokenizer is immutable after load() except for the BPE word cache (mutex-guarded):
+// encode() and decode() may be called from several threads.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ts::tokenizer {
+
+class Tokenizer {
+ public:
+  // Reads DIR/tokenizer.json (+ tokenizer_config.json, generation_config.json if present).
+  // Errors name the file and the key: a missing file, bad JSON, or a model / normalizer /
+  // pre-tokenizer / post-processor / decoder type this implementation does not support.
+  static Result<std::unique_ptr<Tokenizer>> load(const std::string& dir);
+
+  ~Tokenizer();
+  Tokenizer(const Tokenizer&) = delete;
+  Tokenizer& operator=(const Tokenizer&) = delete;
+
+  std::vector<int> encode(std::string_view text, bool add_special) const;
+  // Unknown ids are skipped.
+  std::string decode(std::span<const int> ids, bool skip_special) const;
+
+  // BOS from tokenizer_config.json bos_token (else generation_config.json bos_token_id);
+  // -1 when the model has none (Qwen3).
+  int bos_id() const { return bos_id_; }
+  // generation_config.json eos_token_id (int or list), then tokenizer_config.json eos_token
+  // if not already listed. Empty when neither names one.
+  const std::vector<int>& eos_ids() const { return eos_ids_; }
+  // The token's string as stored in the vocab ("Ġthe", "▁the", "<|im_end|>"); empty for an
+  // unknown id.
+  std::string token_text(int id) const;
+  std::optional<int> token_to_id(std::string_view token) const;
+  bool is_special(int id) const;
+  // One past the largest id of the vocab and added tokens.
+  int vocab_size() const { return vocab_size_; }
+
+  struct Impl;
+
+ private:
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  int bos_id_ = -1;
+  std::vector<int> eos_ids_;
+  int vocab_size_ = 0;
+};
+
+// Incremental detokenizer for generation: push ids one at a time, get the text that is
+// final. Text that could still change is held back: an incomplete UTF-8 sequence (the
+// decode would end in U+FFFD), or anything a later token may alter. Concatenating every
+// push() result and flush() gives decode(all ids) for the tokenizers tested, and every
+// returned chunk is valid UTF-8.
+// Method (as Hugging Face's DecodeStream): decode a small window of recent ids, and emit
+// what extends the previous window's text once it does not end in U+FFFD.
+class StreamDecoder {
+ public:
+  StreamDecoder(const Tokenizer& tokenizer, bool skip_special);
+  std::string push(int id);
+  // Emits whatever is held back (an unfinished sequence comes out as U+FFFD) and resets.
+  std::string flush();
+
+ private:
+  const Tokenizer& tok_;
+  bool skip_special_;
+  std::vector<int> ids_;  // window: context ids, then ids not yet emitted
+  std::string prefix_;    // decode of the window's context ids
+  size_t prefix_index_ = 0;
+};
+
+}  // namespace ts::tokenizer

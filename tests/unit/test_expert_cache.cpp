@@ -1,0 +1,103 @@
+// SlotCache: LRU / LFU replacement and the protect invariant (a slot acquired by in-flight
+// work is never a victim), on random request streams checked against a simple model.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <set>
+
+#include "experts/expert_cache.h"
+
+namespace {
+
+using ts::experts::CachePolicy;
+using ts::experts::SlotCache;
+
+TEST(SlotCache, LruEvictsLeastRecentlyUsed) {
+  SlotCache c(2, 8, CachePolicy::kLru);
+  SlotCache::Plan p;
+  int a[] = {1}, b[] = {2}, d[] = {3};
+  ASSERT_TRUE(c.plan(a, &p)); c.unprotect_all();
+  ASSERT_TRUE(c.plan(b, &p)); c.unprotect_all();
+  ASSERT_TRUE(c.plan(a, &p)); c.unprotect_all();  // 1 is now more recent than 2
+  ASSERT_TRUE(c.plan(d, &p)); c.unprotect_all();
+  EXPECT_EQ(p.miss.size(), 1u);
+  EXPECT_GE(c.slot_of(1), 0);
+  EXPECT_EQ(c.slot_of(2), -1);
+  EXPECT_GE(c.slot_of(3), 0);
+}
+
+TEST(SlotCache, LfuEvictsLeastFrequentlyUsed) {
+  SlotCache c(2, 8, CachePolicy::kLfu);
+  SlotCache::Plan p;
+  int a[] = {1}, b[] = {2}, d[] = {3};
+  for (int i = 0; i < 3; ++i) { ASSERT_TRUE(c.plan(b, &p)); c.unprotect_all(); }
+  ASSERT_TRUE(c.plan(a, &p)); c.unprotect_all();  // 1 is most recent but used once
+  ASSERT_TRUE(c.plan(d, &p)); c.unprotect_all();
+  EXPECT_EQ(c.slot_of(1), -1);
+  EXPECT_GE(c.slot_of(2), 0);
+}
+
+TEST(SlotCache, ProtectedSlotsAreNeverEvictedAndOverflowIsRefused) {
+  SlotCache c(3, 16, CachePolicy::kLru);
+  SlotCache::Plan p;
+  int first[] = {4, 5};
+  ASSERT_TRUE(c.plan(first, &p));
+  const int s4 = c.slot_of(4), s5 = c.slot_of(5);
+  // Two more misses while 4 and 5 are protected: only one free slot -> refused, unchanged.
+  int more[] = {6, 7};
+  EXPECT_FALSE(c.plan(more, &p));
+  EXPECT_EQ(c.slot_of(4), s4);
+  EXPECT_EQ(c.slot_of(6), -1);
+  int one[] = {6};
+  ASSERT_TRUE(c.plan(one, &p));
+  EXPECT_EQ(c.slot_of(4), s4);
+  EXPECT_EQ(c.slot_of(5), s5);
+  EXPECT_TRUE(c.is_protected(s4));
+}
+
+TEST(SlotCache, RandomStreamsKeepTheInvariants) {
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(seed);
+  std::mt19937 rng(seed);
+  for (CachePolicy pol : {CachePolicy::kLru, CachePolicy::kLfu}) {
+    const int n_slots = 1 + int(rng() % 6), n_experts = 16;
+    SlotCache c(n_slots, n_experts, pol);
+    std::set<int> prot;  // experts protected right now
+    for (int step = 0; step < 2000; ++step) {
+      if (rng() % 3 == 0) {
+        c.unprotect_all();
+        prot.clear();
+      }
+      std::vector<int> ids;
+      const int k = 1 + int(rng() % 3);
+      while (int(ids.size()) < k) {
+        int e = int(rng() % n_experts);
+        if (std::find(ids.begin(), ids.end(), e) == ids.end()) ids.push_back(e);
+      }
+      std::vector<int> before(n_experts);
+      for (int e = 0; e < n_experts; ++e) before[size_t(e)] = c.slot_of(e);
+      SlotCache::Plan p;
+      bool ok = c.plan(ids, &p);
+      std::set<int> want(prot);
+      want.insert(ids.begin(), ids.end());
+      EXPECT_EQ(ok, int(want.size()) <= n_slots);
+      if (!ok) {
+        for (int e = 0; e < n_experts; ++e) EXPECT_EQ(c.slot_of(e), before[size_t(e)]);
+        continue;
+      }
+      for (int e : prot) EXPECT_EQ(c.slot_of(e), before[size_t(e)]) << "protected expert moved";
+      for (size_t i = 0; i < ids.size(); ++i) {
+        EXPECT_EQ(c.slot_of(ids[i]), p.slot[i]);
+        bool was_cached = before[size_t(ids[i])] >= 0;
+        bool listed_miss = std::find(p.miss.begin(), p.miss.end(), int(i)) != p.miss.end();
+        EXPECT_EQ(listed_miss, !was_cached);
+      }
+      std::set<int> used_slots(p.slot.begin(), p.slot.end());
+      EXPECT_EQ(used_slots.size(), ids.size()) << "two ids share a slot";
+      prot = want;
+    }
+  }
+}
+
+}  // namespace
