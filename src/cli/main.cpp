@@ -18,6 +18,7 @@ constexpr const char* kUsage =
     "  inspect  --model DIR [--json]                         shapes, parameters, bytes\n"
     "  synth    --config CONFIG.json --out DIR [--dtype bf16] [--seed N]\n"
     "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G] [--json]\n"
+    "  chat-template --model DIR --messages FILE.json [--tools F.json --kwargs F.json --add-generation-prompt]\n"
     "  tokenize --model DIR --input FILE.jsonl [--add-special]  JSON string per line -> ids\n"
     "common flags: --threads N\n"
     "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
@@ -44,6 +45,7 @@ int main(int argc, char** argv) {
       {"inspect", ts::cli::cmd_inspect, {"json"}},
       {"synth", ts::cli::cmd_synth, {}},
       {"bench", ts::cli::cmd_bench, {"json", "direct-io", "stats"}},
+      {"chat-template", ts::cli::cmd_chat_template, {"add-generation-prompt"}},
       {"tokenize", ts::cli::cmd_tokenize, {"add-special"}},
   };
   std::string name = argv[1];

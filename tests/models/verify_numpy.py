@@ -44,7 +44,7 @@ def forward(d, ids=None):
     mt = cfg["model_type"]; H = cfg["hidden_size"]; nh = cfg["num_attention_heads"]; nkv = cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or H // nh; eps = cfg["rms_norm_eps"]; L = cfg["num_hidden_layers"]
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
-    E = cfg.get("num_local_experts") or cfg.get("num_experts"); K = cfg["num_experts_per_tok"]
+    K = cfg["num_experts_per_tok"]
     norm_topk = True if mt == "mixtral" else cfg["norm_topk_prob"]
     ids = ref["prompt_ids"] if ids is None else ids; T = len(ids); pos = np.arange(T, dtype=np.float64)
     x = W["model.embed_tokens.weight"][ids]

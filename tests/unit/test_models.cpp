@@ -142,3 +142,58 @@ INSTANTIATE_TEST_SUITE_P(Models, Fixture, ::testing::ValuesIn(fixture_names()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
+
+namespace {
+
+// DESIGN.md invariant: logits are byte-identical whatever the residency, cache size, policy,
+// cold or warm cache, and across repeated runs in one process.
+TEST_P(Fixture, LogitsByteIdenticalAcrossResidencyModes) {
+  using ts::experts::CachePolicy;
+  using ts::experts::Residency;
+  ts::ThreadPool pool(2);
+  auto run = [&](const ts::runtime::LoadedModel& m, int repeats, int chunk) {
+    std::vector<float> first;
+    ts::runtime::Session s(m, pool, {.n_ctx = int(ref_.prompt.size()), .prefill_chunk = chunk});
+    for (int r = 0; r < repeats; ++r) {
+      std::vector<float> logits;
+      s.reset();
+      EXPECT_TRUE(s.forward(ref_.prompt, &logits).ok());
+      if (r == 0) first = logits;
+      else EXPECT_EQ(0, std::memcmp(first.data(), logits.data(), first.size() * 4)) << "repeat " << r;
+    }
+    return first;
+  };
+  const std::vector<float> base = run(*model_, 5, 256);
+  const int n_experts = model_->hp().n_experts, top_k = model_->hp().top_k;
+  struct Mode {
+    Residency residency;
+    int slots;
+    CachePolicy policy;
+  };
+  std::vector<Mode> modes = {{Residency::kResident, 0, CachePolicy::kLru}};
+  for (int slots : {1, 2, top_k, n_experts})
+    for (CachePolicy p : {CachePolicy::kLru, CachePolicy::kLfu})
+      modes.push_back({Residency::kStreamed, slots, p});
+  for (const Mode& mode : modes) {
+    ts::runtime::LoadOptions opt{.residency = mode.residency};
+    opt.streamed.slots_per_layer = std::max(1, mode.slots);
+    opt.streamed.policy = mode.policy;
+    auto m = ts::runtime::LoadedModel::load(dir_, opt);
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    // repeats cover cold then warm caches; chunk 5 makes several acquires per layer.
+    for (int chunk : {256, 5}) {
+      std::vector<float> got = run(*m.value(), 3, chunk);
+      if (chunk == 256) {
+        EXPECT_EQ(0, std::memcmp(base.data(), got.data(), base.size() * 4))
+            << ts::experts::residency_name(mode.residency) << " slots " << mode.slots;
+      }
+    }
+    auto st = m.value()->experts().stats();
+    if (mode.residency == Residency::kStreamed && mode.slots < n_experts) {
+      EXPECT_LT(st.hits, st.requests) << "a small cache must miss";
+      EXPECT_GT(st.bytes_read, 0u);
+    }
+  }
+}
+
+}  // namespace

@@ -39,7 +39,7 @@ namespace ts::cpu::avx512 {
 namespace {
 
 constexpr int64_t kLanes = 16;       // F32 lanes per zmm
-constexpr int64_t kBf16PerVec = 32;  // BF16 pairs per zmm for vdpbf16ps
+constexpr int64_t kBf16PerVec = 32;  // BF16 elements (16 pairs) per zmm for vdpbf16ps
 constexpr int kMatvecTileRows = 4;   // rows per matvec step: x loads shared by 4 rows
 constexpr int kTileRows = 4;         // matmul register tile: 4 x 6 = 24 accumulators
 constexpr int kTileTokens = 6;       //   + 4 W vectors + 1 X vector = 29 of 32 zmm

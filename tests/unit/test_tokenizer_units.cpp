@@ -1,0 +1,509 @@
+// Tokenizer pieces on small tokenizer.json files written by the tests (no fetched data
+// needed): BPE merge priority, merges as strings or arrays, ignore_merges, byte fallback and
+// unk fusing, added-token flags, pre-tokenizers, the lossy UTF-8 repair, BOS / EOS from the
+// config files, the stream decoder's hold-back, and the errors for files this implementation
+// does not read (through the library and through `turbospark tokenize`, exit code 2).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "tokenizer/pre_tokenizer.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using ts::tokenizer::StreamDecoder;
+using ts::tokenizer::Tokenizer;
+
+std::string read_file(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// The GPT-2 byte-level spelling of a UTF-8 string ("hello world" -> "helloĠworld").
+std::string bl(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) ts::tokenizer::append_utf8(out, ts::tokenizer::byte_to_unicode_table()[c]);
+  return out;
+}
+
+class TokFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/ts_tok_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    tmp_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(tmp_); }
+
+  // Writes DIR/<name>/tokenizer.json (+ optional configs) and returns DIR/<name>.
+  fs::path write(const std::string& name, const json& tokenizer, const json& tcfg = nullptr,
+                 const json& gcfg = nullptr) {
+    fs::path d = tmp_ / name;
+    fs::create_directories(d);
+    std::ofstream(d / "tokenizer.json") << tokenizer.dump();
+    if (!tcfg.is_null()) std::ofstream(d / "tokenizer_config.json") << tcfg.dump();
+    if (!gcfg.is_null()) std::ofstream(d / "generation_config.json") << gcfg.dump();
+    return d;
+  }
+  std::unique_ptr<Tokenizer> load(const fs::path& d) {
+    auto t = Tokenizer::load(d.string());
+    EXPECT_TRUE(t.ok()) << (t.ok() ? "" : t.error().message);
+    return t.ok() ? std::move(t).value() : nullptr;
+  }
+  std::string load_error(const fs::path& d) {
+    auto t = Tokenizer::load(d.string());
+    EXPECT_FALSE(t.ok());
+    return t.ok() ? "" : t.error().message;
+  }
+
+  // A byte-level BPE: ids 0..255 are the byte chars, then `extra` tokens, then the added
+  // tokens <|bos|> and <|end|>.
+  json byte_level(const std::vector<std::string>& extra, const json& merges) {
+    json vocab = json::object();
+    for (int b = 0; b < 256; ++b) vocab[bl(std::string(1, char(b)))] = b;
+    int id = 256;
+    for (const std::string& t : extra) vocab[t] = id++;
+    json j = {
+        {"version", "1.0"},
+        {"added_tokens",
+         {{{"id", id}, {"content", "<|bos|>"}, {"special", true}, {"normalized", false},
+           {"lstrip", false}, {"rstrip", false}, {"single_word", false}},
+          {{"id", id + 1}, {"content", "<|end|>"}, {"special", true}, {"normalized", false},
+           {"lstrip", false}, {"rstrip", false}, {"single_word", false}}}},
+        {"normalizer", nullptr},
+        {"pre_tokenizer",
+         {{"type", "Sequence"},
+          {"pretokenizers",
+           {{{"type", "Split"},
+             {"pattern", {{"Regex", R"( ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)"}}},
+             {"behavior", "Isolated"},
+             {"invert", false}},
+            {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}}},
+        {"post_processor",
+         {{"type", "TemplateProcessing"},
+          {"single", {{{"SpecialToken", {{"id", "<|bos|>"}, {"type_id", 0}}}},
+                      {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+          {"special_tokens", {{"<|bos|>", {{"id", "<|bos|>"}, {"ids", {id}}, {"tokens", {"<|bos|>"}}}}}}}},
+        {"decoder", {{"type", "ByteLevel"}}},
+        {"model",
+         {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}, {"unk_token", nullptr},
+          {"byte_fallback", false}}},
+    };
+    return j;
+  }
+
+  int id(const Tokenizer& t, const std::string& token) {
+    auto i = t.token_to_id(token);
+    EXPECT_TRUE(i.has_value()) << token;
+    return i.value_or(-1);
+  }
+
+  fs::path tmp_;
+};
+
+const std::vector<std::string> kHelloTokens = {"he", "ll", "hell", "hello", bl(" w"), bl(" wo")};
+const json kHelloMerges = {"h e", "l l", "he ll", "hell o", bl(" ") + " w", bl(" w") + " o"};
+
+TEST_F(TokFiles, ByteLevelBpeAppliesMergesAndBos) {
+  auto t = load(write("a", byte_level(kHelloTokens, kHelloMerges)));
+  ASSERT_TRUE(t);
+  std::vector<int> want = {id(*t, "hello"), id(*t, bl(" wo")), 'r', 'l', 'd'};
+  EXPECT_EQ(t->encode("hello world", false), want);
+  want.insert(want.begin(), id(*t, "<|bos|>"));
+  EXPECT_EQ(t->encode("hello world", true), want);
+  EXPECT_EQ(t->decode(want, false), "<|bos|>hello world");
+  EXPECT_EQ(t->decode(want, true), "hello world");
+  EXPECT_EQ(t->vocab_size(), 256 + int(kHelloTokens.size()) + 2);
+}
+
+TEST_F(TokFiles, MergesAsArraysEqualMergesAsStrings) {
+  json arrays = json::array();
+  for (const auto& m : kHelloMerges) {
+    std::string s = m.get<std::string>();
+    size_t sp = s.find(' ');
+    arrays.push_back({s.substr(0, sp), s.substr(sp + 1)});
+  }
+  auto a = load(write("a", byte_level(kHelloTokens, kHelloMerges)));
+  auto b = load(write("b", byte_level(kHelloTokens, arrays)));
+  ASSERT_TRUE(a && b);
+  for (std::string s : {"hello world", "hell", "he ll o", "wow hello"})
+    EXPECT_EQ(a->encode(s, false), b->encode(s, false)) << s;
+  EXPECT_EQ(b->encode("hello", false), std::vector<int>{id(*b, "hello")});
+}
+
+TEST_F(TokFiles, LowestRankMergeWinsNotLeftmost) {
+  // "abc": with "b c" ranked first, the result is [a, bc]; swapped ranks give [ab, c].
+  auto t1 = load(write("a", byte_level({"ab", "bc"}, {"b c", "a b"})));
+  auto t2 = load(write("b", byte_level({"ab", "bc"}, {"a b", "b c"})));
+  ASSERT_TRUE(t1 && t2);
+  EXPECT_EQ(t1->encode("abc", false), (std::vector<int>{'a', id(*t1, "bc")}));
+  EXPECT_EQ(t2->encode("abc", false), (std::vector<int>{id(*t2, "ab"), 'c'}));
+  // Equal ranks never happen; equal pairs at two places merge leftmost first.
+  EXPECT_EQ(t2->encode("ababab", false), std::vector<int>(3, id(*t2, "ab")));
+}
+
+TEST_F(TokFiles, IgnoreMergesEmitsWholeWordsFromTheVocab) {
+  // "abc" is in the vocab but no merge builds it.
+  json j = byte_level({"ab", "abc"}, {"a b"});
+  auto plain = load(write("a", j));
+  j["model"]["ignore_merges"] = true;
+  auto ignoring = load(write("b", j));
+  ASSERT_TRUE(plain && ignoring);
+  EXPECT_EQ(plain->encode("abc", false), (std::vector<int>{id(*plain, "ab"), 'c'}));
+  EXPECT_EQ(ignoring->encode("abc", false), std::vector<int>{id(*ignoring, "abc")});
+}
+
+TEST_F(TokFiles, LongWordWithoutSplitsIsFastAndExact) {
+  auto t = load(write("a", byte_level({"ab", "abab"}, {"a b", "ab ab"})));
+  ASSERT_TRUE(t);
+  std::string word;
+  for (int i = 0; i < 20000; ++i) word += "ab";
+  auto ids = t->encode(word, false);
+  EXPECT_EQ(ids, std::vector<int>(10000, id(*t, "abab")));
+  EXPECT_EQ(t->decode(ids, false), word);
+}
+
+// A SentencePiece-style BPE (Llama-2 / Mistral): Prepend + Replace normalizer, no
+// pre-tokenizer, byte fallback, ▁ decoder chain.
+json sentencepiece(bool byte_fallback, bool fuse_unk) {
+  json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}};
+  int id = 3;
+  if (byte_fallback) {
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof name, "<0x%02X>", b);
+      vocab[name] = id++;
+    }
+  }
+  for (std::string t : {"\u2581", "h", "i", "x", "y", "\u2581h", "\u2581hi"}) vocab[t] = id++;
+  json added = json::array();
+  for (int i = 0; i < 3; ++i) {
+    added.push_back({{"id", i}, {"content", i == 0 ? "<unk>" : i == 1 ? "<s>" : "</s>"},
+                     {"special", true}, {"normalized", false}, {"lstrip", false},
+                     {"rstrip", false}, {"single_word", false}});
+  }
+  return {
+      {"added_tokens", added},
+      {"normalizer",
+       {{"type", "Sequence"},
+        {"normalizers",
+         {{{"type", "Prepend"}, {"prepend", "\u2581"}},
+          {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}}}}}},
+      {"pre_tokenizer", nullptr},
+      {"post_processor",
+       {{"type", "TemplateProcessing"},
+        {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+                    {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+        {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}}}}}},
+      {"decoder",
+       {{"type", "Sequence"},
+        {"decoders",
+         {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+          {{"type", "ByteFallback"}},
+          {{"type", "Fuse"}},
+          {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
+      {"model",
+       {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"\u2581 h", "\u2581h i"}},
+        {"unk_token", "<unk>"}, {"fuse_unk", fuse_unk}, {"byte_fallback", byte_fallback}}},
+  };
+}
+
+TEST_F(TokFiles, ByteFallbackSpellsUnknownCharactersAsBytes) {
+  auto t = load(write("a", sentencepiece(true, true)));
+  ASSERT_TRUE(t);
+  // "hi €": ▁hi ▁ <0xE2> <0x82> <0xAC>
+  std::vector<int> want = {id(*t, "\u2581hi"), id(*t, "\u2581"), id(*t, "<0xE2>"),
+                           id(*t, "<0x82>"), id(*t, "<0xAC>")};
+  EXPECT_EQ(t->encode("hi \u20ac", false), want);
+  want.insert(want.begin(), 1);
+  EXPECT_EQ(t->encode("hi \u20ac", true), want);
+  EXPECT_EQ(t->decode(want, true), "hi \u20ac");
+  // Bytes that are not UTF-8 decode to one U+FFFD each (Hugging Face ByteFallback).
+  EXPECT_EQ(t->decode(std::vector<int>{id(*t, "h"), id(*t, "<0xE2>"), id(*t, "<0x82>")}, false),
+            "h\xEF\xBF\xBD\xEF\xBF\xBD");
+  // Prepend applies to each stretch between added tokens.
+  EXPECT_EQ(t->encode("hi</s>hi", false),
+            (std::vector<int>{id(*t, "\u2581hi"), 2, id(*t, "\u2581hi")}));
+}
+
+TEST_F(TokFiles, UnknownCharactersFuseIntoOneUnkWhenAsked) {
+  auto fused = load(write("a", sentencepiece(false, true)));
+  auto unfused = load(write("b", sentencepiece(false, false)));
+  ASSERT_TRUE(fused && unfused);
+  const int x = id(*fused, "x"), y = id(*fused, "y");
+  EXPECT_EQ(fused->encode("x\u20ac\u20acy", false),
+            (std::vector<int>{id(*fused, "\u2581"), x, 0, y}));
+  EXPECT_EQ(unfused->encode("x\u20ac\u20acy", false),
+            (std::vector<int>{id(*unfused, "\u2581"), x, 0, 0, y}));
+}
+
+TEST_F(TokFiles, AddedTokenFlags) {
+  json j = byte_level({}, json::array());
+  int next = 258;
+  auto add = [&](const std::string& content, bool lstrip, bool rstrip, bool single_word) {
+    j["added_tokens"].push_back({{"id", next++}, {"content", content}, {"special", false},
+                                 {"normalized", false}, {"lstrip", lstrip}, {"rstrip", rstrip},
+                                 {"single_word", single_word}});
+  };
+  add("<L>", true, false, false);
+  add("<R>", false, true, false);
+  add("[W]", false, false, true);
+  add("<|end|>x", false, false, false);  // longer than <|end|>: leftmost-longest wins
+  auto t = load(write("a", j));
+  ASSERT_TRUE(t);
+  const int L = id(*t, "<L>"), R = id(*t, "<R>"), W = id(*t, "[W]"), E = id(*t, "<|end|>");
+  const int sp = id(*t, bl(" "));
+  EXPECT_EQ(t->encode("a  <L>b", false), (std::vector<int>{'a', L, 'b'}));
+  EXPECT_EQ(t->encode("a<R>  b", false), (std::vector<int>{'a', R, 'b'}));
+  EXPECT_EQ(t->encode("a [W] b", false), (std::vector<int>{'a', sp, W, sp, 'b'}));
+  auto glued = t->encode("a[W]b", false);
+  EXPECT_EQ(std::count(glued.begin(), glued.end(), W), 0) << "single_word matched inside a word";
+  EXPECT_EQ(t->encode("<|end|>x<|end|>", false),
+            (std::vector<int>{id(*t, "<|end|>x"), E}));
+}
+
+TEST_F(TokFiles, DigitsAndMetaspacePreTokenizers) {
+  json j = byte_level({"12", "123"}, {"1 2", "12 3"});
+  j["pre_tokenizer"] = {{"type", "Sequence"},
+                        {"pretokenizers",
+                         {{{"type", "Digits"}, {"individual_digits", true}},
+                          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+  auto t = load(write("a", j));
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->encode("a123", false), (std::vector<int>{'a', '1', '2', '3'}));
+  j["pre_tokenizer"]["pretokenizers"][0]["individual_digits"] = false;
+  auto t2 = load(write("b", j));
+  ASSERT_TRUE(t2);
+  EXPECT_EQ(t2->encode("a123", false), (std::vector<int>{'a', id(*t2, "123")}));
+
+  json m = sentencepiece(true, false);
+  m["normalizer"] = nullptr;
+  m["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"},
+                        {"prepend_scheme", "always"}, {"split", true}};
+  m["decoder"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "always"}};
+  auto t3 = load(write("c", m));
+  ASSERT_TRUE(t3);
+  auto ids = t3->encode("hi hi", false);
+  EXPECT_EQ(ids, (std::vector<int>{id(*t3, "\u2581hi"), id(*t3, "\u2581hi")}));
+  EXPECT_EQ(t3->decode(ids, false), "hi hi");
+}
+
+TEST_F(TokFiles, NormalizerNfcComposesBeforeMerging) {
+  json j = byte_level({bl("\u00e9")}, {bl("\u00e9").substr(0, 2) + " " + bl("\u00e9").substr(2)});
+  j["normalizer"] = {{"type", "NFC"}};
+  auto t = load(write("a", j));
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->encode("e\u0301", false), std::vector<int>{id(*t, bl("\u00e9"))});
+  EXPECT_EQ(t->decode(t->encode("e\u0301", false), false), "\u00e9");
+}
+
+TEST(Utf8, LossyRepairReplacesMaximalSubparts) {
+  using ts::tokenizer::to_valid_utf8;
+  const std::string R = "\xEF\xBF\xBD";
+  EXPECT_EQ(to_valid_utf8("a\xFF" "b"), "a" + R + "b");
+  EXPECT_EQ(to_valid_utf8("\xF0\x90\x80" "a"), R + "a");           // truncated 4-byte
+  EXPECT_EQ(to_valid_utf8("\xC0\x80"), R + R);                      // overlong lead
+  EXPECT_EQ(to_valid_utf8("\xED\xA0\x80"), R + R + R);              // surrogate
+  EXPECT_EQ(to_valid_utf8("\xF4\x90\x80\x80"), R + R + R + R);      // past U+10FFFF
+  EXPECT_EQ(to_valid_utf8("\xE1\x80"), R);                          // cut at the end
+  EXPECT_EQ(to_valid_utf8("\xE2\x82\xAC\xF0\x9F\x99\x82"), "\xE2\x82\xAC\xF0\x9F\x99\x82");
+  EXPECT_TRUE(ts::tokenizer::is_valid_utf8("\xF4\x8F\xBF\xBF"));
+  EXPECT_FALSE(ts::tokenizer::is_valid_utf8("\xF4\x90\x80\x80"));
+}
+
+TEST_F(TokFiles, InvalidUtf8InputEncodesAsReplacementCharacter) {
+  auto t = load(write("a", byte_level({}, json::array())));
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->encode("a\xFF" "b", false), t->encode("a\xEF\xBF\xBD" "b", false));
+  EXPECT_NE(t->encode("a\xFF" "b", false), t->encode("ab", false));
+}
+
+TEST_F(TokFiles, StreamDecoderHoldsBackIncompleteCharacters) {
+  auto t = load(write("a", sentencepiece(true, false)));
+  ASSERT_TRUE(t);
+  StreamDecoder s(*t, true);
+  EXPECT_EQ(s.push(1), "");  // <s>, skipped
+  EXPECT_EQ(s.push(id(*t, "\u2581hi")), "hi");
+  EXPECT_EQ(s.push(id(*t, "\u2581")), "");  // a lone space could still be stripped
+  EXPECT_EQ(s.push(id(*t, "<0xE2>")), " ");
+  EXPECT_EQ(s.push(id(*t, "<0x82>")), "");
+  EXPECT_EQ(s.push(id(*t, "<0xAC>")), "\u20ac");
+  EXPECT_EQ(s.push(id(*t, "<0xE2>")), "");
+  // The stream ends inside a character: flush gives what one-shot decode gives.
+  EXPECT_EQ(s.flush(), "\xEF\xBF\xBD");
+
+  // Byte-level: a 4-byte emoji split over single-byte tokens.
+  auto b = load(write("b", byte_level({}, json::array())));
+  ASSERT_TRUE(b);
+  StreamDecoder bs(*b, false);
+  std::string emoji = "\xF0\x9F\x99\x82";
+  std::string got;
+  for (unsigned char c : emoji) {
+    std::string chunk = bs.push(c);
+    EXPECT_TRUE(chunk.empty() || chunk == emoji);
+    got += chunk;
+  }
+  EXPECT_EQ(got, emoji);
+}
+
+TEST_F(TokFiles, BosAndEosFromConfigFiles) {
+  json tcfg = {{"bos_token", {{"content", "<|bos|>"}, {"__type", "AddedToken"}}},
+               {"eos_token", "<|end|>"}};
+  json gcfg = {{"eos_token_id", {7, 9}}, {"bos_token_id", 5}};
+  auto t = load(write("a", byte_level({}, json::array()), tcfg, gcfg));
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->bos_id(), 256);
+  EXPECT_EQ(t->eos_ids(), (std::vector<int>{7, 9, 257}));
+  auto only_gen = load(write("b", byte_level({}, json::array()), nullptr, {{"eos_token_id", 257}}));
+  ASSERT_TRUE(only_gen);
+  EXPECT_EQ(only_gen->eos_ids(), std::vector<int>{257});
+  EXPECT_EQ(only_gen->bos_id(), -1);
+  auto none = load(write("c", byte_level({}, json::array())));
+  ASSERT_TRUE(none);
+  EXPECT_TRUE(none->eos_ids().empty());
+
+  std::string err = load_error(write("d", byte_level({}, json::array()), {{"eos_token", "<nope>"}}));
+  EXPECT_NE(err.find("tokenizer_config.json"), std::string::npos) << err;
+  EXPECT_NE(err.find("<nope>"), std::string::npos) << err;
+}
+
+TEST_F(TokFiles, UnsupportedFilesAreNamedErrors) {
+  json j = byte_level({}, json::array());
+  auto expect = [&](const std::string& name, json broken, std::vector<std::string> needles) {
+    std::string err = load_error(write(name, broken));
+    for (const std::string& n : needles) EXPECT_NE(err.find(n), std::string::npos) << err;
+  };
+  json wp = j;
+  wp["model"] = {{"type", "WordPiece"}, {"vocab", {{"a", 0}}}, {"unk_token", "[UNK]"}};
+  expect("wp", wp, {"tokenizer.json", "model.type", "WordPiece"});
+  json uni = j;
+  uni["model"] = {{"type", "Unigram"}, {"vocab", {{"a", 0.0}}}};
+  expect("uni", uni, {"tokenizer.json", "model.type", "Unigram"});
+  json norm = j;
+  norm["normalizer"] = {{"type", "Lowercase"}};
+  expect("norm", norm, {"normalizer.type", "Lowercase"});
+  json pre = j;
+  pre["pre_tokenizer"]["pretokenizers"][1] = {{"type", "BertPreTokenizer"}};
+  expect("pre", pre, {"pre_tokenizer.pretokenizers[1].type", "BertPreTokenizer"});
+  json dec = j;
+  dec["decoder"] = {{"type", "WordPiece"}};
+  expect("dec", dec, {"decoder.type", "WordPiece"});
+  json merge = j;
+  merge["model"]["merges"] = {"q zz"};
+  expect("merge", merge, {"model.merges[0]", "zz"});
+  json re = j;
+  re["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed";
+  expect("re", re, {"pattern.Regex", "(unclosed"});
+
+  fs::path bad = tmp_ / "badjson";
+  fs::create_directories(bad);
+  std::ofstream(bad / "tokenizer.json") << "{\"model\": ";
+  std::string err = load_error(bad);
+  EXPECT_NE(err.find("tokenizer.json"), std::string::npos) << err;
+  EXPECT_NE(err.find("JSON"), std::string::npos) << err;
+  fs::create_directories(tmp_ / "empty");
+  err = load_error(tmp_ / "empty");
+  EXPECT_NE(err.find("tokenizer.json: not found"), std::string::npos) << err;
+}
+
+// ---------------------------------------------------------------------------------------------
+// `turbospark tokenize`: contract and bad input, through the binary.
+
+class TokenizeCommand : public TokFiles {
+ protected:
+  struct RunResult {
+    int code;
+    std::string out, err;
+  };
+  RunResult run(const std::string& args) {
+    std::string cmd = std::string(TS_BINARY) + " " + args + " >" + (tmp_ / "stdout").string() +
+                      " 2>" + (tmp_ / "stderr").string();
+    int st = std::system(cmd.c_str());
+    return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, read_file(tmp_ / "stdout"),
+            read_file(tmp_ / "stderr")};
+  }
+  fs::path input(const std::string& bytes) {
+    fs::path p = tmp_ / "in.jsonl";
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+  }
+  void expect_error(const RunResult& r, const std::vector<std::string>& needles) {
+    EXPECT_EQ(r.code, 2) << r.err;
+    for (const std::string& n : needles)
+      EXPECT_NE(r.err.find(n), std::string::npos) << "stderr: " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line: " << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+  std::string ids_line(const std::vector<int>& ids) {
+    std::string s = "[";
+    for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+    return s + "]\n";
+  }
+};
+
+TEST_F(TokenizeCommand, OneIdArrayPerLineFromTokenizerOnlyFolder) {
+  fs::path d = write("m", byte_level(kHelloTokens, kHelloMerges));
+  auto t = load(d);
+  ASSERT_TRUE(t);
+  fs::path in = input("\"hello world\"\n\"\"\n\"he said \\\"hello\\\"\\n\\u00e9\\ud83d\\ude42\"\n");
+  RunResult r = run("tokenize --model " + d.string() + " --input " + in.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, ids_line(t->encode("hello world", false)) + "[]\n" +
+                       ids_line(t->encode("he said \"hello\"\n\u00e9\U0001F642", false)));
+  r = run("tokenize --model " + d.string() + " --input " + in.string() + " --add-special");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.substr(0, r.out.find('\n') + 1), ids_line(t->encode("hello world", true)));
+}
+
+TEST_F(TokenizeCommand, InvalidUtf8BecomesReplacementCharacter) {
+  fs::path d = write("m", byte_level(kHelloTokens, kHelloMerges));
+  auto t = load(d);
+  ASSERT_TRUE(t);
+  // A raw 0xFF byte, a truncated 3-byte sequence, and a lone surrogate escape.
+  fs::path in = input("\"he\xFFllo\"\n\"x\xE2\x82\"\n\"a\\ud800b\"\n");
+  RunResult r = run("tokenize --model " + d.string() + " --input " + in.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, ids_line(t->encode("he\uFFFDllo", false)) +
+                       ids_line(t->encode("x\uFFFD", false)) +
+                       ids_line(t->encode("a\uFFFDb", false)));
+}
+
+TEST_F(TokenizeCommand, BadInputIsOneErrorLineAndExitCode2) {
+  fs::path good = write("m", byte_level(kHelloTokens, kHelloMerges));
+  fs::path in = input("\"hi\"\n");
+  expect_error(run("tokenize --model " + (tmp_ / "nope").string() + " --input " + in.string()),
+               {"nope"});
+  fs::create_directories(tmp_ / "weights_only");
+  std::ofstream(tmp_ / "weights_only" / "config.json") << "{}";
+  expect_error(run("tokenize --model " + (tmp_ / "weights_only").string() + " --input " + in.string()),
+               {"tokenizer.json", "not found"});
+  json wp = byte_level({}, json::array());
+  wp["model"] = {{"type", "WordPiece"}, {"vocab", {{"a", 0}}}};
+  expect_error(run("tokenize --model " + write("wp", wp).string() + " --input " + in.string()),
+               {"tokenizer.json", "model.type", "WordPiece"});
+  json uni = byte_level({}, json::array());
+  uni["model"] = {{"type", "Unigram"}, {"vocab", json::array()}};
+  expect_error(run("tokenize --model " + write("uni", uni).string() + " --input " + in.string()),
+               {"tokenizer.json", "model.type", "Unigram"});
+  expect_error(run("tokenize --model " + good.string() + " --input " + (tmp_ / "missing.jsonl").string()),
+               {"missing.jsonl"});
+  fs::path bad = input("\"ok\"\nnot json\n");
+  expect_error(run("tokenize --model " + good.string() + " --input " + bad.string()),
+               {"in.jsonl:2", "JSON string"});
+  expect_error(run("tokenize --model " + good.string() + " --input " + in.string() + " --add-specials"),
+               {"--add-specials"});
+}
+
+}  // namespace
