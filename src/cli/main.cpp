@@ -20,6 +20,8 @@ constexpr const char* kUsage =
     "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G] [--json]\n"
     "  chat-template --model DIR --messages FILE.json [--tools F.json --kwargs F.json --add-generation-prompt]\n"
     "  tokenize --model DIR --input FILE.jsonl [--add-special]  JSON string per line -> ids\n"
+    "  pack     --model HF_DIR --out PACK_DIR [--experts-quant q8_0|q4_k]\n"
+    "  verify   PACK_DIR                                     check files against manifest\n"
     "common flags: --threads N\n"
     "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
     "  --expert-cache-slots N | --expert-cache-mb M   streamed cache size (slots per layer)\n"
@@ -45,6 +47,8 @@ int main(int argc, char** argv) {
       {"inspect", ts::cli::cmd_inspect, {"json"}},
       {"synth", ts::cli::cmd_synth, {}},
       {"bench", ts::cli::cmd_bench, {"json", "direct-io", "stats"}},
+      {"pack", ts::cli::cmd_pack, {}},
+      {"verify", ts::cli::cmd_verify, {}},
       {"chat-template", ts::cli::cmd_chat_template, {"add-generation-prompt"}},
       {"tokenize", ts::cli::cmd_tokenize, {"add-special"}},
   };

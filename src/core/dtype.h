@@ -13,6 +13,9 @@ enum class DType : uint8_t { kF32, kF16, kBF16 };
 
 inline size_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 
+// Bytes of one row of `cols` elements.
+inline uint64_t dtype_row_bytes(DType t, int64_t cols) { return uint64_t(cols) * dtype_size(t); }
+
 inline std::string_view dtype_name(DType t) {
   switch (t) {
     case DType::kF32: return "F32";

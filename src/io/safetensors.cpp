@@ -370,6 +370,18 @@ const TensorView* TensorSet::find(const std::string& name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+Status TensorSet::add_mapped(std::unique_ptr<MappedFile> file, std::vector<TensorView> views) {
+  for (TensorView& v : views) {
+    if (tensors_.count(v.name))
+      return make_error("tensor " + v.name + " appears in " + v.file + " and " +
+                        tensors_.at(v.name).file);
+    std::string name = v.name;
+    tensors_.emplace(std::move(name), std::move(v));
+  }
+  files_.push_back(std::move(file));
+  return {};
+}
+
 uint64_t TensorSet::file_bytes() const {
   uint64_t total = 0;
   for (const auto& f : files_) total += f->size();

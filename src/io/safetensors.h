@@ -51,6 +51,10 @@ class TensorSet {
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   // Sum of the sizes of the mapped files.
   uint64_t file_bytes() const;
+  // Adds tensors that live in another mapped file (a pack's expert file), taking ownership
+  // of the mapping. The caller has checked each view lies inside the file. Error on a name
+  // that is already present.
+  Status add_mapped(std::unique_ptr<MappedFile> file, std::vector<TensorView> views);
 
  private:
   Status add_file(const std::string& path);

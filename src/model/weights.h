@@ -23,7 +23,7 @@ struct Matrix {
   DType dtype = DType::kF32;
   int64_t rows = 0;
   int64_t cols = 0;
-  size_t n_bytes() const { return size_t(rows * cols) * dtype_size(dtype); }
+  size_t n_bytes() const { return size_t(rows) * dtype_row_bytes(dtype, cols); }
   bool present() const { return data != nullptr; }
 };
 

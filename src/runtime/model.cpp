@@ -4,6 +4,9 @@
 #include <map>
 #include <unordered_map>
 
+#include <optional>
+
+#include "io/pack.h"
 #include "io/safetensors.h"
 
 namespace ts::runtime {
@@ -45,6 +48,30 @@ experts::ExpertSource safetensors_source(const io::TensorSet& set,
   return src;
 }
 
+// Streaming source for a pack: each expert is one 4096-aligned blob of `stride` bytes, so
+// one read fills a slot and O_DIRECT works.
+experts::ExpertSource pack_source(const std::string& dir, const io::PackManifest& pack,
+                                  const model::ExpertTable& table) {
+  experts::ExpertSource src;
+  src.layers.resize(table.size());
+  for (const io::PackExpertLayer& l : pack.expert_layers) {
+    const int file = int(src.files.size());
+    src.files.push_back(dir + "/" + l.file);
+    for (size_t e = 0; e < l.offsets.size(); ++e) {
+      experts::ExpertLocation loc;
+      loc.layout = table[size_t(l.layer)][e];
+      loc.layout.gate.data = reinterpret_cast<const void*>(uintptr_t(l.gate.offset));
+      loc.layout.up.data = reinterpret_cast<const void*>(uintptr_t(l.up.offset));
+      loc.layout.down.data = reinterpret_cast<const void*>(uintptr_t(l.down.offset));
+      loc.pieces.push_back({.file = file, .file_offset = l.offsets[e], .n_bytes = l.stride,
+                            .slot_offset = 0});
+      loc.slot_bytes = l.stride;
+      src.layers[size_t(l.layer)].push_back(std::move(loc));
+    }
+  }
+  return src;
+}
+
 }  // namespace
 
 LoadedModel::~LoadedModel() = default;
@@ -56,8 +83,15 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
     return make_error("model directory " + dir + " does not exist");
   std::unique_ptr<LoadedModel> m(new LoadedModel());
   m->dir_ = dir;
-  TS_ASSIGN(m->hp_, model::load_hparams(dir));
-  TS_ASSIGN(m->tensors_, io::TensorSet::open_dir(dir));
+  std::optional<io::PackManifest> pack;
+  if (io::is_pack_dir(dir)) {
+    TS_ASSIGN(pack, io::read_pack_manifest(dir));
+    TS_ASSIGN(m->hp_, model::parse_hparams(pack->config.dump(), dir + "/manifest.json (config)"));
+    TS_ASSIGN(m->tensors_, io::open_pack_tensors(dir, *pack));
+  } else {
+    TS_ASSIGN(m->hp_, model::load_hparams(dir));
+    TS_ASSIGN(m->tensors_, io::TensorSet::open_dir(dir));
+  }
   TS_ASSIGN(m->weights_, model::bind_weights(m->hp_, *m->tensors_));
   m->counts_ = model::count_weights(m->hp_, m->weights_);
   switch (options.residency) {
@@ -79,8 +113,11 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
       }
       so.slots_per_layer = std::min(so.slots_per_layer, m->hp_.n_experts);
       m->slots_per_layer_ = so.slots_per_layer;
-      TS_ASSIGN(m->store_, experts::open_streamed_store(
-                               safetensors_source(*m->tensors_, m->weights_.experts), so));
+      TS_ASSIGN(m->store_,
+                experts::open_streamed_store(
+                    pack ? pack_source(dir, *pack, m->weights_.experts)
+                         : safetensors_source(*m->tensors_, m->weights_.experts),
+                    so));
       break;
     }
   }

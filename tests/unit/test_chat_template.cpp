@@ -54,6 +54,13 @@ std::tm fixed_time() {
   return tm;
 }
 
+SpecialTokens test_tokens() {
+  SpecialTokens t;
+  t.bos = "<s>";
+  t.eos = "</s>";
+  return t;
+}
+
 const ojson& expected() {
   static const ojson e = [] {
     std::string text = read_all(kData / "expected.json");
@@ -132,9 +139,10 @@ TEST_P(ReferenceRender, MatchesTransformersByteForByte) {
       if (!got.ok()) {
         // raise_exception() messages must come through verbatim.
         const std::string prefix = "TemplateError: ";
-        if (ref_error.rfind(prefix, 0) == 0)
+        if (ref_error.rfind(prefix, 0) == 0) {
           EXPECT_NE(got.error().message.find(ref_error.substr(prefix.size())), std::string::npos)
               << got.error().message;
+        }
       }
       ++compared_errors;
     }
@@ -177,11 +185,11 @@ TEST(ChatTemplateProbes, MatchTransformersEnvironment) {
     ctx.erase("tools");
     ctx.erase("add_generation_prompt");
     auto tmpl = ChatTemplate::from_source(p["template"].get<std::string>(),
-                                          SpecialTokens{.bos = "<s>", .eos = "</s>"});
-    Result<std::string> got = tmpl.ok() ? [&] {
+                                          test_tokens());
+    ts::Result<std::string> got = tmpl.ok() ? [&] {
       tmpl->set_fixed_time(fixed_time());
       return tmpl->render(messages, tools, agp, ctx);
-    }() : Result<std::string>(tmpl.error());
+    }() : ts::Result<std::string>(tmpl.error());
     if (want[name].contains("text")) {
       ASSERT_TRUE(got.ok()) << got.error().message;
       EXPECT_EQ(want[name]["text"].get<std::string>(), got.value());
@@ -197,7 +205,7 @@ TEST(ChatTemplateProbes, MatchTransformersEnvironment) {
 // Renders `source` with messages/extra from JSON text; returns the text or "ERROR: <message>".
 std::string render(const std::string& source, const std::string& extra_json = "{}",
                    const std::string& messages_json = "[]", bool agp = false) {
-  auto t = ChatTemplate::from_source(source, SpecialTokens{.bos = "<s>", .eos = "</s>"});
+  auto t = ChatTemplate::from_source(source, test_tokens());
   if (!t.ok()) return "ERROR: " + t.error().message;
   t->set_fixed_time(fixed_time());
   auto r = t->render(ojson::parse(messages_json), ojson(), agp, ojson::parse(extra_json));

@@ -175,7 +175,8 @@ TEST_P(Fixture, LogitsByteIdenticalAcrossResidencyModes) {
     for (CachePolicy p : {CachePolicy::kLru, CachePolicy::kLfu})
       modes.push_back({Residency::kStreamed, slots, p});
   for (const Mode& mode : modes) {
-    ts::runtime::LoadOptions opt{.residency = mode.residency};
+    ts::runtime::LoadOptions opt;
+    opt.residency = mode.residency;
     opt.streamed.slots_per_layer = std::max(1, mode.slots);
     opt.streamed.policy = mode.policy;
     auto m = ts::runtime::LoadedModel::load(dir_, opt);

@@ -12,6 +12,8 @@ Status cmd_generate(const Args& args);
 Status cmd_inspect(const Args& args);
 Status cmd_synth(const Args& args);
 Status cmd_bench(const Args& args);
+Status cmd_pack(const Args& args);
+Status cmd_verify(const Args& args);
 Status cmd_chat_template(const Args& args);
 Status cmd_tokenize(const Args& args);
 
