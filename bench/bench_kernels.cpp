@@ -17,7 +17,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <random>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -31,6 +33,45 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU time of the calling thread: on a shared 2-core box, wall time of a single-threaded
+// run includes time other processes held the core; thread CPU time does not. (Memory
+// bandwidth taken by other processes still shows in both.)
+double thread_cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+// Best rate over repetitions, by wall time and (single thread) by thread CPU time.
+struct Rate {
+  double wall = 0.0;
+  double cpu = 0.0;
+};
+
+template <class Fn>
+Rate best_rate(double work, int reps, const Fn& fn) {
+  Rate best;
+  for (int rep = 0; rep < reps; ++rep) {
+    double c0 = thread_cpu_seconds();
+    auto t0 = Clock::now();
+    fn();
+    double wall = seconds_since(t0), cpu = thread_cpu_seconds() - c0;
+    best.wall = std::max(best.wall, work / wall);
+    best.cpu = std::max(best.cpu, work / cpu);
+  }
+  return best;
+}
+
+std::string load_average() {
+  std::FILE* f = std::fopen("/proc/loadavg", "r");
+  if (f == nullptr) return "?";
+  char buf[64] = {};
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  std::string s(buf, n);
+  return s.substr(0, s.find(' '));
 }
 
 constexpr size_t kArenaBytes = size_t(1) << 30;
@@ -85,18 +126,16 @@ double measure_read_gbs(const std::vector<uint8_t>& arena) {
   return best;
 }
 
-// matvec over consecutive [rows, cols] windows of the arena; returns GB/s of weights read.
-double bench_matvec(ts::ThreadPool* pool, const std::vector<uint8_t>& arena, ts::DType wt,
-                    int64_t rows, int64_t cols, int reps) {
+// matvec over consecutive [rows, cols] windows of the arena, in GB/s of weights read.
+Rate bench_matvec(ts::ThreadPool* pool, const std::vector<uint8_t>& arena, ts::DType wt,
+                  int64_t rows, int64_t cols, int reps) {
   size_t mat_bytes = size_t(rows * cols) * ts::dtype_size(wt);
   size_t n_mats = std::max<size_t>(1, arena.size() / mat_bytes);
   std::vector<float> x(static_cast<size_t>(cols)), y(static_cast<size_t>(rows));
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   for (auto& v : x) v = dist(rng);
-  double best = 0.0;
-  for (int rep = 0; rep < reps; ++rep) {
-    auto t0 = Clock::now();
+  return best_rate(double(mat_bytes * n_mats) / 1e9, reps, [&] {
     for (size_t m = 0; m < n_mats; ++m) {
       const void* w = arena.data() + m * mat_bytes;
       if (pool != nullptr) {
@@ -105,53 +144,49 @@ double bench_matvec(ts::ThreadPool* pool, const std::vector<uint8_t>& arena, ts:
         ts::cpu::matvec_rows(w, wt, x.data(), y.data(), cols, 0, rows);
       }
     }
-    best = std::max(best, double(mat_bytes * n_mats) / seconds_since(t0) / 1e9);
-  }
-  return best;
+  });
 }
 
-// matmul of n_tokens x [rows, cols]; weights reused across reps (it is compute-bound).
-double bench_matmul(ts::ThreadPool* pool, const std::vector<uint8_t>& arena, ts::DType wt,
-                    int64_t n_tokens, int64_t rows, int64_t cols, int reps) {
+// matmul of n_tokens x [rows, cols] in GFLOP/s; the same weights every rep (2048 x 2048 is
+// 8 MiB in BF16: compute-bound, mostly from L2/L3).
+Rate bench_matmul(ts::ThreadPool* pool, const std::vector<uint8_t>& arena, ts::DType wt,
+                  int64_t n_tokens, int64_t rows, int64_t cols, int reps) {
   std::vector<float> x(static_cast<size_t>(n_tokens * cols));
   std::vector<float> y(static_cast<size_t>(n_tokens * rows));
   std::mt19937 rng(2);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   for (auto& v : x) v = dist(rng);
-  double flops = 2.0 * double(n_tokens) * double(rows) * double(cols);
-  double best = 0.0;
-  for (int rep = 0; rep < reps; ++rep) {
-    auto t0 = Clock::now();
+  double gflop = 2.0 * double(n_tokens) * double(rows) * double(cols) / 1e9;
+  return best_rate(gflop, reps, [&] {
     if (pool != nullptr) {
       ts::cpu::matmul(*pool, arena.data(), wt, x.data(), n_tokens, y.data(), rows, cols);
     } else {
       ts::cpu::matmul_rows(arena.data(), wt, x.data(), n_tokens, y.data(), rows, cols, 0, rows);
     }
-    best = std::max(best, flops / seconds_since(t0) / 1e9);
-  }
-  return best;
+  });
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = argc > 1 && std::string_view(argv[1]) == "--quick";
-  int reps = quick ? 2 : 4;
+  int reps = quick ? 2 : 5;
   std::vector<uint8_t> arena(kArenaBytes);
   std::mt19937 rng(42);
   ts::ThreadPool pool2(2);
-  std::printf("detected ISA: %s\n", std::string(ts::cpu::isa_name(ts::cpu::detect_isa())).c_str());
+  std::printf("detected ISA: %s; load average at start: %s\n",
+              std::string(ts::cpu::isa_name(ts::cpu::detect_isa())).c_str(),
+              load_average().c_str());
 
   fill_weights(arena, ts::DType::kF32, rng);
-  double read_gbs = measure_read_gbs(arena);
-  std::printf("roofline: AVX-512 read of 1 GiB, 1 thread: %.1f GB/s\n\n", read_gbs);
+  std::printf("roofline: AVX-512 read of 1 GiB, 1 thread: %.1f GB/s\n\n", measure_read_gbs(arena));
 
   const ts::DType dtypes[] = {ts::DType::kF32, ts::DType::kF16, ts::DType::kBF16};
   const ts::cpu::Isa isas[] = {ts::cpu::Isa::kPortable, ts::cpu::Isa::kAvx2, ts::cpu::Isa::kAvx512};
-  std::printf("%-9s %-5s %12s %12s %12s %14s %14s\n", "isa", "dtype", "mv4096 1t", "mv4096 2t",
-              "lmhead 2t", "mm256 1t", "mm256 2t");
-  std::printf("%-9s %-5s %12s %12s %12s %14s %14s\n", "", "", "GB/s", "GB/s", "GB/s", "GFLOP/s",
-              "GFLOP/s");
+  std::printf("%-9s %-5s | %-24s | %-9s | %-27s\n", "", "", "matvec 4096x4096, GB/s", "lm head",
+              "matmul T=256 2048x2048 GFLOP/s");
+  std::printf("%-9s %-5s | %7s %7s %8s | %9s | %8s %8s %9s\n", "isa", "dtype", "1t", "1t-cpu", "2t",
+              "2t GB/s", "1t", "1t-cpu", "2t");
   for (ts::DType wt : dtypes) {
     fill_weights(arena, wt, rng);
     for (ts::cpu::Isa isa : isas) {
@@ -159,22 +194,25 @@ int main(int argc, char** argv) {
       ts::cpu::set_active_isa(isa);
       bool slow = isa == ts::cpu::Isa::kPortable;
       int r = slow ? 1 : reps;
-      double mv1 = bench_matvec(nullptr, arena, wt, 4096, 4096, r);
-      double mv2 = bench_matvec(&pool2, arena, wt, 4096, 4096, r);
+      Rate mv1 = bench_matvec(nullptr, arena, wt, 4096, 4096, r);
+      Rate mv2 = bench_matvec(&pool2, arena, wt, 4096, 4096, r);
       // lm head of a 152k vocabulary, d_model 2048 (BF16: 622 MB); F32 is cut to the arena.
       int64_t lm_rows =
           std::min<int64_t>(151936, int64_t(kArenaBytes / (2048 * ts::dtype_size(wt))));
-      double lm = slow ? 0.0 : bench_matvec(&pool2, arena, wt, lm_rows, 2048, r);
-      double mm1 = bench_matmul(nullptr, arena, wt, slow ? 16 : 256, 2048, 2048, r);
-      double mm2 = bench_matmul(&pool2, arena, wt, slow ? 16 : 256, 2048, 2048, r);
-      std::printf("%-9s %-5s %12.1f %12.1f %12.1f %14.1f %14.1f%s\n",
+      Rate lm = slow ? Rate{} : bench_matvec(&pool2, arena, wt, lm_rows, 2048, r);
+      int64_t n_tokens = slow ? 16 : 256;
+      Rate mm1 = bench_matmul(nullptr, arena, wt, n_tokens, 2048, 2048, r);
+      Rate mm2 = bench_matmul(&pool2, arena, wt, n_tokens, 2048, 2048, r);
+      std::printf("%-9s %-5s | %7.1f %7.1f %8.1f | %9.1f | %8.1f %8.1f %9.1f%s\n",
                   std::string(ts::cpu::isa_name(isa)).c_str(),
-                  std::string(ts::dtype_name(wt)).c_str(), mv1, mv2, lm, mm1, mm2,
-                  slow ? "  (matmul with 16 tokens)" : "");
+                  std::string(ts::dtype_name(wt)).c_str(), mv1.wall, mv1.cpu, mv2.wall, lm.wall,
+                  mm1.wall, mm1.cpu, mm2.wall, slow ? "  (T=16)" : "");
     }
   }
   std::printf(
-      "\nmv4096: 4096x4096 matvec cycling through 1 GiB of weights; lmhead: 151936 rows "
-      "x 2048 cols; mm256: 256 tokens x [2048, 2048].\n");
+      "\nmatvec cycles through 1 GiB of weights (DRAM, not L3); lm head: 151936 x 2048 (F32: "
+      "cut to 1 GiB), 2 threads. 1t-cpu: work / thread CPU time (excludes time other "
+      "processes held the core). Best of %d. Load average at end: %s\n",
+      reps, load_average().c_str());
   return 0;
 }

@@ -22,8 +22,7 @@ Result<Args> Args::parse(const std::vector<std::string>& argv,
         if (i + 1 >= argv.size()) return make_error("flag --" + name + " needs a value");
         value = argv[++i];
       }
-      if (a.values_.count(name)) return make_error("flag --" + name + " given twice");
-      a.values_[name] = value;
+      a.values_[name].push_back(value);
     } else {
       a.positional_.push_back(s);
     }
@@ -36,32 +35,41 @@ bool Args::has(const std::string& name) const {
   return values_.count(name) > 0;
 }
 
-Result<std::string> Args::str(const std::string& name) const {
+std::vector<std::string> Args::all(const std::string& name) const {
+  used_.insert(name);
+  repeatable_.insert(name);
+  auto it = values_.find(name);
+  return it == values_.end() ? std::vector<std::string>{} : it->second;
+}
+
+Result<std::string> Args::single(const std::string& name) const {
   used_.insert(name);
   auto it = values_.find(name);
   if (it == values_.end()) return make_error("missing required flag --" + name);
-  return it->second;
+  if (it->second.size() > 1) return make_error("flag --" + name + " given twice");
+  return it->second[0];
 }
 
+Result<std::string> Args::str(const std::string& name) const { return single(name); }
+
 std::string Args::str_or(const std::string& name, const std::string& fallback) const {
-  used_.insert(name);
-  auto it = values_.find(name);
-  return it == values_.end() ? fallback : it->second;
+  auto r = single(name);
+  return r.ok() ? r.value() : fallback;
 }
 
 Result<int64_t> Args::integer_or(const std::string& name, int64_t fallback, int64_t lo,
                                  int64_t hi) const {
   used_.insert(name);
-  auto it = values_.find(name);
-  if (it == values_.end()) return fallback;
-  const char* s = it->second.c_str();
+  if (!values_.count(name)) return fallback;
+  TS_ASSIGN(std::string text, single(name));
+  const char* s = text.c_str();
   char* end = nullptr;
   errno = 0;
   long long v = std::strtoll(s, &end, 10);
   if (errno || end == s || *end)
-    return make_error("flag --" + name + ": '" + it->second + "' is not an integer");
+    return make_error("flag --" + name + ": '" + text + "' is not an integer");
   if (v < lo || v > hi)
-    return make_error("flag --" + name + ": " + it->second + " is outside [" +
+    return make_error("flag --" + name + ": " + text + " is outside [" +
                       std::to_string(lo) + ", " + std::to_string(hi) + "]");
   return int64_t(v);
 }
@@ -69,21 +77,24 @@ Result<int64_t> Args::integer_or(const std::string& name, int64_t fallback, int6
 Result<double> Args::number_or(const std::string& name, double fallback, double lo,
                                double hi) const {
   used_.insert(name);
-  auto it = values_.find(name);
-  if (it == values_.end()) return fallback;
-  const char* s = it->second.c_str();
+  if (!values_.count(name)) return fallback;
+  TS_ASSIGN(std::string text, single(name));
+  const char* s = text.c_str();
   char* end = nullptr;
   errno = 0;
   double v = std::strtod(s, &end);
   if (errno || end == s || *end || !(v >= lo && v <= hi))
-    return make_error("flag --" + name + ": '" + it->second + "' is not a number in [" +
+    return make_error("flag --" + name + ": '" + text + "' is not a number in [" +
                       std::to_string(lo) + ", " + std::to_string(hi) + "]");
   return v;
 }
 
 Status Args::check_all_used() const {
-  for (const auto& [name, value] : values_)
+  for (const auto& [name, values] : values_) {
     if (!used_.count(name)) return make_error("unknown flag --" + name);
+    if (values.size() > 1 && !repeatable_.count(name))
+      return make_error("flag --" + name + " given twice");
+  }
   return {};
 }
 

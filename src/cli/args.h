@@ -18,6 +18,8 @@ class Args {
                             const std::set<std::string>& flags_without_value);
 
   bool has(const std::string& name) const;
+  // Every value of a repeatable flag, in order (empty when absent).
+  std::vector<std::string> all(const std::string& name) const;
   Result<std::string> str(const std::string& name) const;  // required
   std::string str_or(const std::string& name, const std::string& fallback) const;
   Result<int64_t> integer_or(const std::string& name, int64_t fallback, int64_t lo,
@@ -28,9 +30,11 @@ class Args {
   const std::vector<std::string>& positional() const { return positional_; }
 
  private:
-  std::map<std::string, std::string> values_;
+  Result<std::string> single(const std::string& name) const;  // error if given twice
+  std::map<std::string, std::vector<std::string>> values_;
   std::vector<std::string> positional_;
   mutable std::set<std::string> used_;
+  mutable std::set<std::string> repeatable_;  // read through all()
 };
 
 // "1,2,3" -> ids. Errors name the bad element.

@@ -17,7 +17,7 @@ constexpr const char* kUsage =
     "  generate --model DIR --tokens 1,2,3 -n N [--temperature T --top-k K --top-p P --seed S]\n"
     "  inspect  --model DIR [--json]                         shapes, parameters, bytes\n"
     "  synth    --config CONFIG.json --out DIR [--dtype bf16] [--seed N]\n"
-    "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G] [--json]\n"
+    "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G --no-warmup] [--json]\n"
     "  chat-template --model DIR --messages FILE.json [--tools F.json --kwargs F.json --add-generation-prompt]\n"
     "  tokenize --model DIR --input FILE.jsonl [--add-special]  JSON string per line -> ids\n"
     "  pack     --model HF_DIR --out PACK_DIR [--experts-quant q8_0|q4_k]\n"
@@ -26,7 +26,9 @@ constexpr const char* kUsage =
     "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
     "  --expert-cache-slots N | --expert-cache-mb M   streamed cache size (slots per layer)\n"
     "  --cache-policy lru|lfu  --direct-io  --io-threads N   streamed cache and readers\n"
-    "  --stats (or TURBOSPARK_PHASES=1)  --router-hist FILE.json\n";
+    "  --stats (or TURBOSPARK_PHASES=1)  --router-hist FILE.json  --router-trace FILE.jsonl\n"
+    "  --capture-residual LAYERS --capture-out FILE.npy|.safetensors [--capture-last]\n"
+    "  --steer FILE.npy@LAYERS[:SCALE[:add|ablate|clamp|renorm]]  (repeatable)\n";
 
 struct Command {
   const char* name;
@@ -42,11 +44,11 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const Command commands[] = {
-      {"logits", ts::cli::cmd_logits, {"direct-io", "stats"}},
-      {"generate", ts::cli::cmd_generate, {"direct-io", "stats"}},
+      {"logits", ts::cli::cmd_logits, {"direct-io", "stats", "capture-last"}},
+      {"generate", ts::cli::cmd_generate, {"direct-io", "stats", "capture-last"}},
       {"inspect", ts::cli::cmd_inspect, {"json"}},
       {"synth", ts::cli::cmd_synth, {}},
-      {"bench", ts::cli::cmd_bench, {"json", "direct-io", "stats"}},
+      {"bench", ts::cli::cmd_bench, {"json", "direct-io", "stats", "no-warmup"}},
       {"pack", ts::cli::cmd_pack, {}},
       {"verify", ts::cli::cmd_verify, {}},
       {"chat-template", ts::cli::cmd_chat_template, {"add-generation-prompt"}},

@@ -1,8 +1,21 @@
 #include "core/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TS_CPU_RELAX() _mm_pause()
+#else
+#define TS_CPU_RELAX() std::this_thread::yield()
+#endif
 
 namespace ts {
+namespace {
+// How long an idle worker spins before it sleeps. Long enough to cover the gaps between the
+// parallel-fors of one decode step, short enough not to burn a core between requests.
+constexpr auto kSpin = std::chrono::microseconds(2000);
+}  // namespace
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
   for (int i = 1; i < n_threads_; ++i) threads_.emplace_back([this, i] { worker(i); });
@@ -11,7 +24,7 @@ ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   cv_start_.notify_all();
   for (auto& t : threads_) t.join();
@@ -20,19 +33,25 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::worker(int index) {
   uint64_t seen = 0;
   for (;;) {
-    const std::function<void(int)>* job;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      job = job_;
+    // Spin, then sleep, until a new generation (or stop).
+    auto t0 = std::chrono::steady_clock::now();
+    int spins = 0;
+    while (generation_.load(std::memory_order_acquire) == seen && !stop_.load()) {
+      TS_CPU_RELAX();
+      if (++spins % 1024 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
+        std::unique_lock<std::mutex> lock(mu_);
+        sleepers_.fetch_add(1);
+        cv_start_.wait(lock, [&] {
+          return stop_.load() || generation_.load(std::memory_order_acquire) != seen;
+        });
+        sleepers_.fetch_sub(1);
+        break;
+      }
     }
-    (*job)(index);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) cv_done_.notify_one();
-    }
+    if (stop_.load()) return;
+    seen = generation_.load(std::memory_order_acquire);
+    (*job_)(index);
+    pending_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
@@ -41,16 +60,16 @@ void ThreadPool::run_on_all(const std::function<void(int)>& fn) {
     fn(0);
     return;
   }
+  job_ = &fn;
+  pending_.store(n_threads_ - 1, std::memory_order_release);
   {
+    // Publishing under the mutex pairs with a worker's check-then-sleep.
     std::lock_guard<std::mutex> lock(mu_);
-    job_ = &fn;
-    pending_ = n_threads_ - 1;
-    ++generation_;
+    generation_.fetch_add(1, std::memory_order_acq_rel);
   }
-  cv_start_.notify_all();
+  if (sleepers_.load() > 0) cv_start_.notify_all();
   fn(0);
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_done_.wait(lock, [&] { return pending_ == 0; });
+  while (pending_.load(std::memory_order_acquire) != 0) TS_CPU_RELAX();
   job_ = nullptr;
 }
 

@@ -2,8 +2,14 @@
 // takes part as worker 0. Work is split into contiguous ranges by index, so a row's result
 // never depends on how many threads ran (each row is computed by exactly one thread with
 // one fixed summation order): output is identical for any thread count.
+//
+// Workers spin on an atomic generation counter for a short while before sleeping on a
+// condition variable: a decode step issues hundreds of small parallel-fors, and waking a
+// sleeping thread costs tens of microseconds each (measured: decode of the 2 GB bench model
+// went from ~20 to ~XX tok/s, docs/PERF.md).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -35,11 +41,12 @@ class ThreadPool {
   int n_threads_;
   std::vector<std::thread> threads_;
   std::mutex mu_;
-  std::condition_variable cv_start_, cv_done_;
+  std::condition_variable cv_start_;
   const std::function<void(int)>* job_ = nullptr;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> stop_{false};
 };
 
 }  // namespace ts

@@ -66,6 +66,35 @@ Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions opti
   sel_w_.resize(c * size_t(hp.top_k));
   last_logits_.resize(size_t(hp.vocab));
   router_hist_.assign(size_t(hp.n_layers) * size_t(hp.n_experts), 0);
+  iv_ = std::move(options.interventions);
+  iv_.steer.resize(size_t(hp.n_layers));
+  capture_index_.assign(size_t(hp.n_layers) + 1, -1);
+  for (int l : iv_.capture_layers) {
+    TS_CHECK(l >= -1 && l < hp.n_layers, "capture layer validated by parse_layer_list");
+    capture_index_[size_t(l + 1)] = int(captures_.size());
+    captures_.emplace_back();
+  }
+}
+
+int64_t Session::captured_positions() const {
+  if (captures_.empty()) return 0;
+  return int64_t(captures_[0].size()) / model_.hp().d_model;
+}
+
+void Session::layer_boundary(int layer, int n, bool last_chunk) {
+  const size_t d = size_t(model_.hp().d_model);
+  if (layer >= 0)
+    for (const SteerOp& op : iv_.steer[size_t(layer)])
+      for (int t = 0; t < n; ++t) apply_steer(op, x_.data() + size_t(t) * d, int64_t(d));
+  const int c = capture_index_[size_t(layer + 1)];
+  if (c < 0) return;
+  if (iv_.capture_last) {
+    if (!last_chunk) return;
+    const float* row = x_.data() + size_t(n - 1) * d;
+    captures_[size_t(c)].insert(captures_[size_t(c)].end(), row, row + d);
+  } else {
+    captures_[size_t(c)].insert(captures_[size_t(c)].end(), x_.data(), x_.data() + size_t(n) * d);
+  }
 }
 
 Status Session::forward(std::span<const int> tokens, std::vector<float>* all_logits) {
@@ -83,9 +112,11 @@ Status Session::forward(std::span<const int> tokens, std::vector<float>* all_log
   if (all_logits) all_logits->assign(tokens.size() * size_t(hp.vocab), 0.0f);
   for (size_t b = 0; b < tokens.size(); b += size_t(chunk_)) {
     const size_t pos0 = size_t(pos_);
+    const bool last_chunk = b + size_t(chunk_) >= tokens.size();
     int n = int(std::min(tokens.size() - b, size_t(chunk_)));
     Status st = forward_chunk(tokens.data() + b, n,
-                              all_logits ? all_logits->data() + b * size_t(hp.vocab) : nullptr);
+                              all_logits ? all_logits->data() + b * size_t(hp.vocab) : nullptr,
+                              last_chunk);
     if (!st.ok()) {
       pos_ = int(pos0);  // the failed chunk's KV rows are ignored; earlier chunks stay
       return st;
@@ -94,7 +125,7 @@ Status Session::forward(std::span<const int> tokens, std::vector<float>* all_log
   return {};
 }
 
-Status Session::forward_chunk(const int* tokens, int n, float* logits_out) {
+Status Session::forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk) {
   const model::HParams& hp = model_.hp();
   const model::DenseWeights& w = model_.dense();
   const size_t d = size_t(hp.d_model);
@@ -113,6 +144,7 @@ Status Session::forward_chunk(const int* tokens, int n, float* logits_out) {
       }
     }
   }
+  layer_boundary(-1, n, last_chunk);
   for (int l = 0; l < hp.n_layers; ++l) {
     attention_block(l, n);
     const model::LayerWeights& L = w.layers[size_t(l)];
@@ -125,6 +157,7 @@ Status Session::forward_chunk(const int* tokens, int n, float* logits_out) {
       for (size_t i = 0; i < size_t(n) * d; ++i) x_[i] += tmp_[i];
       phases_.dense_ffn_us += us_since(t0);
     }
+    layer_boundary(l, n, last_chunk);
   }
   pos_ += n;
   auto t0 = Clock::now();
@@ -222,6 +255,13 @@ Status Session::moe_block(int layer, int n) {
     slots_of[size_t(sel_ids_[s])].push_back(int(s));
     ++router_hist_[size_t(layer) * size_t(hp.n_experts) + size_t(sel_ids_[s])];
   }
+  if (iv_.trace_router)
+    for (int t = 0; t < n; ++t)
+      trace_.push_back({pos_ + t, layer,
+                        std::vector<int>(sel_ids_.begin() + long(size_t(t) * k),
+                                         sel_ids_.begin() + long(size_t(t + 1) * k)),
+                        std::vector<float>(sel_w_.begin() + long(size_t(t) * k),
+                                           sel_w_.begin() + long(size_t(t + 1) * k))});
   std::vector<int> used;
   for (int e = 0; e < hp.n_experts; ++e)
     if (!slots_of[size_t(e)].empty()) used.push_back(e);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "runtime/interventions.h"
 #include "runtime/model.h"
 
 namespace ts {
@@ -20,6 +21,15 @@ namespace ts::runtime {
 struct SessionOptions {
   int n_ctx = 0;           // KV cache length; 0 = min(max_position_embeddings, 4096)
   int prefill_chunk = 256;  // tokens per forward chunk during prefill
+  Interventions interventions;  // steering, residual capture, router trace
+};
+
+// One token's selection at one layer, in rank order.
+struct RouterTraceEntry {
+  int position;
+  int layer;
+  std::vector<int> ids;
+  std::vector<float> weights;
 };
 
 // Time per phase, microseconds, accumulated over the session's forward calls.
@@ -49,9 +59,15 @@ class Session {
   const PhaseTimes& phases() const { return phases_; }
   // Selections per (layer, expert), [n_layers * n_experts], over the session's lifetime.
   const std::vector<uint64_t>& router_hist() const { return router_hist_; }
+  // Captured residual rows per capture layer (options.interventions.capture_layers order),
+  // each [captured_positions(), d_model] row-major.
+  const std::vector<std::vector<float>>& captures() const { return captures_; }
+  int64_t captured_positions() const;
+  const std::vector<RouterTraceEntry>& router_trace() const { return trace_; }
 
  private:
-  Status forward_chunk(const int* tokens, int n, float* logits_out);
+  Status forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk);
+  void layer_boundary(int layer, int n, bool last_chunk);  // steering + capture
   void attention_block(int layer, int n);
   Status moe_block(int layer, int n);
   void dense_mlp_block(const model::ExpertWeights& mlp, int n, int d_hidden, float* out);
@@ -70,6 +86,10 @@ class Session {
   std::vector<float> last_logits_;
   PhaseTimes phases_;
   std::vector<uint64_t> router_hist_;
+  Interventions iv_;
+  std::vector<int> capture_index_;  // [n_layers + 1]: slot in captures_ or -1 (index 0 = embedding)
+  std::vector<std::vector<float>> captures_;
+  std::vector<RouterTraceEntry> trace_;
 };
 
 }  // namespace ts::runtime

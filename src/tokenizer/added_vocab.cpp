@@ -34,8 +34,7 @@ void AddedTokenMatcher::build(std::vector<AddedToken> tokens, std::vector<std::s
   patterns_ = std::move(patterns);
   by_first_byte_.assign(256, {});
   for (size_t k = 0; k < patterns_.size(); ++k)
-    if (!patterns_[k].empty())
-      by_first_byte_[(unsigned char)patterns_[k][0]].push_back(int(k));
+    if (!patterns_[k].empty()) by_first_byte_[(unsigned char)patterns_[k][0]].push_back(int(k));
   for (auto& bucket : by_first_byte_) {
     std::stable_sort(bucket.begin(), bucket.end(), [&](int a, int b) {
       return patterns_[size_t(a)].size() > patterns_[size_t(b)].size();

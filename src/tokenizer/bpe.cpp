@@ -22,24 +22,89 @@ Result<std::string> optional_string(const nlohmann::json& j, const char* key,
 
 }  // namespace
 
-Result<std::unique_ptr<BpeModel>> BpeModel::parse(const nlohmann::json& j,
-                                                  const std::string& where) {
-  auto m = std::make_unique<BpeModel>();
-  auto vocab = j.find("vocab");
-  if (vocab == j.end() || !vocab->is_object())
-    return make_error(where + ".vocab: missing or not an object of token -> id");
-  int max_id = -1;
-  m->vocab_.reserve(vocab->size());
-  for (auto it = vocab->begin(); it != vocab->end(); ++it) {
-    if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
-        it.value().get<int64_t>() > INT32_MAX)
-      return make_error(where + ".vocab[\"" + it.key() + "\"]: expected a non-negative id");
-    int id = it.value().get<int>();
-    m->vocab_.emplace(it.key(), id);
-    max_id = std::max(max_id, id);
+void StringIndex::build(const std::vector<std::string>& keys) {
+  keys_ = &keys;
+  size_t cap = 16;
+  while (cap < keys.size() * 2) cap *= 2;
+  slots_.assign(cap, 0);
+  mask_ = cap - 1;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    uint64_t h = std::hash<std::string_view>{}(keys[k]);
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      if (slots_[i] == 0) {
+        slots_[i] = (h >> 32 << 32) | (k + 1);
+        break;
+      }
+    }
   }
-  m->id_to_token_.resize(size_t(max_id + 1));
-  for (const auto& [token, id] : m->vocab_) m->id_to_token_[size_t(id)] = token;
+}
+
+int StringIndex::find(std::string_view key) const {
+  if (slots_.empty()) return -1;
+  uint64_t h = std::hash<std::string_view>{}(key);
+  for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+    uint64_t s = slots_[i];
+    if (s == 0) return -1;
+    if ((s >> 32) == (h >> 32)) {
+      size_t k = size_t(uint32_t(s)) - 1;
+      if ((*keys_)[k] == key) return int(k);
+    }
+  }
+}
+
+void BpeModel::PairMap::reserve(size_t n) {
+  size_t cap = 16;
+  while (cap < n * 2) cap *= 2;
+  keys_.assign(cap, kEmpty);
+  values_.assign(cap, MergeInfo{});
+  mask_ = cap - 1;
+}
+
+size_t BpeModel::PairMap::slot(uint64_t key) const {
+  // splitmix64 finaliser: the keys are two small ids, which need mixing before masking.
+  uint64_t h = key;
+  h ^= h >> 30;
+  h *= 0xbf58476d1ce4e5b9ULL;
+  h ^= h >> 27;
+  h *= 0x94d049bb133111ebULL;
+  h ^= h >> 31;
+  for (size_t i = h & mask_;; i = (i + 1) & mask_)
+    if (keys_[i] == key || keys_[i] == kEmpty) return i;
+}
+
+void BpeModel::PairMap::put(uint64_t key, MergeInfo v) {
+  size_t i = slot(key);
+  keys_[i] = key;
+  values_[i] = v;
+}
+
+const BpeModel::MergeInfo* BpeModel::PairMap::find(uint64_t key) const {
+  if (keys_.empty()) return nullptr;
+  size_t i = slot(key);
+  return keys_[i] == key ? &values_[i] : nullptr;
+}
+
+Result<std::unique_ptr<BpeModel>> BpeModel::parse(TokenizerJson& file, const std::string& where) {
+  const nlohmann::json& j = file.root["model"];
+  auto m = std::make_unique<BpeModel>();
+  if (!file.has_vocab) return make_error(where + ".vocab: missing or not an object of token -> id");
+  if (!file.vocab_ids_are_integers) return make_error(where + ".vocab: ids must be integers");
+  int max_id = -1;
+  m->tokens_.reserve(file.vocab.size());
+  m->entry_ids_.reserve(file.vocab.size());
+  for (auto& [token, id] : file.vocab) {
+    if (id < 0 || id > INT32_MAX)
+      return make_error(where + ".vocab[\"" + token + "\"]: id " + std::to_string(id) +
+                        " is out of range");
+    m->tokens_.push_back(std::move(token));
+    m->entry_ids_.push_back(int(id));
+    max_id = std::max(max_id, int(id));
+  }
+  file.vocab.clear();
+  m->index_.build(m->tokens_);
+  m->id_to_entry_.assign(size_t(max_id + 1), -1);
+  for (size_t e = 0; e < m->entry_ids_.size(); ++e)
+    m->id_to_entry_[size_t(m->entry_ids_[e])] = int(e);
 
   TS_ASSIGN(m->continuing_subword_prefix_, optional_string(j, "continuing_subword_prefix", where));
   TS_ASSIGN(m->end_of_word_suffix_, optional_string(j, "end_of_word_suffix", where));
@@ -58,50 +123,48 @@ Result<std::unique_ptr<BpeModel>> BpeModel::parse(const nlohmann::json& j,
     m->byte_ids_[b] = m->token_to_id(name).value_or(-1);
   }
 
-  auto merges = j.find("merges");
-  if (merges == j.end() || !merges->is_array())
-    return make_error(where + ".merges: missing or not an array");
-  m->merges_.reserve(merges->size());
+  if (!file.has_merges) return make_error(where + ".merges: missing or not an array");
+  if (file.first_bad_merge >= 0)
+    return make_error(where + ".merges[" + std::to_string(file.first_bad_merge) +
+                      "]: expected \"left right\" or [\"left\", \"right\"]");
+  m->merges_.reserve(file.merges.size());
   const size_t prefix_len = m->continuing_subword_prefix_.size();
-  std::string a, b;
-  for (size_t rank = 0; rank < merges->size(); ++rank) {
-    const nlohmann::json& e = (*merges)[rank];
+  std::string merged;
+  for (size_t rank = 0; rank < file.merges.size(); ++rank) {
     auto bad = [&](const std::string& why) {
       return make_error(where + ".merges[" + std::to_string(rank) + "]: " + why);
     };
-    if (e.is_string()) {
-      const std::string& line = e.get_ref<const std::string&>();
+    std::string_view a = file.merges[rank].first, b = file.merges[rank].second;
+    if (!file.merge_is_pair[rank]) {
+      std::string_view line = a;
       size_t sp = line.find(' ');
-      if (sp == std::string::npos || line.find(' ', sp + 1) != std::string::npos)
-        return bad("expected \"left right\" with one space, got \"" + line + "\"");
+      if (sp == std::string_view::npos || line.find(' ', sp + 1) != std::string_view::npos)
+        return bad("expected \"left right\" with one space, got \"" + std::string(line) + "\"");
       a = line.substr(0, sp);
       b = line.substr(sp + 1);
-    } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
-      a = e[0].get<std::string>();
-      b = e[1].get<std::string>();
-    } else {
-      return bad("expected \"left right\" or [\"left\", \"right\"]");
     }
     auto ia = m->token_to_id(a), ib = m->token_to_id(b);
-    if (!ia || !ib) return bad("token '" + (ia ? b : a) + "' is not in the vocab");
-    std::string merged = a + (b.size() >= prefix_len ? b.substr(prefix_len) : b);
+    if (!ia || !ib) return bad("token '" + std::string(ia ? b : a) + "' is not in the vocab");
+    merged.assign(a);
+    merged.append(b.size() >= prefix_len ? b.substr(prefix_len) : b);
     auto in = m->token_to_id(merged);
     if (!in) return bad("merged token '" + merged + "' is not in the vocab");
     // A repeated pair keeps the later rank, as Hugging Face's HashMap collect does.
-    m->merges_[pair_key(*ia, *ib)] = MergeInfo{int(rank), *in};
+    m->merges_.put(pair_key(*ia, *ib), MergeInfo{int(rank), *in});
   }
+  file.merges.clear();
   return m;
 }
 
 std::optional<int> BpeModel::token_to_id(std::string_view token) const {
-  auto it = vocab_.find(token);
-  if (it == vocab_.end()) return std::nullopt;
-  return it->second;
+  int e = index_.find(token);
+  if (e < 0) return std::nullopt;
+  return entry_ids_[size_t(e)];
 }
 
 std::string_view BpeModel::id_to_token(int id) const {
-  if (id < 0 || size_t(id) >= id_to_token_.size()) return {};
-  return id_to_token_[size_t(id)];
+  if (id < 0 || size_t(id) >= id_to_entry_.size() || id_to_entry_[size_t(id)] < 0) return {};
+  return tokens_[size_t(id_to_entry_[size_t(id)])];
 }
 
 void BpeModel::tokenize(std::string_view word, std::vector<int>& out) const {
@@ -185,10 +248,7 @@ void BpeModel::merge_word(std::string_view w, std::vector<int>& out) const {
     }
   };
   std::priority_queue<Candidate> queue;
-  auto find_merge = [&](int a, int b) -> const MergeInfo* {
-    auto it = merges_.find(pair_key(a, b));
-    return it == merges_.end() ? nullptr : &it->second;
-  };
+  auto find_merge = [&](int a, int b) { return merges_.find(pair_key(a, b)); };
   for (size_t k = 0; k + 1 < symbols.size(); ++k) {
     if (const MergeInfo* m = find_merge(symbols[k].id, symbols[k + 1].id))
       queue.push({m->rank, int(k), m->new_id});

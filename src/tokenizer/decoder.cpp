@@ -186,8 +186,12 @@ std::string Decoder::decode(std::vector<std::string> tokens) const {
   using K = DecoderStep::Kind;
   for (const DecoderStep& step : steps_) {
     switch (step.kind) {
-      case K::kByteLevel: tokens = byte_level(tokens); break;
-      case K::kByteFallback: tokens = byte_fallback(std::move(tokens)); break;
+      case K::kByteLevel:
+        tokens = byte_level(tokens);
+        break;
+      case K::kByteFallback:
+        tokens = byte_fallback(std::move(tokens));
+        break;
       case K::kReplace:
         for (std::string& t : tokens) t = replace_matches(t, *step.regex, step.text);
         break;

@@ -6,11 +6,10 @@
 // with U+FFFD exactly as Hugging Face does (maximal subparts / one per byte respectively).
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "tokenizer/regex.h"

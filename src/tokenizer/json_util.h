@@ -1,9 +1,8 @@
 // Typed access to tokenizer.json fields with errors that name the JSON path.
 #pragma once
 
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "core/status.h"
 #include "tokenizer/regex.h"

@@ -15,9 +15,9 @@ namespace {
 std::string utf8proc_normalize(const std::string& s, int options) {
   if (s.empty()) return s;
   utf8proc_uint8_t* dst = nullptr;
-  utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                    utf8proc_ssize_t(s.size()), &dst,
-                                    utf8proc_option_t(options | UTF8PROC_STABLE));
+  utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), utf8proc_ssize_t(s.size()),
+                   &dst, utf8proc_option_t(options | UTF8PROC_STABLE));
   // utf8proc only fails on invalid UTF-8 or out of memory; the input was repaired before,
   // so keep the text unchanged rather than lose it.
   if (n < 0) return s;
@@ -66,8 +66,8 @@ std::string strip(const std::string& s, bool left, bool right) {
 
 bool is_unicode_whitespace(char32_t c) {
   return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
-         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
-         c == 0x205F || c == 0x3000;
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+         c == 0x3000;
 }
 
 Result<Normalizer> Normalizer::parse(const nlohmann::json& j, const std::string& where) {
@@ -121,16 +121,28 @@ std::string Normalizer::apply(std::string s) const {
   using K = NormalizerStep::Kind;
   for (const NormalizerStep& step : steps_) {
     switch (step.kind) {
-      case K::kNfc: s = utf8proc_normalize(s, UTF8PROC_COMPOSE); break;
-      case K::kNfd: s = utf8proc_normalize(s, UTF8PROC_DECOMPOSE); break;
-      case K::kNfkc: s = utf8proc_normalize(s, UTF8PROC_COMPOSE | UTF8PROC_COMPAT); break;
-      case K::kNfkd: s = utf8proc_normalize(s, UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT); break;
+      case K::kNfc:
+        s = utf8proc_normalize(s, UTF8PROC_COMPOSE);
+        break;
+      case K::kNfd:
+        s = utf8proc_normalize(s, UTF8PROC_DECOMPOSE);
+        break;
+      case K::kNfkc:
+        s = utf8proc_normalize(s, UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
+        break;
+      case K::kNfkd:
+        s = utf8proc_normalize(s, UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT);
+        break;
       case K::kPrepend:
         // Hugging Face prepends only to non-empty text.
         if (!s.empty()) s = step.text + s;
         break;
-      case K::kReplace: s = replace_all(s, step); break;
-      case K::kStrip: s = strip(s, step.strip_left, step.strip_right); break;
+      case K::kReplace:
+        s = replace_all(s, step);
+        break;
+      case K::kStrip:
+        s = strip(s, step.strip_left, step.strip_right);
+        break;
     }
   }
   return s;

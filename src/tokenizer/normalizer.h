@@ -4,11 +4,10 @@
 // is the identity. Anything else is a load error naming the key.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "tokenizer/regex.h"

@@ -27,8 +27,7 @@ struct Stretch {
 
 bool is_numeric(char32_t c) {
   auto cat = utf8proc_category(utf8proc_int32_t(c));
-  return cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL ||
-         cat == UTF8PROC_CATEGORY_NO;
+  return cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL || cat == UTF8PROC_CATEGORY_NO;
 }
 
 std::vector<Stretch> find_matches(const PreTokStep& step, const std::string& text) {
@@ -255,7 +254,9 @@ void PreTokenizer::apply(std::vector<Piece>& pieces) const {
     next.clear();
     for (Piece& piece : pieces) {
       switch (step.kind) {
-        case K::kSplit: split_piece(step, piece, next); break;
+        case K::kSplit:
+          split_piece(step, piece, next);
+          break;
         case K::kByteLevel: {
           if (step.add_prefix_space && (piece.text.empty() || piece.text[0] != ' '))
             piece.text.insert(piece.text.begin(), ' ');

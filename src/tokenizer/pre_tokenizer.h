@@ -5,11 +5,10 @@
 // which is what Hugging Face's Sequence does). Empty pieces are dropped after every step.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "tokenizer/regex.h"
@@ -37,7 +36,7 @@ struct PreTokStep {
   bool add_prefix_space = false;  // ByteLevel
   bool use_regex = false;         // ByteLevel: split with the GPT-2 pattern first
   enum class Prepend { kAlways, kFirst, kNever } prepend = Prepend::kAlways;  // Metaspace
-  bool split = true;                                                         // Metaspace
+  bool split = true;                                                          // Metaspace
 };
 
 class PreTokenizer {

@@ -2,11 +2,8 @@
 #include "tokenizer/tokenizer.h"
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
-#include <unordered_map>
-
 #include <nlohmann/json.hpp>
+#include <unordered_map>
 
 #include "tokenizer/added_vocab.h"
 #include "tokenizer/bpe.h"
@@ -14,6 +11,7 @@
 #include "tokenizer/json_util.h"
 #include "tokenizer/normalizer.h"
 #include "tokenizer/pre_tokenizer.h"
+#include "tokenizer/tokenizer_json.h"
 #include "tokenizer/utf8.h"
 
 namespace ts::tokenizer {
@@ -36,11 +34,8 @@ struct Tokenizer::Impl {
 namespace {
 
 Result<json> read_json(const fs::path& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return make_error(path.string() + ": cannot open");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  TS_ASSIGN(std::string bytes, read_file_bytes(path.string()));
+  json j = json::parse(bytes, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return make_error(path.string() + ": not valid JSON");
   return j;
 }
@@ -65,8 +60,8 @@ Status parse_post_processor(const json& j, const std::string& where, PostProcess
   if (type == "Sequence") {
     TS_ASSIGN(const json* list, json_array(j, "processors", where));
     for (size_t i = 0; i < list->size(); ++i)
-      TS_TRY(parse_post_processor((*list)[i], where + ".processors[" + std::to_string(i) + "]",
-                                  pp));
+      TS_TRY(
+          parse_post_processor((*list)[i], where + ".processors[" + std::to_string(i) + "]", pp));
     return {};
   }
   if (type == "ByteLevel") return {};  // only trims offsets; adds no ids
@@ -85,8 +80,8 @@ Status parse_post_processor(const json& j, const std::string& where, PostProcess
       if (!item.contains("SpecialToken") || !item["SpecialToken"].is_object())
         return make_error(at + ": expected {\"SpecialToken\": ...} or {\"Sequence\": ...}");
       TS_ASSIGN(std::string name, json_string(item["SpecialToken"], "id", at + ".SpecialToken"));
-      if (specials == j.end() || !specials->contains(name) ||
-          !(*specials)[name].contains("ids") || !(*specials)[name]["ids"].is_array())
+      if (specials == j.end() || !specials->contains(name) || !(*specials)[name].contains("ids") ||
+          !(*specials)[name]["ids"].is_array())
         return make_error(where + ".special_tokens: no ids for '" + name + "'");
       for (const json& id : (*specials)[name]["ids"]) {
         if (!id.is_number_integer())
@@ -154,25 +149,30 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
                            : "";
     return make_error(tok_path.string() + ": not found" + hint);
   }
-  TS_ASSIGN(json j, read_json(tok_path));
+  TS_ASSIGN(TokenizerJson file, read_tokenizer_json(tok_path.string()));
+  const json& j = file.root;
   const std::string where = tok_path.string() + ": ";
   if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
     return make_error(where + "model: missing (is this a Hugging Face tokenizer.json?)");
 
   auto impl = std::make_unique<Impl>();
   const json& model = j["model"];
-  std::string type = model.value("type", model.contains("merges") ? "BPE" : "");
+  // Files from old `tokenizers` versions leave out model.type; merges then mean BPE.
+  std::string type = model.contains("type") && model["type"].is_string()
+                         ? model["type"].get<std::string>()
+                         : (file.has_merges ? "BPE" : "");
   if (type != "BPE")
     return make_error(where + "model.type: '" + (type.empty() ? "(none)" : type) +
                       "' is not supported (only BPE models are)");
-  TS_ASSIGN(impl->model, BpeModel::parse(model, where + "model"));
+  TS_ASSIGN(impl->model, BpeModel::parse(file, where + "model"));
   const json null_json;
   auto part = [&](const char* key) -> const json& {
     auto it = j.find(key);
     return it == j.end() ? null_json : *it;
   };
   TS_ASSIGN(impl->normalizer, Normalizer::parse(part("normalizer"), where + "normalizer"));
-  TS_ASSIGN(impl->pre_tokenizer, PreTokenizer::parse(part("pre_tokenizer"), where + "pre_tokenizer"));
+  TS_ASSIGN(impl->pre_tokenizer,
+            PreTokenizer::parse(part("pre_tokenizer"), where + "pre_tokenizer"));
   TS_ASSIGN(impl->decoder, Decoder::parse(part("decoder"), where + "decoder"));
   PostProcess pp;
   TS_TRY(parse_post_processor(part("post_processor"), where + "post_processor", pp));
@@ -342,17 +342,7 @@ std::string StreamDecoder::push(int id) {
   std::string text = tok_.decode(ids_, skip_special_);
   bool held = ends_with_replacement(text) && ids_.size() - prefix_index_ < kMaxPendingIds;
   if (text.size() <= prefix_.size() || held) return {};
-  std::string out;
-  if (text.compare(0, prefix_.size(), prefix_) == 0) {
-    out = text.substr(prefix_.size());
-  } else {
-    // The context decoded differently with the new token (not seen with the tested
-    // decoders): emit from the first differing code point so nothing is lost.
-    size_t common = 0;
-    while (common < prefix_.size() && text[common] == prefix_[common]) ++common;
-    while (common > 0 && ((unsigned char)text[common] & 0xC0) == 0x80) --common;
-    out = text.substr(common);
-  }
+  std::string out = pending_text(text);
   // The ids just emitted become the context for the next ones.
   ids_.erase(ids_.begin(), ids_.begin() + long(prefix_index_));
   prefix_ = tok_.decode(ids_, skip_special_);
@@ -360,11 +350,18 @@ std::string StreamDecoder::push(int id) {
   return out;
 }
 
+std::string StreamDecoder::pending_text(const std::string& text) const {
+  if (text.compare(0, prefix_.size(), prefix_) == 0) return text.substr(prefix_.size());
+  // The new ids changed how the context decodes. Seen with ByteFallback: a byte run that
+  // ends in an incomplete character turns wholly into U+FFFD, already emitted characters
+  // included. What was emitted stays; the pending ids are decoded on their own.
+  std::vector<int> pending(ids_.begin() + long(prefix_index_), ids_.end());
+  return tok_.decode(pending, skip_special_);
+}
+
 std::string StreamDecoder::flush() {
-  std::string text = tok_.decode(ids_, skip_special_);
   std::string out;
-  if (text.size() > prefix_.size() && text.compare(0, prefix_.size(), prefix_) == 0)
-    out = text.substr(prefix_.size());
+  if (ids_.size() > prefix_index_) out = pending_text(tok_.decode(ids_, skip_special_));
   ids_.clear();
   prefix_.clear();
   prefix_index_ = 0;

@@ -72,7 +72,10 @@ class Tokenizer {
 // final. Text that could still change is held back: an incomplete UTF-8 sequence (the
 // decode would end in U+FFFD), or anything a later token may alter. Concatenating every
 // push() result and flush() gives decode(all ids) for the tokenizers tested, and every
-// returned chunk is valid UTF-8.
+// returned chunk is valid UTF-8. Exception: a stream that ends inside a character (or holds
+// bytes that never form one) flushes U+FFFD for those bytes only, where one-shot decode may
+// replace a longer run (Hugging Face ByteFallback turns a whole invalid byte run into U+FFFD).
+// flush() ends the stream: a later push() starts afresh (a leading space may be stripped).
 // Method (as Hugging Face's DecodeStream): decode a small window of recent ids, and emit
 // what extends the previous window's text once it does not end in U+FFFD.
 class StreamDecoder {
@@ -83,6 +86,7 @@ class StreamDecoder {
   std::string flush();
 
  private:
+  std::string pending_text(const std::string& window_text) const;
   const Tokenizer& tok_;
   bool skip_special_;
   std::vector<int> ids_;  // window: context ids, then ids not yet emitted

@@ -9,6 +9,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include <random>
+
+#include "backend/cpu/ops.h"
 #include "core/thread_pool.h"
 #include "io/npy.h"
 #include "runtime/model.h"
@@ -194,6 +197,109 @@ TEST_P(Fixture, LogitsByteIdenticalAcrossResidencyModes) {
       EXPECT_LT(st.hits, st.requests) << "a small cache must miss";
       EXPECT_GT(st.bytes_read, 0u);
     }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+ts::io::NpyArray load_npy(const std::string& path) {
+  auto a = ts::io::read_npy_f32(path);
+  EXPECT_TRUE(a.ok()) << path;
+  return a.ok() ? std::move(a.value()) : ts::io::NpyArray{};
+}
+
+// Residual capture against transformers' output_hidden_states: entry 0 is the embedding
+// output, entry l + 1 the output of layer l, and the last entry has the final norm applied.
+TEST_P(Fixture, CapturedResidualsMatchTransformersHiddenStates) {
+  const auto& hp = model_->hp();
+  ts::io::NpyArray hs = load_npy(dir_ + "/hidden_states.npy");
+  ASSERT_EQ(hs.shape, (std::vector<int64_t>{hp.n_layers + 1, int64_t(ref_.prompt.size()), hp.d_model}));
+  ts::ThreadPool pool(2);
+  ts::runtime::Interventions iv;
+  for (int l = -1; l < hp.n_layers; ++l) iv.capture_layers.push_back(l);
+  std::vector<float> with, without;
+  ts::runtime::Session s(*model_, pool, {.n_ctx = int(ref_.prompt.size()), .interventions = iv});
+  ASSERT_TRUE(s.forward(ref_.prompt, &with).ok());
+  ts::runtime::Session plain(*model_, pool, {.n_ctx = int(ref_.prompt.size())});
+  ASSERT_TRUE(plain.forward(ref_.prompt, &without).ok());
+  EXPECT_EQ(0, std::memcmp(with.data(), without.data(), with.size() * 4)) << "capture changed logits";
+  ASSERT_EQ(s.captured_positions(), int64_t(ref_.prompt.size()));
+  const size_t d = size_t(hp.d_model), T = ref_.prompt.size();
+  for (int e = 0; e <= hp.n_layers; ++e) {
+    std::vector<float> got = s.captures()[size_t(std::min(e, hp.n_layers))];  // capture of layer e-1
+    if (e == hp.n_layers) {
+      got = s.captures()[size_t(hp.n_layers)];
+      ts::cpu::rmsnorm_rows(got.data(), model_->dense().final_norm.data(), got.data(), int64_t(T),
+                            int64_t(d), hp.rms_eps);
+    }
+    for (size_t t = 0; t < T; ++t)
+      EXPECT_LE(rel_err(&got[t * d], &hs.data[(size_t(e) * T + t) * d], d), 1e-4)
+          << "hidden_states[" << e << "] position " << t;
+  }
+}
+
+// Steering: a zero vector leaves logits byte-identical; each mode changes the captured
+// residual exactly as its formula says.
+TEST_P(Fixture, SteeringModesMatchTheirFormulas) {
+  const auto& hp = model_->hp();
+  const int layer = hp.n_layers / 2;
+  const size_t d = size_t(hp.d_model), T = ref_.prompt.size();
+  ts::ThreadPool pool(2);
+  auto run = [&](std::vector<ts::runtime::SteerOp> ops, std::vector<float>* logits) {
+    ts::runtime::Interventions iv;
+    iv.steer.resize(size_t(hp.n_layers));
+    iv.steer[size_t(layer)] = std::move(ops);
+    iv.capture_layers = {layer};
+    ts::runtime::Session s(*model_, pool, {.n_ctx = int(T), .interventions = iv});
+    EXPECT_TRUE(s.forward(ref_.prompt, logits).ok());
+    return s.captures()[0];
+  };
+  std::vector<float> base_logits, logits;
+  const std::vector<float> base = run({}, &base_logits);
+  using ts::runtime::SteerMode;
+  run({{.v = std::vector<float>(d, 0.0f), .scale = 3.0f, .mode = SteerMode::kAdd}}, &logits);
+  EXPECT_EQ(0, std::memcmp(base_logits.data(), logits.data(), logits.size() * 4));
+
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(d);
+  for (float& x : v) x = nd(rng);
+  for (SteerMode mode : {SteerMode::kAdd, SteerMode::kAblate, SteerMode::kClamp, SteerMode::kRenorm}) {
+    const float scale = 0.7f;
+    const std::vector<float> got = run({{.v = v, .scale = scale, .mode = mode}}, &logits);
+    double vv = 0;
+    for (float x : v) vv += double(x) * x;
+    for (size_t t = 0; t < T; ++t) {
+      const float* x = &base[t * d];
+      std::vector<double> want(d);
+      double xv = 0, xx = 0;
+      for (size_t i = 0; i < d; ++i) xv += double(x[i]) * v[i], xx += double(x[i]) * x[i];
+      const double along = xv / std::sqrt(vv);
+      for (size_t i = 0; i < d; ++i) {
+        const double u = v[i] / std::sqrt(vv);
+        switch (mode) {
+          case SteerMode::kAdd: want[i] = x[i] + scale * v[i]; break;
+          case SteerMode::kAblate: want[i] = x[i] - scale * along * u; break;
+          case SteerMode::kClamp: want[i] = x[i] + (scale - along) * u; break;
+          case SteerMode::kRenorm: want[i] = x[i] + scale * v[i]; break;
+        }
+      }
+      if (mode == SteerMode::kRenorm) {
+        double yy = 0;
+        for (double y : want) yy += y * y;
+        for (double& y : want) y *= std::sqrt(xx / yy);
+      }
+      double num = 0, den = 0;
+      for (size_t i = 0; i < d; ++i) {
+        num = std::max(num, std::fabs(double(got[t * d + i]) - want[i]));
+        den = std::max(den, std::fabs(want[i]));
+      }
+      EXPECT_LE(num / den, 1e-5) << "mode " << int(mode) << " position " << t;
+    }
+    EXPECT_NE(0, std::memcmp(base_logits.data(), logits.data(), logits.size() * 4))
+        << "steering mode " << int(mode) << " had no effect on logits";
   }
 }
 

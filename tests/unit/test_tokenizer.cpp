@@ -141,8 +141,8 @@ TEST_P(RealTokenizer, DecodeMatchesReference) {
       std::string want = row[skip ? "decoded_skip" : "decoded"].get<std::string>();
       std::string got = tok_->decode(ids, skip);
       if (got != want && ++bad <= 5)
-        ADD_FAILURE() << what << " skip_special=" << skip << " ids " << show_ids(ids)
-                      << "\n  want " << show(want) << "\n  got  " << show(got);
+        ADD_FAILURE() << what << " skip_special=" << skip << " ids " << show_ids(ids) << "\n  want "
+                      << show(want) << "\n  got  " << show(got);
     }
   };
   for (size_t i = 0; i < corpus().size(); ++i)
@@ -162,8 +162,11 @@ TEST_P(RealTokenizer, RoundTripIsLossless) {
   for (const std::string& s : corpus()) {
     bool lossless = true;
     switch (GetParam().lossless) {
-      case Lossless::kAlways: break;
-      case Lossless::kIfNfc: lossless = is_nfc_invariant(s); break;
+      case Lossless::kAlways:
+        break;
+      case Lossless::kIfNfc:
+        lossless = is_nfc_invariant(s);
+        break;
       // Prepend("▁") + Strip(1 leading space) loses nothing on text without added tokens:
       // the stripped space is the one prepended.
       case Lossless::kLlama:
@@ -273,8 +276,8 @@ struct RunResult {
 };
 
 RunResult run_cli(const std::string& args, const fs::path& tmp) {
-  std::string cmd = std::string(TS_BINARY) + " " + args + " >" + (tmp / "stdout").string() +
-                    " 2>" + (tmp / "stderr").string();
+  std::string cmd = std::string(TS_BINARY) + " " + args + " >" + (tmp / "stdout").string() + " 2>" +
+                    (tmp / "stderr").string();
   int st = std::system(cmd.c_str());
   return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, read_file(tmp / "stdout"),
           read_file(tmp / "stderr")};
@@ -297,7 +300,8 @@ TEST(TokenizeCli, CorpusIdsMatchReferenceForEveryLine) {
     auto lines = split_lines(r.out);
     ASSERT_EQ(lines.size(), corpus().size());
     for (size_t i = 0; i < lines.size(); ++i)
-      EXPECT_EQ(json::parse(lines[i]), e.rows[i][special ? "ids_special" : "ids"]) << "line " << i + 1;
+      EXPECT_EQ(json::parse(lines[i]), e.rows[i][special ? "ids_special" : "ids"])
+          << "line " << i + 1;
   }
   fs::remove_all(tmp);
 }
@@ -310,9 +314,9 @@ namespace {
 bool is_nfc_invariant(const std::string& s) {
   if (s.empty()) return true;
   utf8proc_uint8_t* dst = nullptr;
-  auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                        utf8proc_ssize_t(s.size()), &dst,
-                        utf8proc_option_t(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  auto n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), utf8proc_ssize_t(s.size()),
+                   &dst, utf8proc_option_t(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
   bool same = n >= 0 && std::string(reinterpret_cast<char*>(dst), size_t(n)) == s;
   std::free(dst);
   return same;

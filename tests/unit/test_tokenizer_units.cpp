@@ -34,7 +34,8 @@ std::string read_file(const fs::path& p) {
 // The GPT-2 byte-level spelling of a UTF-8 string ("hello world" -> "helloĠworld").
 std::string bl(const std::string& s) {
   std::string out;
-  for (unsigned char c : s) ts::tokenizer::append_utf8(out, ts::tokenizer::byte_to_unicode_table()[c]);
+  for (unsigned char c : s)
+    ts::tokenizer::append_utf8(out, ts::tokenizer::byte_to_unicode_table()[c]);
   return out;
 }
 
@@ -78,10 +79,20 @@ class TokFiles : public ::testing::Test {
     json j = {
         {"version", "1.0"},
         {"added_tokens",
-         {{{"id", id}, {"content", "<|bos|>"}, {"special", true}, {"normalized", false},
-           {"lstrip", false}, {"rstrip", false}, {"single_word", false}},
-          {{"id", id + 1}, {"content", "<|end|>"}, {"special", true}, {"normalized", false},
-           {"lstrip", false}, {"rstrip", false}, {"single_word", false}}}},
+         {{{"id", id},
+           {"content", "<|bos|>"},
+           {"special", true},
+           {"normalized", false},
+           {"lstrip", false},
+           {"rstrip", false},
+           {"single_word", false}},
+          {{"id", id + 1},
+           {"content", "<|end|>"},
+           {"special", true},
+           {"normalized", false},
+           {"lstrip", false},
+           {"rstrip", false},
+           {"single_word", false}}}},
         {"normalizer", nullptr},
         {"pre_tokenizer",
          {{"type", "Sequence"},
@@ -93,12 +104,17 @@ class TokFiles : public ::testing::Test {
             {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}}},
         {"post_processor",
          {{"type", "TemplateProcessing"},
-          {"single", {{{"SpecialToken", {{"id", "<|bos|>"}, {"type_id", 0}}}},
-                      {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
-          {"special_tokens", {{"<|bos|>", {{"id", "<|bos|>"}, {"ids", {id}}, {"tokens", {"<|bos|>"}}}}}}}},
+          {"single",
+           {{{"SpecialToken", {{"id", "<|bos|>"}, {"type_id", 0}}}},
+            {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+          {"special_tokens",
+           {{"<|bos|>", {{"id", "<|bos|>"}, {"ids", {id}}, {"tokens", {"<|bos|>"}}}}}}}},
         {"decoder", {{"type", "ByteLevel"}}},
         {"model",
-         {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}, {"unk_token", nullptr},
+         {{"type", "BPE"},
+          {"vocab", vocab},
+          {"merges", merges},
+          {"unk_token", nullptr},
           {"byte_fallback", false}}},
     };
     return j;
@@ -190,9 +206,15 @@ json sentencepiece(bool byte_fallback, bool fuse_unk) {
   for (std::string t : {"\u2581", "h", "i", "x", "y", "\u2581h", "\u2581hi"}) vocab[t] = id++;
   json added = json::array();
   for (int i = 0; i < 3; ++i) {
-    added.push_back({{"id", i}, {"content", i == 0 ? "<unk>" : i == 1 ? "<s>" : "</s>"},
-                     {"special", true}, {"normalized", false}, {"lstrip", false},
-                     {"rstrip", false}, {"single_word", false}});
+    added.push_back({{"id", i},
+                     {"content", i == 0   ? "<unk>"
+                                 : i == 1 ? "<s>"
+                                          : "</s>"},
+                     {"special", true},
+                     {"normalized", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"single_word", false}});
   }
   return {
       {"added_tokens", added},
@@ -204,8 +226,9 @@ json sentencepiece(bool byte_fallback, bool fuse_unk) {
       {"pre_tokenizer", nullptr},
       {"post_processor",
        {{"type", "TemplateProcessing"},
-        {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
-                    {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+        {"single",
+         {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+          {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
         {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}}}}}},
       {"decoder",
        {{"type", "Sequence"},
@@ -215,8 +238,12 @@ json sentencepiece(bool byte_fallback, bool fuse_unk) {
           {{"type", "Fuse"}},
           {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
       {"model",
-       {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"\u2581 h", "\u2581h i"}},
-        {"unk_token", "<unk>"}, {"fuse_unk", fuse_unk}, {"byte_fallback", byte_fallback}}},
+       {{"type", "BPE"},
+        {"vocab", vocab},
+        {"merges", {"\u2581 h", "\u2581h i"}},
+        {"unk_token", "<unk>"},
+        {"fuse_unk", fuse_unk},
+        {"byte_fallback", byte_fallback}}},
   };
 }
 
@@ -224,8 +251,8 @@ TEST_F(TokFiles, ByteFallbackSpellsUnknownCharactersAsBytes) {
   auto t = load(write("a", sentencepiece(true, true)));
   ASSERT_TRUE(t);
   // "hi €": ▁hi ▁ <0xE2> <0x82> <0xAC>
-  std::vector<int> want = {id(*t, "\u2581hi"), id(*t, "\u2581"), id(*t, "<0xE2>"),
-                           id(*t, "<0x82>"), id(*t, "<0xAC>")};
+  std::vector<int> want = {id(*t, "\u2581hi"), id(*t, "\u2581"), id(*t, "<0xE2>"), id(*t, "<0x82>"),
+                           id(*t, "<0xAC>")};
   EXPECT_EQ(t->encode("hi \u20ac", false), want);
   want.insert(want.begin(), 1);
   EXPECT_EQ(t->encode("hi \u20ac", true), want);
@@ -253,8 +280,12 @@ TEST_F(TokFiles, AddedTokenFlags) {
   json j = byte_level({}, json::array());
   int next = 258;
   auto add = [&](const std::string& content, bool lstrip, bool rstrip, bool single_word) {
-    j["added_tokens"].push_back({{"id", next++}, {"content", content}, {"special", false},
-                                 {"normalized", false}, {"lstrip", lstrip}, {"rstrip", rstrip},
+    j["added_tokens"].push_back({{"id", next++},
+                                 {"content", content},
+                                 {"special", false},
+                                 {"normalized", false},
+                                 {"lstrip", lstrip},
+                                 {"rstrip", rstrip},
                                  {"single_word", single_word}});
   };
   add("<L>", true, false, false);
@@ -270,16 +301,16 @@ TEST_F(TokFiles, AddedTokenFlags) {
   EXPECT_EQ(t->encode("a [W] b", false), (std::vector<int>{'a', sp, W, sp, 'b'}));
   auto glued = t->encode("a[W]b", false);
   EXPECT_EQ(std::count(glued.begin(), glued.end(), W), 0) << "single_word matched inside a word";
-  EXPECT_EQ(t->encode("<|end|>x<|end|>", false),
-            (std::vector<int>{id(*t, "<|end|>x"), E}));
+  EXPECT_EQ(t->encode("<|end|>x<|end|>", false), (std::vector<int>{id(*t, "<|end|>x"), E}));
 }
 
 TEST_F(TokFiles, DigitsAndMetaspacePreTokenizers) {
   json j = byte_level({"12", "123"}, {"1 2", "12 3"});
-  j["pre_tokenizer"] = {{"type", "Sequence"},
-                        {"pretokenizers",
-                         {{{"type", "Digits"}, {"individual_digits", true}},
-                          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       {{{"type", "Digits"}, {"individual_digits", true}},
+        {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
   auto t = load(write("a", j));
   ASSERT_TRUE(t);
   EXPECT_EQ(t->encode("a123", false), (std::vector<int>{'a', '1', '2', '3'}));
@@ -290,8 +321,10 @@ TEST_F(TokFiles, DigitsAndMetaspacePreTokenizers) {
 
   json m = sentencepiece(true, false);
   m["normalizer"] = nullptr;
-  m["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"},
-                        {"prepend_scheme", "always"}, {"split", true}};
+  m["pre_tokenizer"] = {{"type", "Metaspace"},
+                        {"replacement", "\u2581"},
+                        {"prepend_scheme", "always"},
+                        {"split", true}};
   m["decoder"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "always"}};
   auto t3 = load(write("c", m));
   ASSERT_TRUE(t3);
@@ -312,12 +345,16 @@ TEST_F(TokFiles, NormalizerNfcComposesBeforeMerging) {
 TEST(Utf8, LossyRepairReplacesMaximalSubparts) {
   using ts::tokenizer::to_valid_utf8;
   const std::string R = "\xEF\xBF\xBD";
-  EXPECT_EQ(to_valid_utf8("a\xFF" "b"), "a" + R + "b");
-  EXPECT_EQ(to_valid_utf8("\xF0\x90\x80" "a"), R + "a");           // truncated 4-byte
-  EXPECT_EQ(to_valid_utf8("\xC0\x80"), R + R);                      // overlong lead
-  EXPECT_EQ(to_valid_utf8("\xED\xA0\x80"), R + R + R);              // surrogate
-  EXPECT_EQ(to_valid_utf8("\xF4\x90\x80\x80"), R + R + R + R);      // past U+10FFFF
-  EXPECT_EQ(to_valid_utf8("\xE1\x80"), R);                          // cut at the end
+  EXPECT_EQ(to_valid_utf8("a\xFF"
+                          "b"),
+            "a" + R + "b");
+  EXPECT_EQ(to_valid_utf8("\xF0\x90\x80"
+                          "a"),
+            R + "a");                                           // truncated 4-byte
+  EXPECT_EQ(to_valid_utf8("\xC0\x80"), R + R);                  // overlong lead
+  EXPECT_EQ(to_valid_utf8("\xED\xA0\x80"), R + R + R);          // surrogate
+  EXPECT_EQ(to_valid_utf8("\xF4\x90\x80\x80"), R + R + R + R);  // past U+10FFFF
+  EXPECT_EQ(to_valid_utf8("\xE1\x80"), R);                      // cut at the end
   EXPECT_EQ(to_valid_utf8("\xE2\x82\xAC\xF0\x9F\x99\x82"), "\xE2\x82\xAC\xF0\x9F\x99\x82");
   EXPECT_TRUE(ts::tokenizer::is_valid_utf8("\xF4\x8F\xBF\xBF"));
   EXPECT_FALSE(ts::tokenizer::is_valid_utf8("\xF4\x90\x80\x80"));
@@ -326,8 +363,16 @@ TEST(Utf8, LossyRepairReplacesMaximalSubparts) {
 TEST_F(TokFiles, InvalidUtf8InputEncodesAsReplacementCharacter) {
   auto t = load(write("a", byte_level({}, json::array())));
   ASSERT_TRUE(t);
-  EXPECT_EQ(t->encode("a\xFF" "b", false), t->encode("a\xEF\xBF\xBD" "b", false));
-  EXPECT_NE(t->encode("a\xFF" "b", false), t->encode("ab", false));
+  EXPECT_EQ(t->encode("a\xFF"
+                      "b",
+                      false),
+            t->encode("a\xEF\xBF\xBD"
+                      "b",
+                      false));
+  EXPECT_NE(t->encode("a\xFF"
+                      "b",
+                      false),
+            t->encode("ab", false));
 }
 
 TEST_F(TokFiles, StreamDecoderHoldsBackIncompleteCharacters) {
@@ -341,8 +386,10 @@ TEST_F(TokFiles, StreamDecoderHoldsBackIncompleteCharacters) {
   EXPECT_EQ(s.push(id(*t, "<0x82>")), "");
   EXPECT_EQ(s.push(id(*t, "<0xAC>")), "\u20ac");
   EXPECT_EQ(s.push(id(*t, "<0xE2>")), "");
-  // The stream ends inside a character: flush gives what one-shot decode gives.
+  // The stream ends inside a character: flush gives U+FFFD for the pending byte. (One-shot
+  // decode gives four: ByteFallback replaces the whole invalid byte run E2 82 AC E2.)
   EXPECT_EQ(s.flush(), "\xEF\xBF\xBD");
+  EXPECT_EQ(s.push(id(*t, "\u2581hi")), "hi") << "after flush the stream starts afresh";
 
   // Byte-level: a 4-byte emoji split over single-byte tokens.
   auto b = load(write("b", byte_level({}, json::array())));
@@ -374,7 +421,8 @@ TEST_F(TokFiles, BosAndEosFromConfigFiles) {
   ASSERT_TRUE(none);
   EXPECT_TRUE(none->eos_ids().empty());
 
-  std::string err = load_error(write("d", byte_level({}, json::array()), {{"eos_token", "<nope>"}}));
+  std::string err =
+      load_error(write("d", byte_level({}, json::array()), {{"eos_token", "<nope>"}}));
   EXPECT_NE(err.find("tokenizer_config.json"), std::string::npos) << err;
   EXPECT_NE(err.find("<nope>"), std::string::npos) << err;
 }
@@ -487,8 +535,9 @@ TEST_F(TokenizeCommand, BadInputIsOneErrorLineAndExitCode2) {
                {"nope"});
   fs::create_directories(tmp_ / "weights_only");
   std::ofstream(tmp_ / "weights_only" / "config.json") << "{}";
-  expect_error(run("tokenize --model " + (tmp_ / "weights_only").string() + " --input " + in.string()),
-               {"tokenizer.json", "not found"});
+  expect_error(
+      run("tokenize --model " + (tmp_ / "weights_only").string() + " --input " + in.string()),
+      {"tokenizer.json", "not found"});
   json wp = byte_level({}, json::array());
   wp["model"] = {{"type", "WordPiece"}, {"vocab", {{"a", 0}}}};
   expect_error(run("tokenize --model " + write("wp", wp).string() + " --input " + in.string()),
@@ -497,13 +546,15 @@ TEST_F(TokenizeCommand, BadInputIsOneErrorLineAndExitCode2) {
   uni["model"] = {{"type", "Unigram"}, {"vocab", json::array()}};
   expect_error(run("tokenize --model " + write("uni", uni).string() + " --input " + in.string()),
                {"tokenizer.json", "model.type", "Unigram"});
-  expect_error(run("tokenize --model " + good.string() + " --input " + (tmp_ / "missing.jsonl").string()),
-               {"missing.jsonl"});
+  expect_error(
+      run("tokenize --model " + good.string() + " --input " + (tmp_ / "missing.jsonl").string()),
+      {"missing.jsonl"});
   fs::path bad = input("\"ok\"\nnot json\n");
   expect_error(run("tokenize --model " + good.string() + " --input " + bad.string()),
                {"in.jsonl:2", "JSON string"});
-  expect_error(run("tokenize --model " + good.string() + " --input " + in.string() + " --add-specials"),
-               {"--add-specials"});
+  expect_error(
+      run("tokenize --model " + good.string() + " --input " + in.string() + " --add-specials"),
+      {"--add-specials"});
 }
 
 }  // namespace

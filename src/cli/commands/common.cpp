@@ -1,8 +1,13 @@
 #include "cli/commands/common.h"
 
 #include <cstdio>
+#include <map>
+
+#include <cmath>
 
 #include "io/mapped_file.h"
+#include "io/npy.h"
+#include "io/safetensors.h"
 
 namespace ts::cli {
 
@@ -65,10 +70,107 @@ Status write_router_hist(const std::string& path, const runtime::LoadedModel& mo
   return io::write_file_atomic(path, {io::ConstBytes{text.data(), text.size()}});
 }
 
+Result<runtime::Interventions> build_interventions(const ModelFlags& flags,
+                                                   const model::HParams& hp) {
+  runtime::Interventions iv;
+  iv.steer.resize(size_t(hp.n_layers));
+  if (!flags.capture_layers.empty()) {
+    TS_ASSIGN(iv.capture_layers,
+              runtime::parse_layer_list(flags.capture_layers, hp.n_layers, true));
+  }
+  iv.capture_last = flags.capture_last;
+  iv.trace_router = !flags.router_trace.empty();
+  for (const std::string& spec : flags.steer) {
+    // FILE@LAYERS[:SCALE[:MODE]]
+    const size_t at = spec.rfind('@');
+    if (at == std::string::npos || at == 0)
+      return make_error("--steer '" + spec + "': expected FILE@LAYERS[:SCALE[:MODE]]");
+    const std::string file = spec.substr(0, at);
+    std::string rest = spec.substr(at + 1), layers_s = rest, scale_s = "1", mode_s = "add";
+    if (size_t c = rest.find(':'); c != std::string::npos) {
+      layers_s = rest.substr(0, c);
+      scale_s = rest.substr(c + 1);
+      if (size_t c2 = scale_s.find(':'); c2 != std::string::npos) {
+        mode_s = scale_s.substr(c2 + 1);
+        scale_s = scale_s.substr(0, c2);
+      }
+    }
+    char* end = nullptr;
+    const float scale = std::strtof(scale_s.c_str(), &end);
+    if (end == scale_s.c_str() || *end || !std::isfinite(scale))
+      return make_error("--steer '" + spec + "': scale '" + scale_s + "' is not a number");
+    TS_ASSIGN(runtime::SteerMode mode, runtime::parse_steer_mode(mode_s));
+    TS_ASSIGN(std::vector<int> layers, runtime::parse_layer_list(layers_s, hp.n_layers, false));
+    TS_ASSIGN(io::NpyArray a, io::read_npy_f32(file));
+    const int64_t d = hp.d_model;
+    const bool per_layer = a.shape.size() == 2 && a.shape[0] == hp.n_layers && a.shape[1] == d;
+    if (!(a.shape.size() == 1 && a.shape[0] == d) && !per_layer)
+      return make_error("steering vector " + file + " has shape " +
+                        nlohmann::json(a.shape).dump() + "; expected [" + std::to_string(d) +
+                        "] or [" + std::to_string(hp.n_layers) + ", " + std::to_string(d) + "]");
+    for (size_t i = 0; i < a.data.size(); ++i)
+      if (!std::isfinite(a.data[i]))
+        return make_error("steering vector " + file + " has a non-finite value at element " +
+                          std::to_string(i));
+    for (int l : layers) {
+      runtime::SteerOp op{.v = {}, .scale = scale, .mode = mode};
+      const float* row = a.data.data() + (per_layer ? size_t(l) * size_t(d) : 0);
+      op.v.assign(row, row + d);
+      iv.steer[size_t(l)].push_back(std::move(op));
+    }
+  }
+  return iv;
+}
+
+namespace {
+
+Status write_captures(const ModelFlags& flags, const runtime::LoadedModel& m,
+                      const runtime::Session& s) {
+  const auto& layers = s.captures();
+  const int64_t P = s.captured_positions(), d = m.hp().d_model;
+  std::vector<float> all;
+  for (const auto& c : layers) all.insert(all.end(), c.begin(), c.end());
+  const std::vector<int64_t> shape = {int64_t(layers.size()), P, d};
+  const std::string& out = flags.capture_out;
+  if (out.size() > 12 && out.substr(out.size() - 12) == ".safetensors") {
+    TS_TRY(io::write_safetensors(out, {{"residual", DType::kF32, shape, all.data(), all.size() * 4}}));
+  } else {
+    TS_TRY(io::write_npy_f32(out, shape, all.data()));
+  }
+  // The layer list and shape, beside the array (layer -1 = embedding output).
+  runtime::Interventions iv;
+  nlohmann::json meta = {{"file", out},
+                         {"shape", shape},
+                         {"layers", nullptr},
+                         {"capture_last", flags.capture_last},
+                         {"point", "after each layer's FFN/MoE residual add, after steering"}};
+  TS_ASSIGN(auto list, runtime::parse_layer_list(flags.capture_layers, m.hp().n_layers, true));
+  meta["layers"] = list;
+  std::string text = meta.dump(1) + "\n";
+  return io::write_file_atomic(out + ".json", {io::ConstBytes{text.data(), text.size()}});
+}
+
+Status write_router_trace(const std::string& path, const runtime::Session& s) {
+  // One line per token: {"pos": p, "layers": [{"layer": l, "ids": [...], "weights": [...]}]}
+  std::map<int, nlohmann::json> by_pos;
+  for (const runtime::RouterTraceEntry& e : s.router_trace()) {
+    nlohmann::json& line = by_pos[e.position];
+    if (line.is_null()) line = {{"pos", e.position}, {"layers", nlohmann::json::array()}};
+    line["layers"].push_back({{"layer", e.layer}, {"ids", e.ids}, {"weights", e.weights}});
+  }
+  std::string text;
+  for (const auto& [pos, line] : by_pos) text += line.dump() + "\n";
+  return io::write_file_atomic(path, {io::ConstBytes{text.data(), text.size()}});
+}
+
+}  // namespace
+
 Status finish_run(const ModelFlags& flags, const Loaded& m, const runtime::Session& session,
                   int64_t tokens_processed) {
   if (flags.stats) print_stats(stats_json(*m.model, session, tokens_processed));
   if (!flags.router_hist.empty()) TS_TRY(write_router_hist(flags.router_hist, *m.model, session));
+  if (!flags.capture_out.empty()) TS_TRY(write_captures(flags, *m.model, session));
+  if (!flags.router_trace.empty()) TS_TRY(write_router_trace(flags.router_trace, session));
   return {};
 }
 

@@ -27,6 +27,12 @@ struct ModelFlags {
   runtime::LoadOptions load;
   bool stats = false;       // --stats or TURBOSPARK_PHASES=1: phase summary on stderr
   std::string router_hist;  // --router-hist FILE: per-layer per-expert selection counts
+  // Interventions (runtime/interventions.h), validated against the model after loading.
+  std::string capture_layers;      // --capture-residual LAYERS
+  std::string capture_out;         // --capture-out FILE.npy | FILE.safetensors
+  bool capture_last = false;       // --capture-last
+  std::vector<std::string> steer;  // --steer FILE@LAYERS[:SCALE[:MODE]], repeatable
+  std::string router_trace;        // --router-trace FILE.jsonl
 };
 
 inline Result<ModelFlags> read_model_flags(const Args& args) {
@@ -56,8 +62,20 @@ inline Result<ModelFlags> read_model_flags(const Args& args) {
   const char* env = std::getenv("TURBOSPARK_PHASES");
   f.stats = args.has("stats") || (env && std::string(env) == "1");
   f.router_hist = args.str_or("router-hist", "");
+  f.capture_layers = args.str_or("capture-residual", "");
+  f.capture_out = args.str_or("capture-out", "");
+  f.capture_last = args.has("capture-last");
+  f.steer = args.all("steer");
+  f.router_trace = args.str_or("router-trace", "");
+  if (f.capture_layers.empty() != f.capture_out.empty())
+    return make_error("--capture-residual and --capture-out go together");
   return f;
 }
+
+// Steering ops, capture layers and tracing from the flags; errors name the file and what
+// was wrong (vector length, a layer out of range, a NaN).
+Result<runtime::Interventions> build_interventions(const ModelFlags& flags,
+                                                   const model::HParams& hp);
 
 inline Result<Loaded> load_model(const ModelFlags& flags) {
   Loaded out;
@@ -73,7 +91,7 @@ void print_stats(const nlohmann::json& stats);
 // Writes the session's router histogram as JSON: {"n_layers", "n_experts", "counts": [[..]]}.
 Status write_router_hist(const std::string& path, const runtime::LoadedModel& model,
                          const runtime::Session& session);
-// --stats and --router-hist at the end of a run.
+// --stats, --router-hist, --capture-out and --router-trace at the end of a run.
 Status finish_run(const ModelFlags& flags, const Loaded& m, const runtime::Session& session,
                   int64_t tokens_processed);
 

@@ -77,6 +77,7 @@ Status cmd_bench(const Args& args) {
   TS_ASSIGN(int64_t n_prompt, args.integer_or("prompt-tokens", 128, 1, 1 << 20));
   TS_ASSIGN(int64_t n_gen, args.integer_or("gen-tokens", 32, 1, 1 << 20));
   TS_ASSIGN(double roofline_gbps, args.number_or("roofline-gbps", 28.0, 0.001, 1e6));
+  const bool warmup = !args.has("no-warmup");
   TS_ASSIGN(ModelFlags flags, read_model_flags(args));
   TS_TRY(args.check_all_used());
   TS_ASSIGN(Loaded m, load_model(flags));
@@ -85,6 +86,17 @@ Status cmd_bench(const Args& args) {
   std::vector<int> prompt(static_cast<size_t>(n_prompt));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int((i * 7919 + 13) % size_t(hp.vocab));
   using Clock = std::chrono::steady_clock;
+  if (warmup) {
+    // One untimed pass faults in the mapped weights (and warms a streamed cache) so the
+    // timed passes measure steady state, as llama-bench's warm-up run does.
+    TS_TRY(session.forward(prompt, nullptr));
+    int t = runtime::argmax(session.last_logits());
+    for (int64_t i = 0; i < std::min<int64_t>(n_gen, 8); ++i) {
+      TS_TRY(session.forward(std::span<const int>(&t, 1), nullptr));
+      t = runtime::argmax(session.last_logits());
+    }
+    session.reset();
+  }
   auto t0 = Clock::now();
   TS_TRY(session.forward(prompt, nullptr));
   double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -101,6 +113,7 @@ Status cmd_bench(const Args& args) {
   nlohmann::json j = describe(*m.model);
   j["threads"] = m.pool->size();
   j["isa"] = std::string(cpu::isa_name(cpu::active_isa()));
+  j["warmup"] = warmup;
   j["prompt_tokens"] = n_prompt;
   j["gen_tokens"] = n_gen;
   j["prefill_tokens_per_s"] = double(n_prompt) / prefill_s;

@@ -16,7 +16,9 @@ Status cmd_logits(const Args& args) {
   TS_ASSIGN(ModelFlags flags, read_model_flags(args));
   TS_TRY(args.check_all_used());
   TS_ASSIGN(Loaded m, load_model(flags));
-  runtime::Session session(*m.model, *m.pool, {.n_ctx = int(tokens.size())});
+  TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
+  runtime::Session session(*m.model, *m.pool,
+                           {.n_ctx = int(tokens.size()), .interventions = std::move(iv)});
   std::vector<float> logits;
   TS_TRY(session.forward(tokens, &logits));
   TS_TRY(io::write_npy_f32(out_path, {int64_t(tokens.size()), m.model->hp().vocab},
@@ -45,7 +47,8 @@ Status cmd_generate(const Args& args) {
     return make_error("prompt + n = " + std::to_string(n_ctx) +
                       " tokens exceed max_position_embeddings = " +
                       std::to_string(m.model->hp().max_positions));
-  runtime::Session session(*m.model, *m.pool, {.n_ctx = n_ctx});
+  TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
+  runtime::Session session(*m.model, *m.pool, {.n_ctx = n_ctx, .interventions = std::move(iv)});
   runtime::Sampler sampler(so);
   std::string line;
   if (n > 0) {

@@ -43,14 +43,30 @@ Result<std::string> parse_json_string_line(std::string_view line, const std::str
     }
     if (++i >= e - 1) return make_error(where + ": string ends in a lone backslash");
     switch (line[i]) {
-      case '"': raw += '"'; break;
-      case '\\': raw += '\\'; break;
-      case '/': raw += '/'; break;
-      case 'b': raw += '\b'; break;
-      case 'f': raw += '\f'; break;
-      case 'n': raw += '\n'; break;
-      case 'r': raw += '\r'; break;
-      case 't': raw += '\t'; break;
+      case '"':
+        raw += '"';
+        break;
+      case '\\':
+        raw += '\\';
+        break;
+      case '/':
+        raw += '/';
+        break;
+      case 'b':
+        raw += '\b';
+        break;
+      case 'f':
+        raw += '\f';
+        break;
+      case 'n':
+        raw += '\n';
+        break;
+      case 'r':
+        raw += '\r';
+        break;
+      case 't':
+        raw += '\t';
+        break;
       case 'u': {
         auto read4 = [&](size_t at) -> int {
           if (at + 4 > e - 1) return -1;
@@ -106,7 +122,8 @@ Status cmd_tokenize(const Args& args) {
     size_t nl = text.find('\n', start);
     if (nl == std::string::npos) nl = text.size();
     std::string where = input + ":" + std::to_string(line_no);
-    TS_ASSIGN(std::string s, parse_json_string_line(std::string_view(text).substr(start, nl - start), where));
+    TS_ASSIGN(std::string s,
+              parse_json_string_line(std::string_view(text).substr(start, nl - start), where));
     lines.push_back(std::move(s));
     start = nl + 1;
   }
