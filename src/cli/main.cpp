@@ -22,6 +22,7 @@ constexpr const char* kUsage =
     "  tokenize --model DIR --input FILE.jsonl [--add-special]  JSON string per line -> ids\n"
     "  pack     --model HF_DIR --out PACK_DIR [--experts-quant q8_0|q4_k]\n"
     "  verify   PACK_DIR                                     check files against manifest\n"
+    "  analyze-router HIST_OR_TRACE [--slots N,..] [--json]  routing entropy, cache hit rates\n"
     "common flags: --threads N\n"
     "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
     "  --expert-cache-slots N | --expert-cache-mb M   streamed cache size (slots per layer)\n"
@@ -51,6 +52,7 @@ int main(int argc, char** argv) {
       {"bench", ts::cli::cmd_bench, {"json", "direct-io", "stats", "no-warmup"}},
       {"pack", ts::cli::cmd_pack, {}},
       {"verify", ts::cli::cmd_verify, {}},
+      {"analyze-router", ts::cli::cmd_analyze_router, {"json"}},
       {"chat-template", ts::cli::cmd_chat_template, {"add-generation-prompt"}},
       {"tokenize", ts::cli::cmd_tokenize, {"add-special"}},
   };

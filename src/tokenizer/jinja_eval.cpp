@@ -305,7 +305,7 @@ Interpreter::Flow Interpreter::exec_for(const Node& node, const FramePtr& frame,
   }
   const int64_t n = int64_t(items.size());
   for (int64_t i = 0; i < n; ++i) {
-    auto scope = child_of(frame);
+    auto scope = frame;
     assign(node.target, items[size_t(i)], scope);
     auto loop = std::make_shared<DictData>();
     loop->kind = DictData::Kind::kObject;

@@ -251,7 +251,7 @@ class Lexer {
           if (starts_with(s_, p, "+%}")) end = p + 3;
           else if (starts_with(s_, p, "-%}")) end = skip_spaces(s_, p + 3);
           else if (starts_with(s_, p, "%}"))
-            end = p + 2;
+            end = p + 2 + (p + 2 < s_.size() && s_[p + 2] == '\n');
         } else {
           if (starts_with(s_, p, "-}}")) end = skip_spaces(s_, p + 3);
           else if (starts_with(s_, p, "}}")) end = p + 2;

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -151,6 +152,51 @@ TEST_F(Cli, ShapeMismatchIsNamed) {
   cfg.replace(cfg.find("\"moe_intermediate_size\": 48"), 27, "\"moe_intermediate_size\": 24");
   std::ofstream(d / "config.json") << cfg;
   expect_error(run("inspect --model " + d.string()), "experts.0.gate_proj.weight");
+}
+
+
+TEST_F(Cli, SteeringBadInputIsRejected) {
+  // qwen3_moe: d_model 96, 3 layers.
+  std::vector<float> ok(96, 0.5f), short_v(95, 0.5f), nan_v(96, 0.5f);
+  nan_v[7] = NAN;
+  ASSERT_TRUE(ts::io::write_npy_f32((tmp_ / "ok.npy").string(), {96}, ok.data()).ok());
+  ASSERT_TRUE(ts::io::write_npy_f32((tmp_ / "short.npy").string(), {95}, short_v.data()).ok());
+  ASSERT_TRUE(ts::io::write_npy_f32((tmp_ / "nan.npy").string(), {96}, nan_v.data()).ok());
+  const std::string base = "generate --model " + model_ + " --tokens 1,2,3 -n 2 --steer ";
+  expect_error(run(base + (tmp_ / "short.npy").string() + "@1"), "short.npy");
+  expect_error(run(base + (tmp_ / "ok.npy").string() + "@3"), "out of range");
+  expect_error(run(base + (tmp_ / "nan.npy").string() + "@0"), "element 7");
+  expect_error(run(base + (tmp_ / "ok.npy").string() + "@0:1:twist"), "twist");
+  RunResult r = run(base + (tmp_ / "ok.npy").string() + "@0-2:2:renorm --steer " +
+                    (tmp_ / "ok.npy").string() + "@1:0.5:ablate");
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
+TEST_F(Cli, CaptureWritesLayersAndShape) {
+  fs::path out = tmp_ / "cap.npy";
+  RunResult r = run("logits --model " + model_ + " --tokens 1,2,3,4 --out " + (tmp_ / "l.npy").string() +
+                    " --capture-residual -1,1-2 --capture-out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto a = ts::io::read_npy_f32(out.string());
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->shape, (std::vector<int64_t>{3, 4, 96}));
+  EXPECT_NE(read_all(out.string() + ".json").find("\"layers\": [\n  -1,\n  1,\n  2\n ]"), std::string::npos)
+      << read_all(out.string() + ".json");
+  expect_error(run("logits --model " + model_ + " --tokens 1 --out " + (tmp_ / "l.npy").string() +
+                   " --capture-residual 7 --capture-out " + out.string()), "out of range");
+}
+
+TEST_F(Cli, RouterTraceFeedsAnalyzeRouter) {
+  fs::path trace = tmp_ / "t.jsonl";
+  RunResult r = run("generate --model " + model_ + " --tokens 1,2,3,4,5 -n 6 --router-trace " + trace.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::string t = read_all(trace);
+  EXPECT_EQ(std::count(t.begin(), t.end(), '\n'), 10);  // 5 prompt + 5 decoded positions
+  RunResult a = run("analyze-router " + trace.string() + " --slots 4,16 --json");
+  ASSERT_EQ(a.code, 0) << a.err;
+  // With as many slots as experts, only the first use of each expert misses.
+  EXPECT_NE(a.out.find("\"lru_hit_rate\""), std::string::npos);
+  expect_error(run("analyze-router " + model_ + "/config.json"), "config.json");
 }
 
 }  // namespace
