@@ -27,4 +27,7 @@ if [ "${1:-}" != "--no-demo" ]; then
   ./build/turbospark inspect --model "$model"
   echo "setup: turbospark generate --model $model --tokens 1,2,3,4,5,6,7,8 -n 16"
   ./build/turbospark generate --model "$model" --tokens 1,2,3,4,5,6,7,8 -n 16
+  # Random weights and a 512-token vocabulary: the text is noise, the pipeline is real.
+  echo "setup: turbospark run --model $model --prompt 'the cat is on the mat' -n 24 --stats"
+  ./build/turbospark run --model "$model" --prompt "the cat is on the mat" -n 24 --stats
 fi

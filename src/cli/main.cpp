@@ -13,6 +13,9 @@ namespace {
 constexpr const char* kUsage =
     "usage: turbospark <command> [flags]\n"
     "commands:\n"
+    "  run      --model DIR --prompt TEXT | --messages FILE.json [--tools FILE.json]\n"
+    "           [-n N --temperature T --top-k K --top-p P --seed S --stop STR ... --stats]\n"
+    "  chat     --model DIR [--system TEXT] [sampling flags]  interactive; /reset, Ctrl-D\n"
     "  logits   --model DIR --tokens 1,2,3 --out FILE.npy   logits at every prompt position\n"
     "  generate --model DIR --tokens 1,2,3 -n N [--temperature T --top-k K --top-p P --seed S]\n"
     "  inspect  --model DIR [--json]                         shapes, parameters, bytes\n"
@@ -20,7 +23,7 @@ constexpr const char* kUsage =
     "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G --no-warmup] [--json]\n"
     "  chat-template --model DIR --messages FILE.json [--tools F.json --kwargs F.json --add-generation-prompt]\n"
     "  tokenize --model DIR --input FILE.jsonl [--add-special]  JSON string per line -> ids\n"
-    "  pack     --model HF_DIR --out PACK_DIR [--experts-quant q8_0|q4_k]\n"
+    "  pack     --model HF_DIR --out PACK_DIR [--experts-quant q8_0|q4_k] [--dense-quant q8_0|q4_k]\n"
     "  verify   PACK_DIR                                     check files against manifest\n"
     "  analyze-router HIST_OR_TRACE [--slots N,..] [--json]  routing entropy, cache hit rates\n"
     "common flags: --threads N\n"
@@ -53,6 +56,8 @@ int main(int argc, char** argv) {
       {"pack", ts::cli::cmd_pack, {}},
       {"verify", ts::cli::cmd_verify, {}},
       {"analyze-router", ts::cli::cmd_analyze_router, {"json"}},
+      {"run", ts::cli::cmd_run, {"direct-io", "stats", "capture-last"}},
+      {"chat", ts::cli::cmd_chat, {"direct-io", "stats"}},
       {"chat-template", ts::cli::cmd_chat_template, {"add-generation-prompt"}},
       {"tokenize", ts::cli::cmd_tokenize, {"add-special"}},
   };

@@ -1,5 +1,14 @@
 // Element types of weights and their scalar conversions. The conversions here are the
 // portable reference; SIMD kernels convert in registers and are tested against these.
+//
+// Block-quantized types store a row as consecutive blocks, with GGUF's exact byte layouts
+// (llama.cpp ggml-common.h), so GGUF tensors can be used without conversion:
+//   Q8_0  32 weights, 34 bytes:  f16 d | int8 qs[32]              w = d * qs[i]
+//   Q4_K 256 weights, 144 bytes: f16 d | f16 dmin | u8 scales[12] | u8 qs[128]
+//        8 sub-blocks of 32 with 6-bit scale sc and min m (packed as get_scale_min_k4);
+//        w = d * sc * q - dmin * m, q the 4-bit quant. backend/cpu/quant.h has the details.
+// A quantized row holds a whole number of blocks: dtype_row_ok() says whether `cols` fits.
+// Element sizes (dtype_size) exist only for the float types.
 #pragma once
 
 #include <cstddef>
@@ -7,20 +16,60 @@
 #include <cstring>
 #include <string_view>
 
+#include "core/status.h"
+
 namespace ts {
 
-enum class DType : uint8_t { kF32, kF16, kBF16 };
+enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kQ4_K };
 
-inline size_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+constexpr int64_t kQ8_0BlockElems = 32;
+constexpr uint64_t kQ8_0BlockBytes = 34;
+constexpr int64_t kQ4_KBlockElems = 256;
+constexpr uint64_t kQ4_KBlockBytes = 144;
 
-// Bytes of one row of `cols` elements.
-inline uint64_t dtype_row_bytes(DType t, int64_t cols) { return uint64_t(cols) * dtype_size(t); }
+constexpr bool dtype_is_quantized(DType t) { return t == DType::kQ8_0 || t == DType::kQ4_K; }
+
+// Weights per block (1 for the float types) and bytes per block (the element size for them).
+constexpr int64_t dtype_block_elems(DType t) {
+  return t == DType::kQ8_0 ? kQ8_0BlockElems : t == DType::kQ4_K ? kQ4_KBlockElems : 1;
+}
+constexpr uint64_t dtype_block_bytes(DType t) {
+  switch (t) {
+    case DType::kF32: return 4;
+    case DType::kF16:
+    case DType::kBF16: return 2;
+    case DType::kQ8_0: return kQ8_0BlockBytes;
+    case DType::kQ4_K: return kQ4_KBlockBytes;
+  }
+  return 0;
+}
+
+// Bytes of one element; the float types only (a quantized weight has no byte size of its
+// own: use dtype_row_bytes).
+inline size_t dtype_size(DType t) {
+  TS_CHECK(!dtype_is_quantized(t), "a quantized type has no element size: use dtype_row_bytes");
+  return t == DType::kF32 ? 4 : 2;
+}
+
+// Whether a row of `cols` elements is a whole number of blocks.
+constexpr bool dtype_row_ok(DType t, int64_t cols) {
+  return cols >= 0 && cols % dtype_block_elems(t) == 0;
+}
+
+// Bytes of one row of `cols` elements; for quantized types cols must satisfy dtype_row_ok
+// (callers with outside input check it first).
+inline uint64_t dtype_row_bytes(DType t, int64_t cols) {
+  TS_CHECK(dtype_row_ok(t, cols), "row length is not a whole number of quantization blocks");
+  return uint64_t(cols / dtype_block_elems(t)) * dtype_block_bytes(t);
+}
 
 inline std::string_view dtype_name(DType t) {
   switch (t) {
     case DType::kF32: return "F32";
     case DType::kF16: return "F16";
     case DType::kBF16: return "BF16";
+    case DType::kQ8_0: return "Q8_0";
+    case DType::kQ4_K: return "Q4_K";
   }
   return "?";
 }

@@ -38,7 +38,10 @@ void ThreadPool::worker(int index) {
     int spins = 0;
     while (generation_.load(std::memory_order_acquire) == seen && !stop_.load()) {
       TS_CPU_RELAX();
-      if (++spins % 1024 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
+      // Yield now and then: when other processes compete for the cores, a pure spin would
+      // hold a core the thread we wait for needs.
+      if (++spins % 256 == 0) std::this_thread::yield();
+      if (spins % 1024 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
         std::unique_lock<std::mutex> lock(mu_);
         sleepers_.fetch_add(1);
         cv_start_.wait(lock, [&] {
@@ -69,7 +72,10 @@ void ThreadPool::run_on_all(const std::function<void(int)>& fn) {
   }
   if (sleepers_.load() > 0) cv_start_.notify_all();
   fn(0);
-  while (pending_.load(std::memory_order_acquire) != 0) TS_CPU_RELAX();
+  for (int spins = 1; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+    TS_CPU_RELAX();
+    if (spins % 256 == 0) std::this_thread::yield();
+  }
   job_ = nullptr;
 }
 

@@ -30,6 +30,10 @@ Result<PackTensor> tensor_from_json(const json& j, const std::string& where) {
   }
   if (t.shape.size() != 2 || t.shape[0] <= 0 || t.shape[1] <= 0)
     return make_error(where + ": shape must be [rows, cols]");
+  if (!dtype_row_ok(t.dtype, t.shape[1]))
+    return make_error(where + ": " + std::string(dtype_name(t.dtype)) + " cols " +
+                      std::to_string(t.shape[1]) + " are not a multiple of its " +
+                      std::to_string(dtype_block_elems(t.dtype)) + "-weight block");
   if (t.n_bytes != uint64_t(t.shape[0]) * dtype_row_bytes(t.dtype, t.shape[1]))
     return make_error(where + ": bytes " + std::to_string(t.n_bytes) + " disagree with " +
                       std::string(dtype_name(t.dtype)) + " [" + std::to_string(t.shape[0]) +

@@ -61,8 +61,24 @@ std::string offsets_str(uint64_t b, uint64_t e) {
   return "[" + std::to_string(b) + ", " + std::to_string(e) + "]";
 }
 
-// Product of the dims times the element size; false on overflow. Dims must be >= 0.
+// Why a shape cannot hold a block-quantized dtype (pack-internal Q8_0 / Q4_K): they must be
+// [rows, cols] with whole blocks per row. Empty when it can (or dtype is a float type).
+std::string quant_shape_problem(const std::vector<int64_t>& shape, DType dtype) {
+  if (!dtype_is_quantized(dtype)) return "";
+  const std::string name(dtype_name(dtype));
+  if (shape.size() != 2) return name + " needs a 2-D shape [rows, cols], got " + shape_str(shape);
+  if (!dtype_row_ok(dtype, shape[1]))
+    return name + " needs cols to be a multiple of " + std::to_string(dtype_block_elems(dtype)) +
+           ", got shape " + shape_str(shape);
+  return "";
+}
+
+// Bytes of a tensor: the product of the dims times the element size, or rows times the row
+// bytes for a quantized dtype (its shape checked by quant_shape_problem first); false on
+// overflow. Dims must be >= 0.
 bool byte_count(const std::vector<int64_t>& shape, DType dtype, uint64_t* n_bytes) {
+  if (dtype_is_quantized(dtype))
+    return !__builtin_mul_overflow(uint64_t(shape[0]), dtype_row_bytes(dtype, shape[1]), n_bytes);
   int64_t numel = 1;
   for (int64_t d : shape) {
     if (__builtin_mul_overflow(numel, d, &numel)) return false;
@@ -122,6 +138,9 @@ Result<Entry> parse_entry(const std::string& path, const std::string& name, cons
       }
       entry.shape.push_back(x);
     }
+  }
+  if (std::string why = quant_shape_problem(entry.shape, entry.dtype); !why.empty()) {
+    return make_error(where + ": " + why);
   }
   uint64_t need_bytes = 0;
   if (!byte_count(entry.shape, entry.dtype, &need_bytes)) {
@@ -226,6 +245,8 @@ Result<DType> parse_safetensors_dtype(const std::string& s) {
   if (s == "F32") return DType::kF32;
   if (s == "F16") return DType::kF16;
   if (s == "BF16") return DType::kBF16;
+  if (s == "Q8_0") return DType::kQ8_0;  // pack-internal extension (safetensors.h)
+  if (s == "Q4_K") return DType::kQ4_K;
   return make_error(std::string(is_format_dtype(s) ? "unsupported" : "unknown") +
                     " safetensors dtype " + s + " (" + std::string(kSupported) + ")");
 }
@@ -403,6 +424,9 @@ Status write_safetensors(const std::string& path, const std::vector<TensorToWrit
         return make_error(prefix + t.name + " has negative dimension in shape " +
                           shape_str(t.shape));
       }
+    }
+    if (std::string why = quant_shape_problem(t.shape, t.dtype); !why.empty()) {
+      return make_error(prefix + t.name + ": " + why);
     }
     uint64_t need_bytes = 0;
     if (!byte_count(t.shape, t.dtype, &need_bytes)) {

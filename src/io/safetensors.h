@@ -7,6 +7,12 @@
 //   N <= file size - 8; the header is valid JSON of that form; dtype is known; every
 //   [b, e) lies inside the data area, e - b == product(shape) * dtype size, and no two
 //   tensors' ranges overlap.
+//
+// Extension (ours, not the safetensors format): dtypes "Q8_0" and "Q4_K" hold GGUF's
+// block-quantized layouts (core/dtype.h, backend/cpu/quant.h). Only `turbospark pack`
+// writes them, into a pack's dense.safetensors; other tools will refuse such a file. Their
+// shape is the logical [rows, cols] (2-D, cols a whole number of 32 / 256-weight blocks)
+// and e - b == rows * dtype_row_bytes(dtype, cols).
 #pragma once
 
 #include <cstdint>
@@ -62,7 +68,8 @@ class TensorSet {
   std::map<std::string, TensorView> tensors_;
 };
 
-// Parses a safetensors dtype string ("F32", "F16", "BF16"); error for anything else.
+// Parses a safetensors dtype string ("F32", "F16", "BF16", and our pack-internal "Q8_0",
+// "Q4_K"); error for anything else.
 Result<DType> parse_safetensors_dtype(const std::string& s);
 
 // Writes a safetensors file (tensors in the given order, 8-byte aligned data), via a

@@ -31,6 +31,10 @@ struct Binder {
   }
   Result<std::vector<float>> vec(const std::string& name, int64_t n) const {
     TS_ASSIGN(const io::TensorView* t, get(name, {n}));
+    // Packs keep norms and biases in their float type; a quantized one is a foreign file.
+    if (dtype_is_quantized(t->dtype))
+      return make_error("tensor " + name + " in " + t->file + " is " +
+                        std::string(dtype_name(t->dtype)) + "; vectors must be F32, F16 or BF16");
     std::vector<float> out(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       const uint8_t* p = t->data + size_t(i) * dtype_size(t->dtype);
@@ -39,6 +43,8 @@ struct Binder {
         case DType::kF32: std::memcpy(&out[size_t(i)], p, 4); break;
         case DType::kF16: std::memcpy(&h, p, 2); out[size_t(i)] = f16_to_f32(h); break;
         case DType::kBF16: std::memcpy(&h, p, 2); out[size_t(i)] = bf16_to_f32(h); break;
+        case DType::kQ8_0:
+        case DType::kQ4_K: break;  // refused above
       }
     }
     return out;
@@ -68,6 +74,12 @@ Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensor
   BoundWeights out;
   DenseWeights& w = out.dense;
   TS_ASSIGN(w.embed, b.matrix("model.embed_tokens.weight", hp.vocab, d));
+  // The forward pass converts embedding rows one element at a time (Session), and packs
+  // never quantize them.
+  if (dtype_is_quantized(w.embed.dtype))
+    return make_error("tensor model.embed_tokens.weight is " +
+                      std::string(dtype_name(w.embed.dtype)) +
+                      "; embeddings must be F32, F16 or BF16");
   TS_ASSIGN(w.final_norm, b.vec("model.norm.weight", d));
   if (hp.tie_word_embeddings && !tensors.find("lm_head.weight")) {
     w.lm_head = w.embed;
@@ -143,7 +155,7 @@ WeightCounts count_weights(const HParams& hp, const BoundWeights& bw) {
   c.params_total += w.embed.rows * w.embed.cols;
   c.params_active += w.embed.cols;
   c.dense_bytes += w.embed.n_bytes();
-  c.decode_bytes += size_t(w.embed.cols) * dtype_size(w.embed.dtype);
+  c.decode_bytes += dtype_row_bytes(w.embed.dtype, w.embed.cols);
   if (w.lm_head.data != w.embed.data) add_dense(w.lm_head);
   else c.decode_bytes += w.lm_head.n_bytes();
   add_vec(w.final_norm);

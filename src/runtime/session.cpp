@@ -129,11 +129,12 @@ Status Session::forward_chunk(const int* tokens, int n, float* logits_out, bool 
   const model::HParams& hp = model_.hp();
   const model::DenseWeights& w = model_.dense();
   const size_t d = size_t(hp.d_model);
-  // Embedding rows, converted to F32.
+  // Embedding rows, converted to F32 (never quantized: bind_weights refuses that).
+  TS_CHECK(!dtype_is_quantized(w.embed.dtype), "quantized embeddings");
   for (int t = 0; t < n; ++t) {
     const model::Matrix& e = w.embed;
     const uint8_t* row = static_cast<const uint8_t*>(e.data) +
-                         size_t(tokens[t]) * d * dtype_size(e.dtype);
+                         size_t(tokens[t]) * dtype_row_bytes(e.dtype, int64_t(d));
     float* x = x_.data() + size_t(t) * d;
     for (size_t i = 0; i < d; ++i) {
       uint16_t h;
@@ -141,6 +142,8 @@ Status Session::forward_chunk(const int* tokens, int n, float* logits_out, bool 
         case DType::kF32: std::memcpy(&x[i], row + 4 * i, 4); break;
         case DType::kF16: std::memcpy(&h, row + 2 * i, 2); x[i] = f16_to_f32(h); break;
         case DType::kBF16: std::memcpy(&h, row + 2 * i, 2); x[i] = bf16_to_f32(h); break;
+        case DType::kQ8_0:
+        case DType::kQ4_K: break;  // checked above
       }
     }
   }

@@ -4,6 +4,7 @@
 // rank order, so results do not depend on where an expert's weights came from.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -50,6 +51,9 @@ class Session {
   int position() const { return pos_; }
   int n_ctx() const { return n_ctx_; }
   void reset() { pos_ = 0; }
+  // Forgets every position from n on (the KV rows are overwritten by later tokens), to reuse
+  // a shared prefix between turns. Precondition: 0 <= n <= position().
+  void truncate(int n) { pos_ = std::min(pos_, std::max(0, n)); }
 
   // Runs `tokens` at the current position and advances it. If all_logits is given it is
   // resized to [tokens.size(), vocab] and filled; last_logits() always holds the last row.

@@ -79,6 +79,40 @@ double pyfmod(double a, double b) {
                       "' and '" + r.type_name() + "'");
 }
 
+// Python slice index normalisation (PySlice_AdjustIndices).
+std::vector<int64_t> slice_indices(int64_t n, const Value& start_v, const Value& stop_v,
+                                   const Value& step_v) {
+  auto as_index = [](const Value& v) {
+    if (!v.is_int() && !v.is_bool())
+      throw TemplateError("slice indices must be integers or None, not " + v.type_name());
+    return v.to_int();
+  };
+  int64_t step = step_v.is_none() || step_v.is_undefined() ? 1 : as_index(step_v);
+  if (step == 0) throw TemplateError("slice step cannot be zero");
+  int64_t lower = step < 0 ? -1 : 0, upper = step < 0 ? n - 1 : n;
+  auto adjust = [&](const Value& v, int64_t dflt) {
+    if (v.is_none() || v.is_undefined()) return dflt;
+    int64_t i = as_index(v);
+    if (i < 0) {
+      i += n;
+      if (i < lower) i = lower;
+    } else if (i > upper) {
+      i = upper;
+    }
+    return i;
+  };
+  int64_t start = adjust(start_v, step < 0 ? upper : lower);
+  int64_t stop = adjust(stop_v, step < 0 ? lower : upper);
+  std::vector<int64_t> idx;
+  if (step > 0)
+    for (int64_t i = start; i < stop; i += step) idx.push_back(i);
+  else
+    for (int64_t i = start; i > stop; i += step) idx.push_back(i);
+  return idx;
+}
+
+}  // namespace
+
 // printf-style `str % args` (the conversions templates use: %s %r %d %i %f %x %%).
 std::string percent_format(const std::string& fmt, const Value& args) {
   std::vector<Value> items;
@@ -137,40 +171,6 @@ std::string percent_format(const std::string& fmt, const Value& args) {
     throw TemplateError("not all arguments converted during string formatting");
   return out;
 }
-
-// Python slice index normalisation (PySlice_AdjustIndices).
-std::vector<int64_t> slice_indices(int64_t n, const Value& start_v, const Value& stop_v,
-                                   const Value& step_v) {
-  auto as_index = [](const Value& v) {
-    if (!v.is_int() && !v.is_bool())
-      throw TemplateError("slice indices must be integers or None, not " + v.type_name());
-    return v.to_int();
-  };
-  int64_t step = step_v.is_none() || step_v.is_undefined() ? 1 : as_index(step_v);
-  if (step == 0) throw TemplateError("slice step cannot be zero");
-  int64_t lower = step < 0 ? -1 : 0, upper = step < 0 ? n - 1 : n;
-  auto adjust = [&](const Value& v, int64_t dflt) {
-    if (v.is_none() || v.is_undefined()) return dflt;
-    int64_t i = as_index(v);
-    if (i < 0) {
-      i += n;
-      if (i < lower) i = lower;
-    } else if (i > upper) {
-      i = upper;
-    }
-    return i;
-  };
-  int64_t start = adjust(start_v, step < 0 ? upper : lower);
-  int64_t stop = adjust(stop_v, step < 0 ? lower : upper);
-  std::vector<int64_t> idx;
-  if (step > 0)
-    for (int64_t i = start; i < stop; i += step) idx.push_back(i);
-  else
-    for (int64_t i = start; i > stop; i += step) idx.push_back(i);
-  return idx;
-}
-
-}  // namespace
 
 void require_defined(const Value& v) {
   if (v.is_undefined()) {
@@ -305,7 +305,7 @@ Interpreter::Flow Interpreter::exec_for(const Node& node, const FramePtr& frame,
   }
   const int64_t n = int64_t(items.size());
   for (int64_t i = 0; i < n; ++i) {
-    auto scope = frame;
+    auto scope = child_of(frame);
     assign(node.target, items[size_t(i)], scope);
     auto loop = std::make_shared<DictData>();
     loop->kind = DictData::Kind::kObject;
@@ -370,11 +370,14 @@ Value Interpreter::call_macro(const Node& node, const FramePtr& def_frame, CallA
   if (args.positional.size() > node.params.size())
     throw TemplateError(label + " takes not more than " + std::to_string(node.params.size()) +
                         " argument(s)");
-  if (++depth_ > kMaxMacroDepth) {
-    depth_ = 0;
+  if (depth_ >= kMaxMacroDepth)
     throw TemplateError("maximum macro recursion depth (" + std::to_string(kMaxMacroDepth) +
                         ") exceeded");
-  }
+  struct DepthGuard {
+    int& depth;
+    explicit DepthGuard(int& d) : depth(d) { ++depth; }
+    ~DepthGuard() { --depth; }
+  } guard(depth_);
   auto scope = child_of(def_frame);
   std::vector<bool> used(args.keyword.size(), false);
   for (size_t i = 0; i < node.params.size(); ++i) {
@@ -404,7 +407,6 @@ Value Interpreter::call_macro(const Node& node, const FramePtr& def_frame, CallA
   }
   std::string out;
   exec(node.bodies[0], scope, out);
-  --depth_;
   return Value(std::move(out));
 }
 

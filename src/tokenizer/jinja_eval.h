@@ -65,6 +65,9 @@ class Interpreter {
 // Raises the Undefined's error ("'x' is undefined") if v is Undefined.
 void require_defined(const Value& v);
 
+// printf-style `fmt % args` (%s %r %d %i %x %o %f %e %g and %%); a tuple supplies several.
+std::string percent_format(const std::string& fmt, const Value& args);
+
 // contains(container, item): Python's `item in container`.
 bool contains(const Value& container, const Value& item);
 

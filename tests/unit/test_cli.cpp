@@ -10,6 +10,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "io/npy.h"
 
 namespace {
@@ -197,6 +199,65 @@ TEST_F(Cli, RouterTraceFeedsAnalyzeRouter) {
   // With as many slots as experts, only the first use of each expert misses.
   EXPECT_NE(a.out.find("\"lru_hit_rate\""), std::string::npos);
   expect_error(run("analyze-router " + model_ + "/config.json"), "config.json");
+}
+
+
+// Text front end on the fixture with the tiny tokenizer (scripts/make_tiny_tokenizer.py).
+TEST_F(Cli, RunStreamsTextAndHonoursStopStrings) {
+  RunResult full = run("run --model " + model_ + " --prompt 'the cat is on the mat' -n 24");
+  ASSERT_EQ(full.code, 0) << full.err;
+  ASSERT_GT(full.out.size(), 8u);
+  // Pick a stop string from inside the greedy output: the run must end just before it.
+  std::string text = full.out.substr(0, full.out.size() - 1);  // drop the final newline
+  size_t cut = text.size() / 2;
+  while (cut < text.size() && (uint8_t(text[cut]) & 0xC0) == 0x80) ++cut;  // char boundary
+  std::string stop = text.substr(cut, 2);
+  while (stop.size() < text.size() - cut && (uint8_t(text[cut + stop.size()]) & 0xC0) == 0x80)
+    stop += text[cut + stop.size()];
+  size_t first = text.find(stop);
+  std::ofstream(tmp_ / "stop.txt") << stop;
+  RunResult cut_run = run("run --model " + model_ + " --prompt 'the cat is on the mat' -n 24 --stop \"$(cat " +
+                          (tmp_ / "stop.txt").string() + ")\"");
+  ASSERT_EQ(cut_run.code, 0) << cut_run.err;
+  EXPECT_EQ(cut_run.out, text.substr(0, first) + "\n");
+}
+
+TEST_F(Cli, RunWithMessagesUsesTheChatTemplate) {
+  std::ofstream(tmp_ / "m.json") << R"([{"role":"user","content":"hello there"}])";
+  RunResult a = run("run --model " + model_ + " --messages " + (tmp_ / "m.json").string() + " -n 6 --stats");
+  ASSERT_EQ(a.code, 0) << a.err;
+  // The prompt is the rendered template, tokenized without added specials.
+  RunResult rendered = run("chat-template --model " + model_ + " --messages " +
+                           (tmp_ / "m.json").string() + " --add-generation-prompt");
+  ASSERT_EQ(rendered.code, 0) << rendered.err;
+  EXPECT_EQ(rendered.out, "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n");
+  std::ofstream(tmp_ / "t.jsonl") << nlohmann::json(rendered.out).dump() << "\n";
+  RunResult ids = run("tokenize --model " + model_ + " --input " + (tmp_ / "t.jsonl").string());
+  ASSERT_EQ(ids.code, 0) << ids.err;
+  const size_t n_ids = nlohmann::json::parse(ids.out).size();
+  EXPECT_NE(a.err.find("prompt " + std::to_string(n_ids) + " tokens"), std::string::npos)
+      << a.err << " expected " << n_ids;
+  expect_error(run("run --model " + model_ + " --prompt x --messages " + (tmp_ / "m.json").string()),
+               "exactly one");
+  std::ofstream(tmp_ / "bad.json") << "[{\"role\": ";
+  expect_error(run("run --model " + model_ + " --messages " + (tmp_ / "bad.json").string()), "bad.json");
+  fs::path d = copy_model();
+  expect_error(run("run --model " + d.string() + " --prompt hi"), "tokenizer.json");
+}
+
+TEST_F(Cli, ChatKeepsHistoryAndResets) {
+  std::ofstream(tmp_ / "in.txt") << "hello\nhow are you\n/reset\nhello\n";
+  std::string cmd = "chat --model " + model_ + " -n 5 --stats < " + (tmp_ / "in.txt").string();
+  RunResult r = run(cmd);
+  ASSERT_EQ(r.code, 0) << r.err;
+  // Three replies; the second turn's prompt holds the whole history, so it is longer than
+  // the first; after /reset the same first message gives the same prompt length again.
+  std::vector<int> prompt_lens;
+  for (size_t at = 0; (at = r.err.find("prompt ", at)) != std::string::npos; at += 7)
+    prompt_lens.push_back(std::atoi(r.err.c_str() + at + 7));
+  ASSERT_EQ(prompt_lens.size(), 3u) << r.err;
+  EXPECT_GT(prompt_lens[1], prompt_lens[0]);
+  EXPECT_EQ(prompt_lens[2], prompt_lens[0]);
 }
 
 }  // namespace

@@ -359,8 +359,8 @@ TEST(SafetensorsBad, HeaderIsNotAnObject) {
 TEST(SafetensorsBad, UnknownDtype) {
   TempDir dir;
   const std::string msg = open_error(
-      dir, R"({"model.layers.0.w": {"dtype": "Q4_K", "shape": [4], "data_offsets": [0, 16]}})", 16);
-  EXPECT_NE(msg.find("unknown dtype Q4_K for tensor model.layers.0.w in"), npos) << msg;
+      dir, R"({"model.layers.0.w": {"dtype": "Q5_K", "shape": [4], "data_offsets": [0, 16]}})", 16);
+  EXPECT_NE(msg.find("unknown dtype Q5_K for tensor model.layers.0.w in"), npos) << msg;
 }
 
 TEST(SafetensorsBad, ValidButUnsupportedDtypes) {

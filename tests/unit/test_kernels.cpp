@@ -75,6 +75,9 @@ class Weights {
         values_[i] = bf16_to_f32(h);
         return;
       }
+      case DType::kQ8_0:
+      case DType::kQ4_K:  // tests/unit/test_quant.cpp
+        FAIL() << "float dtypes only";
     }
   }
 

@@ -159,26 +159,25 @@ bool is_nfc_invariant(const std::string& s);
 
 TEST_P(RealTokenizer, RoundTripIsLossless) {
   size_t checked = 0;
+  int bad = 0;
   for (const std::string& s : corpus()) {
     bool lossless = true;
     switch (GetParam().lossless) {
-      case Lossless::kAlways:
-        break;
-      case Lossless::kIfNfc:
-        lossless = is_nfc_invariant(s);
-        break;
-      // Prepend("▁") + Strip(1 leading space) loses nothing on text without added tokens:
-      // the stripped space is the one prepended.
+      case Lossless::kAlways: break;
+      case Lossless::kIfNfc: lossless = is_nfc_invariant(s); break;
+      // Prepend("▁") + Strip(1 leading space) loses nothing on text without added tokens
+      // (the stripped space is the one prepended) and without "▁" (decoded as a space).
       case Lossless::kLlama:
         lossless = s.find("<s>") == std::string::npos && s.find("</s>") == std::string::npos &&
-                   s.find("<unk>") == std::string::npos;
+                   s.find("<unk>") == std::string::npos && s.find("\u2581") == std::string::npos;
         break;
     }
     if (!lossless) continue;
     ++checked;
-    EXPECT_EQ(tok_->decode(tok_->encode(s, false), false), s) << show(s);
-    if (HasFailure()) break;
+    std::string back = tok_->decode(tok_->encode(s, false), false);
+    if (back != s && ++bad <= 5) ADD_FAILURE() << "want " << show(s) << "\n got  " << show(back);
   }
+  EXPECT_EQ(bad, 0);
   EXPECT_GT(checked, corpus().size() * 3 / 4) << "too few lossless lines checked";
 }
 
@@ -259,6 +258,8 @@ TEST_P(RealTokenizer, SpecialIdsAndTokenText) {
   }
   EXPECT_EQ(tok_->token_text(tok_->eos_ids()[0]), eos);
 }
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 INSTANTIATE_TEST_SUITE_P(Tokenizers, RealTokenizer,
                          ::testing::Values(Case{"qwen3", Lossless::kIfNfc},

@@ -81,9 +81,11 @@ std::atomic<Isa>& active_slot() {
   return slot;
 }
 
-void check_dtype(DType wt) {
-  TS_CHECK(wt == DType::kF32 || wt == DType::kF16 || wt == DType::kBF16,
-           "CPU kernels take F32, F16 or BF16 weights");
+void check_dtype(DType wt, int64_t cols) {
+  TS_CHECK(wt == DType::kF32 || wt == DType::kF16 || wt == DType::kBF16 || wt == DType::kQ8_0 ||
+               wt == DType::kQ4_K,
+           "CPU kernels take F32, F16, BF16, Q8_0 or Q4_K weights");
+  TS_CHECK(dtype_row_ok(wt, cols), "quantized rows must be whole blocks (32 / 256 weights)");
 }
 
 // A parallel_for chunk must carry enough work to pay for waking a thread (~10 us). Row
@@ -129,7 +131,7 @@ bool matmul_rounds_x_to_bf16(Isa isa, DType wt) {
 
 void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                  int64_t r1) {
-  check_dtype(wt);
+  check_dtype(wt, cols);
   switch (active_isa()) {
     case Isa::kPortable:
       return portable::matvec_rows(w, wt, x, y, cols, r0, r1);
@@ -142,7 +144,7 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
 
 void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
                  int64_t cols, int64_t r0, int64_t r1) {
-  check_dtype(wt);
+  check_dtype(wt, cols);
   switch (active_isa()) {
     case Isa::kPortable:
       return portable::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
@@ -155,7 +157,8 @@ void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, floa
 
 void matvec(ThreadPool& pool, const void* w, DType wt, const float* x, float* y, int64_t rows,
             int64_t cols) {
-  int64_t row_bytes = std::max<int64_t>(1, cols * int64_t(dtype_size(wt)));
+  check_dtype(wt, cols);
+  int64_t row_bytes = std::max<int64_t>(1, int64_t(dtype_row_bytes(wt, cols)));
   int64_t grain = round_up_grain(kMinChunkBytes / row_bytes);
   pool.parallel_for(rows, grain,
                     [&](int64_t r0, int64_t r1) { matvec_rows(w, wt, x, y, cols, r0, r1); });

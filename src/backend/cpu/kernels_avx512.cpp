@@ -34,6 +34,7 @@
 #include <utility>
 
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/quant.h"
 
 namespace ts::cpu::avx512 {
 namespace {
@@ -362,6 +363,9 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
       return matvec_typed<LoadF16>(w, x, y, cols, r0, r1);
     case DType::kBF16:
       return matvec_typed<LoadBf16>(w, x, y, cols, r0, r1);
+    case DType::kQ8_0:
+    case DType::kQ4_K:  // quant_avx512.cpp
+      return quant_matvec_rows(w, wt, x, y, cols, r0, r1);
   }
 }
 
@@ -387,6 +391,9 @@ void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, floa
       return run_tiles<FmaTile<LoadF16>>(job);
     case DType::kBF16:
       return matmul_bf16(job);
+    case DType::kQ8_0:
+    case DType::kQ4_K:  // quant_avx512.cpp
+      return quant_matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
   }
 }
 

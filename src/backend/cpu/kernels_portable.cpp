@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/quant.h"
 #include "core/dtype.h"
 #include "core/status.h"
 
@@ -49,6 +50,10 @@ void row_to_f32(const void* w, DType wt, int64_t cols, int64_t r, float* out) {
       for (int64_t c = 0; c < cols; ++c) out[c] = bf16_to_f32(src[c]);
       return;
     }
+    case DType::kQ8_0:
+    case DType::kQ4_K:  // the reference dequantization (backend/cpu/quant.h)
+      return dequantize_row(wt, static_cast<const uint8_t*>(w) + r * dtype_row_bytes(wt, cols),
+                            out, cols);
   }
   TS_CHECK(false, "unknown weight dtype");
 }

@@ -15,6 +15,8 @@ Status cmd_bench(const Args& args);
 Status cmd_pack(const Args& args);
 Status cmd_verify(const Args& args);
 Status cmd_analyze_router(const Args& args);
+Status cmd_run(const Args& args);
+Status cmd_chat(const Args& args);
 Status cmd_chat_template(const Args& args);
 Status cmd_tokenize(const Args& args);
 

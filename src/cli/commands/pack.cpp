@@ -1,15 +1,31 @@
-// pack: re-lay a Hugging Face checkpoint for expert streaming (io/pack.h has the layout);
-// verify: check every pack file against the manifest's SHA-256.
+// pack: re-lay a Hugging Face checkpoint for expert streaming (io/pack.h has the layout),
+// optionally quantizing weights; verify: check every pack file against the manifest's
+// SHA-256.
+//
+// Quantization (--experts-quant, --dense-quant: q8_0 | q4_k; backend/cpu/quant.h):
+// routed experts, and with --dense-quant the attention q/k/v/o, shared-expert and dense-MLP
+// matrices and an untied lm_head, are quantized from their F32 / F16 / BF16 values. A
+// matrix whose rows are not whole blocks (cols % 32 or % 256) keeps its source dtype, as
+// llama.cpp falls back to a wider type; each tensor's actual dtype is in the manifest
+// (experts) or in dense.safetensors' header. Embeddings, norms, biases, routers and the
+// shared-expert gate stay as they are: they are small, and the forward pass reads them as
+// floats.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <set>
+#include <thread>
 #include <tuple>
 
+#include "backend/cpu/quant.h"
 #include "cli/commands/commands.h"
 #include "core/sha256.h"
+#include "core/thread_pool.h"
 #include "io/mapped_file.h"
 #include "io/pack.h"
 #include "model/hparams.h"
@@ -20,8 +36,55 @@ namespace {
 
 uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+// --experts-quant / --dense-quant: nullopt for "none".
+Result<std::optional<DType>> parse_quant(const std::string& flag, const std::string& v) {
+  if (v == "none") return std::optional<DType>();
+  if (v == "q8_0") return std::optional<DType>(DType::kQ8_0);
+  if (v == "q4_k") return std::optional<DType>(DType::kQ4_K);
+  return make_error("--" + flag + " " + v + ": expected none, q8_0 or q4_k");
+}
+
+// The dtype a matrix is packed with: the quant type when its rows are whole blocks, else
+// its own. Already-quantized sources are copied as they are.
+DType packed_dtype(const model::Matrix& m, std::optional<DType> quant) {
+  if (!quant || dtype_is_quantized(m.dtype) || !dtype_row_ok(*quant, m.cols)) return m.dtype;
+  return *quant;
+}
+
+// Row r of a float-typed matrix as F32.
+void row_to_f32(const model::Matrix& m, int64_t r, float* out) {
+  const auto* base = static_cast<const uint8_t*>(m.data) + uint64_t(r) * dtype_row_bytes(m.dtype, m.cols);
+  for (int64_t c = 0; c < m.cols; ++c) {
+    uint16_t h;
+    switch (m.dtype) {
+      case DType::kF32: std::memcpy(&out[c], base + 4 * c, 4); break;
+      case DType::kF16: std::memcpy(&h, base + 2 * c, 2); out[c] = f16_to_f32(h); break;
+      case DType::kBF16: std::memcpy(&h, base + 2 * c, 2); out[c] = bf16_to_f32(h); break;
+      case DType::kQ8_0:
+      case DType::kQ4_K: TS_CHECK(false, "quantized sources are copied, not converted");
+    }
+  }
+}
+
+// Writes m to dst (m.rows * dtype_row_bytes(t, m.cols) bytes) as dtype t: a copy when t is
+// m's own dtype, else each row quantized (rows split across the pool).
+void store_matrix(ThreadPool& pool, const model::Matrix& m, DType t, uint8_t* dst) {
+  if (t == m.dtype) {
+    std::memcpy(dst, m.data, m.n_bytes());
+    return;
+  }
+  const uint64_t row_bytes = dtype_row_bytes(t, m.cols);
+  pool.parallel_for(m.rows, 8, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(size_t(m.cols));
+    for (int64_t r = r0; r < r1; ++r) {
+      row_to_f32(m, r, row.data());
+      cpu::quantize_row(t, row.data(), dst + uint64_t(r) * row_bytes, m.cols);
+    }
+  });
+}
+
 // Writes one layer's expert file; returns its SHA-256.
-Result<std::string> write_expert_file(const std::string& path,
+Result<std::string> write_expert_file(ThreadPool& pool, const std::string& path,
                                       const std::vector<model::ExpertWeights>& experts,
                                       const io::PackExpertLayer& layout) {
   const std::string tmp = path + ".tmp." + std::to_string(getpid());
@@ -32,9 +95,9 @@ Result<std::string> write_expert_file(const std::string& path,
   bool ok = true;
   for (const model::ExpertWeights& e : experts) {
     std::fill(blob.begin(), blob.end(), 0);
-    std::memcpy(blob.data() + layout.gate.offset, e.gate.data, e.gate.n_bytes());
-    std::memcpy(blob.data() + layout.up.offset, e.up.data, e.up.n_bytes());
-    std::memcpy(blob.data() + layout.down.offset, e.down.data, e.down.n_bytes());
+    store_matrix(pool, e.gate, layout.gate.dtype, blob.data() + layout.gate.offset);
+    store_matrix(pool, e.up, layout.up.dtype, blob.data() + layout.up.offset);
+    store_matrix(pool, e.down, layout.down.dtype, blob.data() + layout.down.offset);
     sha.update(blob.data(), blob.size());
     if (std::fwrite(blob.data(), 1, blob.size(), f) != blob.size()) {
       ok = false;
@@ -57,9 +120,8 @@ Status cmd_pack(const Args& args) {
   const std::string experts_quant = args.str_or("experts-quant", "none");
   const std::string dense_quant = args.str_or("dense-quant", "none");
   TS_TRY(args.check_all_used());
-  for (const auto& [flag, q] : {std::pair{"experts-quant", experts_quant}, {"dense-quant", dense_quant}})
-    if (q != "none")
-      return make_error(std::string("--") + flag + " " + q + ": quantized packs are not built yet");
+  TS_ASSIGN(std::optional<DType> experts_q, parse_quant("experts-quant", experts_quant));
+  TS_ASSIGN(std::optional<DType> dense_q, parse_quant("dense-quant", dense_quant));
   if (io::is_pack_dir(src)) return make_error(src + " is already a pack");
   std::error_code ec;
   if (!std::filesystem::is_directory(src, ec))
@@ -70,8 +132,11 @@ Status cmd_pack(const Args& args) {
   std::filesystem::create_directories(out, ec);
   if (ec) return make_error("cannot create " + out + ": " + ec.message());
 
+  ThreadPool pool(int(std::max(1u, std::thread::hardware_concurrency())));
   io::PackManifest m;
   m.family = std::string(model::family_name(hp.family));
+  m.experts_quant = experts_quant;
+  m.dense_quant = dense_quant;
   {
     std::ifstream cf(src + "/config.json");
     m.config = nlohmann::json::parse(cf, nullptr, false);
@@ -95,18 +160,41 @@ Status cmd_pack(const Args& args) {
     for (auto [t, mat, n] : {std::tuple{&L.gate, &experts[0].gate, names.expert_gate},
                              std::tuple{&L.up, &experts[0].up, names.expert_up},
                              std::tuple{&L.down, &experts[0].down, names.expert_down}}) {
-      *t = {.name = prefix + n + ".weight", .dtype = mat->dtype, .shape = {mat->rows, mat->cols},
-            .offset = at, .n_bytes = mat->n_bytes()};
-      at = align_up(at + mat->n_bytes(), 64);
+      const DType dt = packed_dtype(*mat, experts_q);
+      const uint64_t bytes = uint64_t(mat->rows) * dtype_row_bytes(dt, mat->cols);
+      *t = {.name = prefix + n + ".weight", .dtype = dt, .shape = {mat->rows, mat->cols},
+            .offset = at, .n_bytes = bytes};
+      at = align_up(at + bytes, 64);
     }
     L.stride = align_up(at, io::kPackAlign);
     for (size_t e = 0; e < experts.size(); ++e) L.offsets.push_back(e * L.stride);
     m.expert_layers.push_back(L);
   }
-  // dense.safetensors: every other tensor, as stored.
+  // dense.safetensors: every other tensor, as stored or (--dense-quant) quantized.
+  std::map<const void*, const model::Matrix*> dense_quantizable;
+  if (dense_q) {
+    for (const model::LayerWeights& L : w.dense.layers)
+      for (const model::Matrix* x : {&L.wq, &L.wk, &L.wv, &L.wo, &L.shared.gate, &L.shared.up,
+                                     &L.shared.down, &L.dense.gate, &L.dense.up, &L.dense.down})
+        if (x->present()) dense_quantizable[x->data] = x;
+    if (w.dense.lm_head.data != w.dense.embed.data)  // a tied head is the embedding
+      dense_quantizable[w.dense.lm_head.data] = &w.dense.lm_head;
+  }
   std::vector<io::TensorToWrite> dense;
-  for (const auto& [name, v] : set->tensors())
-    if (!expert_data.count(v.data)) dense.push_back({name, v.dtype, v.shape, v.data, v.n_bytes});
+  std::vector<std::vector<uint8_t>> quantized;  // owns converted tensors until written
+  for (const auto& [name, v] : set->tensors()) {
+    if (expert_data.count(v.data)) continue;
+    auto it = dense_quantizable.find(v.data);
+    const DType dt = it == dense_quantizable.end() ? v.dtype : packed_dtype(*it->second, dense_q);
+    if (dt == v.dtype) {
+      dense.push_back({name, v.dtype, v.shape, v.data, v.n_bytes});
+      continue;
+    }
+    const model::Matrix& mat = *it->second;
+    quantized.emplace_back(uint64_t(mat.rows) * dtype_row_bytes(dt, mat.cols));
+    store_matrix(pool, mat, dt, quantized.back().data());
+    dense.push_back({name, dt, v.shape, quantized.back().data(), quantized.back().size()});
+  }
   const bool tty = isatty(fileno(stderr));
   if (tty) std::fprintf(stderr, "pack: dense weights (%zu tensors)\n", dense.size());
   TS_TRY(io::write_safetensors(out + "/dense.safetensors", dense));
@@ -122,7 +210,7 @@ Status cmd_pack(const Args& args) {
                    m.expert_layers.size());
     }
     TS_ASSIGN(std::string sha,
-              write_expert_file(out + "/" + L.file, w.experts[size_t(L.layer)], L));
+              write_expert_file(pool, out + "/" + L.file, w.experts[size_t(L.layer)], L));
     m.files.push_back({L.file, L.stride * L.offsets.size(), sha});
   }
   if (tty) std::fprintf(stderr, "\n");

@@ -83,6 +83,8 @@ Status write_shard(const std::string& path, const std::vector<model::TensorSpec>
         case DType::kF32: std::memcpy(&buf[size_t(j) * 4], &v, 4); break;
         case DType::kF16: { uint16_t x = f32_to_f16(v); std::memcpy(&buf[size_t(j) * 2], &x, 2); break; }
         case DType::kBF16: { uint16_t x = f32_to_bf16(v); std::memcpy(&buf[size_t(j) * 2], &x, 2); break; }
+        case DType::kQ8_0:
+        case DType::kQ4_K: TS_CHECK(false, "synth writes float dtypes only");
       }
     }
     ok = std::fwrite(buf.data(), 1, buf.size(), f) == buf.size();
