@@ -43,7 +43,8 @@ Result<std::optional<std::string>> special_token(const ojson& config, const char
     auto c = it->find("content");
     if (c != it->end() && c->is_string()) return std::optional<std::string>(c->get<std::string>());
   }
-  return make_error(path + ": \"" + key + "\" must be a string or an object with a \"content\" string");
+  return make_error(path + ": \"" + key +
+                    "\" must be a string or an object with a \"content\" string");
 }
 
 }  // namespace
@@ -82,7 +83,8 @@ Result<ChatTemplate> ChatTemplate::load(const std::string& dir) {
     for (const auto& entry : *it) {
       if (!entry.is_object() || !entry.contains("name") || !entry.contains("template") ||
           !entry["name"].is_string() || !entry["template"].is_string())
-        return make_error(cp + ": \"chat_template\" list entries must be {\"name\": ..., \"template\": ...}");
+        return make_error(
+            cp + ": \"chat_template\" list entries must be {\"name\": ..., \"template\": ...}");
       if (entry["name"] == "default")
         return from_source(entry["template"].get<std::string>(), std::move(tokens),
                            cp + " (chat_template 'default')");
@@ -121,8 +123,10 @@ Result<std::string> ChatTemplate::render(const ojson& messages, const ojson& too
   jinja::DictData& g = *globals.as_dict();
   jinja::add_builtin_globals(g);
   const std::pair<const char*, const std::optional<std::string>*> specials[] = {
-      {"bos_token", &tokens_.bos}, {"eos_token", &tokens_.eos},
-      {"pad_token", &tokens_.pad}, {"unk_token", &tokens_.unk}};
+      {"bos_token", &tokens_.bos},
+      {"eos_token", &tokens_.eos},
+      {"pad_token", &tokens_.pad},
+      {"unk_token", &tokens_.unk}};
   for (const auto& [name, tok] : specials)
     if (tok->has_value()) g.set(Value(name), Value(**tok));
   if (extra.is_object()) {

@@ -15,6 +15,15 @@
 //
 // Errors name the file and, for template errors, the line and construct:
 //   "<dir>/chat_template.jinja: template line 12: unknown filter 'foo'".
+//
+// render() is const and keeps no state between calls: concurrent renders are safe.
+//
+// Not supported (an error names them, nothing is silently mis-rendered): {% include %},
+// {% import %}, {% extends %} / blocks, recursive for-loops, *args / **kwargs in calls, macro
+// varargs, the groupby / truncate / wordwrap / urlencode filters, str.format specs ("{:>4}").
+// Known differences from Python: map/select/dict.items()/range results print as lists rather
+// than "<generator object ...>" / "dict_items([...])"; upper/lower use Unicode's simple case
+// mappings (plus Python's for ß, İ and the Latin ligatures); integers are 64-bit.
 #pragma once
 
 #include <ctime>

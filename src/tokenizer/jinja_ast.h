@@ -22,26 +22,26 @@ struct Arguments {
 
 struct Expr {
   enum class Kind {
-    kConst,      // value
-    kName,       // name
-    kList,       // items
-    kTuple,      // items
-    kDict,       // items: key, value, key, value, ...
-    kGetAttr,    // a.name          (object, name)
-    kGetItem,    // a[b]            (object, items[0])
-    kSlice,      // a[b:c:d]        (object, items = {start, stop, step}, each may be null)
-    kCall,       // f(args)         (object, args)
-    kFilter,     // a | name(args)  (object, name, args)
-    kTest,       // a is [not] name(args)
-    kNeg,        // -a
-    kPos,        // +a
-    kNot,        // not a
-    kBinary,     // a op b: + - * / // % **  (op)
-    kAnd,        // a and b
-    kOr,         // a or b
-    kCompare,    // a op1 b op2 c ...  (object, ops, items)
-    kCondExpr,   // items = {then, cond, else (may be null)}
-    kConcat,     // a ~ b ~ c  (items)
+    kConst,     // value
+    kName,      // name
+    kList,      // items
+    kTuple,     // items
+    kDict,      // items: key, value, key, value, ...
+    kGetAttr,   // a.name          (object, name)
+    kGetItem,   // a[b]            (object, items[0])
+    kSlice,     // a[b:c:d]        (object, items = {start, stop, step}, each may be null)
+    kCall,      // f(args)         (object, args)
+    kFilter,    // a | name(args)  (object, name, args)
+    kTest,      // a is [not] name(args)
+    kNeg,       // -a
+    kPos,       // +a
+    kNot,       // not a
+    kBinary,    // a op b: + - * / // % **  (op)
+    kAnd,       // a and b
+    kOr,        // a or b
+    kCompare,   // a op1 b op2 c ...  (object, ops, items)
+    kCondExpr,  // items = {then, cond, else (may be null)}
+    kConcat,    // a ~ b ~ c  (items)
   };
   Kind kind;
   int line = 0;
@@ -104,8 +104,8 @@ struct Node {
   std::vector<ExprPtr> conditions;
   std::vector<Body> bodies;  // kFor: {body, else}; others: {body}
   std::vector<FilterCall> filters;
-  std::string name;               // kMacro
-  std::vector<MacroParam> params; // kMacro, kCallBlock (caller's params)
+  std::string name;                                     // kMacro
+  std::vector<MacroParam> params;                       // kMacro, kCallBlock (caller's params)
   std::vector<std::pair<Target, ExprPtr>> assignments;  // kWith
 
   Node(Kind k, int l) : kind(k), line(l) {}

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include <map>
 
@@ -38,8 +40,7 @@ Value arg(const CallArgs& a, size_t pos, std::string_view name, Value dflt = Val
 }
 
 const std::string& need_string(const Value& v, std::string_view what) {
-  if (!v.is_string())
-    throw TemplateError(std::string(what) + " must be str, not " + v.type_name());
+  if (!v.is_string()) throw TemplateError(std::string(what) + " must be str, not " + v.type_name());
   return v.as_string();
 }
 
@@ -75,8 +76,11 @@ Value get_attribute_path(Interpreter& in, const Value& item, const Value& attrib
   size_t start = 0;
   while (true) {
     size_t dot = path.find('.', start);
-    std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
+    std::string part =
+        path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char ch) {
+      return std::isdigit(static_cast<unsigned char>(ch));
+    });
     cur = in.getitem(cur, numeric ? Value(int64_t(std::stoll(part))) : Value(part));
     if (dot == std::string::npos) return cur;
     start = dot + 1;
@@ -137,12 +141,12 @@ Value f_trim(Interpreter&, const Value& v, CallArgs& a) {
 
 Value f_upper(Interpreter&, const Value& v, CallArgs& a) {
   check_args(a, "upper", 0, {});
-  return Value(map_cps(to_str(v), cp_upper));
+  return Value(py_upper(to_str(v)));
 }
 
 Value f_lower(Interpreter&, const Value& v, CallArgs& a) {
   check_args(a, "lower", 0, {});
-  return Value(map_cps(to_str(v), cp_lower));
+  return Value(py_lower(to_str(v)));
 }
 
 Value f_capitalize(Interpreter&, const Value& v, CallArgs& a) {
@@ -161,7 +165,10 @@ Value f_title(Interpreter&, const Value& v, CallArgs& a) {
       utf8_append(out, c);
       word_start = true;
     } else {
-      utf8_append(out, word_start ? cp_upper(c) : cp_lower(c));
+      if (word_start)
+        append_upper(out, c);
+      else
+        append_lower(out, c);
       word_start = false;
     }
   }
@@ -177,6 +184,7 @@ Value f_int(Interpreter&, const Value& v, CallArgs& a) {
   check_args(a, "int", 2, {"default", "base"});
   Value dflt = arg(a, 0, "default", Value(0));
   int base = int(need_int(arg(a, 1, "base", Value(10)), "int base"));
+  require_defined(v);  // int(Undefined) raises in jinja2
   if (v.is_int()) return v;
   if (v.is_bool()) return Value(v.to_int());
   if (v.is_float()) return std::isfinite(v.as_float()) ? Value(int64_t(v.as_float())) : dflt;
@@ -192,6 +200,7 @@ Value f_int(Interpreter&, const Value& v, CallArgs& a) {
 Value f_float(Interpreter&, const Value& v, CallArgs& a) {
   check_args(a, "float", 1, {"default"});
   Value dflt = arg(a, 0, "default", Value(0.0));
+  require_defined(v);  // float(Undefined) raises in jinja2
   if (v.is_number()) return Value(v.to_double());
   double d;
   if (v.is_string() && parse_py_float(v.as_string(), &d)) return Value(d);
@@ -223,7 +232,7 @@ Value f_dictsort(Interpreter&, const Value& v, CallArgs& a) {
   std::vector<std::pair<Value, Value>> items = v.as_dict()->items;
   auto key = [&](const std::pair<Value, Value>& kv) {
     Value k = by == "value" ? kv.second : kv.first;
-    if (!case_sensitive && k.is_string()) return Value(map_cps(k.as_string(), cp_lower));
+    if (!case_sensitive && k.is_string()) return Value(py_lower(k.as_string()));
     return k;
   };
   std::stable_sort(items.begin(), items.end(), [&](const auto& x, const auto& y) {
@@ -286,6 +295,7 @@ Value f_attr(Interpreter& in, const Value& v, CallArgs& a) {
 // map('filter', args...) or map(attribute='x', default=...)
 Value f_map(Interpreter& in, const Value& v, CallArgs& a) {
   std::vector<Value> out;
+  if (!truthy(v)) return Value::generator({});  // jinja2: `if value: for item in value: ...`
   Value attribute = arg(a, 99, "attribute");
   if (!attribute.is_undefined()) {
     Value dflt = arg(a, 99, "default");
@@ -308,6 +318,7 @@ Value f_map(Interpreter& in, const Value& v, CallArgs& a) {
 }
 
 Value select_impl(Interpreter& in, const Value& v, CallArgs& a, bool by_attr, bool keep) {
+  if (!truthy(v)) return Value::generator({});  // jinja2: `if value: for item in value: ...`
   size_t first = by_attr ? 1 : 0;
   Value attribute = by_attr ? arg(a, 0, "attr") : Value();
   std::string test_name;
@@ -332,15 +343,24 @@ Value select_impl(Interpreter& in, const Value& v, CallArgs& a, bool by_attr, bo
   return Value::generator(std::move(out));
 }
 
-Value f_select(Interpreter& in, const Value& v, CallArgs& a) { return select_impl(in, v, a, false, true); }
-Value f_reject(Interpreter& in, const Value& v, CallArgs& a) { return select_impl(in, v, a, false, false); }
-Value f_selectattr(Interpreter& in, const Value& v, CallArgs& a) { return select_impl(in, v, a, true, true); }
-Value f_rejectattr(Interpreter& in, const Value& v, CallArgs& a) { return select_impl(in, v, a, true, false); }
+Value f_select(Interpreter& in, const Value& v, CallArgs& a) {
+  return select_impl(in, v, a, false, true);
+}
+Value f_reject(Interpreter& in, const Value& v, CallArgs& a) {
+  return select_impl(in, v, a, false, false);
+}
+Value f_selectattr(Interpreter& in, const Value& v, CallArgs& a) {
+  return select_impl(in, v, a, true, true);
+}
+Value f_rejectattr(Interpreter& in, const Value& v, CallArgs& a) {
+  return select_impl(in, v, a, true, false);
+}
 
 Value sort_key(Interpreter& in, const Value& item, const Value& attribute, bool case_sensitive) {
-  Value k = attribute.is_none() || attribute.is_undefined() ? item
-                                                            : get_attribute_path(in, item, attribute);
-  if (!case_sensitive && k.is_string()) return Value(map_cps(k.as_string(), cp_lower));
+  Value k = attribute.is_none() || attribute.is_undefined()
+                ? item
+                : get_attribute_path(in, item, attribute);
+  if (!case_sensitive && k.is_string()) return Value(py_lower(k.as_string()));
   return k;
 }
 
@@ -364,7 +384,8 @@ Value f_unique(Interpreter& in, const Value& v, CallArgs& a) {
   std::vector<Value> out, seen;
   for (const Value& item : in.iterate(v)) {
     Value k = sort_key(in, item, attribute, cs);
-    if (std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, k); })) continue;
+    if (std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, k); }))
+      continue;
     seen.push_back(k);
     out.push_back(item);
   }
@@ -398,8 +419,10 @@ Value f_sum(Interpreter& in, const Value& v, CallArgs& a) {
     if (!x.is_number() || !total.is_number())
       throw TemplateError("unsupported operand type(s) for +: '" + total.type_name() + "' and '" +
                           x.type_name() + "'");
-    if (total.is_float() || x.is_float()) total = Value(total.to_double() + x.to_double());
-    else total = Value(total.to_int() + x.to_int());
+    if (total.is_float() || x.is_float())
+      total = Value(total.to_double() + x.to_double());
+    else
+      total = Value(total.to_int() + x.to_int());
   }
   return total;
 }
@@ -425,10 +448,15 @@ Value f_round(Interpreter&, const Value& v, CallArgs& a) {
   if (method == "ceil") return Value(std::ceil(x * scale) / scale);
   if (method == "floor") return Value(std::floor(x * scale) / scale);
   if (method != "common") throw TemplateError("method must be common, ceil or floor");
-  // Python's round(): half to even on the decimal value.
-  double y = x * scale, r = std::nearbyint(y);
-  if (std::fabs(y - std::trunc(y)) != 0.5) r = std::round(y);
-  return Value(r / scale);
+  if ((v.is_int() || v.is_bool()) && precision >= 0) return Value(v.to_int());  // round(int) is int
+  if (precision < 0 || !std::isfinite(x)) {
+    double y = x * scale, r = std::nearbyint(y);
+    return Value(r / scale);
+  }
+  // Python's round(x, n) rounds the exact binary value half-to-even; so does printf's %.*f.
+  char buf[512];
+  std::snprintf(buf, sizeof(buf), "%.*f", int(std::min<int64_t>(precision, 300)), x);
+  return Value(std::strtod(buf, nullptr));
 }
 
 Value f_batch(Interpreter& in, const Value& v, CallArgs& a) {
@@ -457,8 +485,10 @@ Value f_indent(Interpreter&, const Value& v, CallArgs& a) {
   Value width = arg(a, 0, "width", Value(4));
   bool first = truthy(arg(a, 1, "first", Value(false)));
   bool blank = truthy(arg(a, 2, "blank", Value(false)));
-  std::string ind = width.is_string() ? width.as_string()
-                                      : std::string(size_t(std::max<int64_t>(0, need_int(width, "indent width"))), ' ');
+  std::string ind =
+      width.is_string()
+          ? width.as_string()
+          : std::string(size_t(std::max<int64_t>(0, need_int(width, "indent width"))), ' ');
   std::vector<std::string> lines = splitlines(to_str(v) + "\n", false);
   std::string rv;
   if (blank) {
@@ -519,18 +549,28 @@ bool t_sequence(Interpreter&, const Value& v, CallArgs&) {
   // jinja2: len() works and __getitem__ exists (true for str, list, tuple, dict and Undefined).
   return v.is_undefined() || v.is_string() || v.is_list() || v.is_dict();
 }
-bool t_callable(Interpreter&, const Value& v, CallArgs&) { return v.is_callable(); }
+bool t_callable(Interpreter&, const Value& v, CallArgs&) {
+  return v.is_callable() || v.is_undefined();  // jinja2's Undefined defines __call__
+}
 bool t_escaped(Interpreter&, const Value&, CallArgs&) { return false; }
 bool t_lower(Interpreter&, const Value& v, CallArgs&) {
   std::string s = to_str(v);
-  return map_cps(s, cp_lower) == s && map_cps(s, cp_upper) != s;
+  return py_lower(s) == s && py_upper(s) != s;
 }
 bool t_upper(Interpreter&, const Value& v, CallArgs&) {
   std::string s = to_str(v);
-  return map_cps(s, cp_upper) == s && map_cps(s, cp_lower) != s;
+  return py_upper(s) == s && py_lower(s) != s;
 }
-bool t_even(Interpreter&, const Value& v, CallArgs&) { return need_int(v, "even") % 2 == 0; }
-bool t_odd(Interpreter&, const Value& v, CallArgs&) { return need_int(v, "odd") % 2 != 0; }
+// value % 2 == 0 / == 1, as Python computes it (floats included).
+double mod2(const Value& v) {
+  require_defined(v);
+  if (!v.is_number())
+    throw TemplateError("unsupported operand type(s) for %: '" + v.type_name() + "' and 'int'");
+  double r = std::fmod(v.to_double(), 2.0);
+  return r < 0 ? r + 2.0 : r;
+}
+bool t_even(Interpreter&, const Value& v, CallArgs&) { return mod2(v) == 0.0; }
+bool t_odd(Interpreter&, const Value& v, CallArgs&) { return mod2(v) == 1.0; }
 bool t_divisibleby(Interpreter&, const Value& v, CallArgs& a) {
   int64_t n = need_int(arg(a, 0, "num"), "divisibleby");
   if (n == 0) throw TemplateError("integer division or modulo by zero");
@@ -546,7 +586,8 @@ bool t_in(Interpreter&, const Value& v, CallArgs& a) { return contains(arg(a, 0,
 bool t_sameas(Interpreter&, const Value& v, CallArgs& a) {
   Value o = arg(a, 0, "other");
   if (v.is_none() || v.is_bool() || o.is_none() || o.is_bool())  // singletons
-    return (v.is_none() && o.is_none()) || (v.is_bool() && o.is_bool() && v.as_bool() == o.as_bool());
+    return (v.is_none() && o.is_none()) ||
+           (v.is_bool() && o.is_bool() && v.as_bool() == o.as_bool());
   if (v.is_list_like() && o.is_list_like()) return v.as_list() == o.as_list();
   if (v.is_dict_like() && o.is_dict_like()) return v.as_dict() == o.as_dict();
   return false;
@@ -560,20 +601,48 @@ bool t_test(Interpreter&, const Value& v, CallArgs&) {
 
 const std::map<std::string, FilterFn, std::less<>>& filters() {
   static const std::map<std::string, FilterFn, std::less<>> kFilters = {
-      {"abs", f_abs},           {"attr", f_attr},         {"batch", f_batch},
-      {"capitalize", f_capitalize}, {"center", f_center}, {"count", f_length},
-      {"d", f_default},         {"default", f_default},   {"dictsort", f_dictsort},
-      {"e", f_escape},          {"escape", f_escape},     {"first", f_first},
-      {"float", f_float},       {"forceescape", f_escape}, {"format", f_format},
-      {"indent", f_indent},     {"int", f_int},           {"items", f_items},
-      {"join", f_join},         {"last", f_last},         {"length", f_length},
-      {"list", f_list},         {"lower", f_lower},       {"map", f_map},
-      {"max", f_max},           {"min", f_min},           {"reject", f_reject},
-      {"rejectattr", f_rejectattr}, {"replace", f_replace}, {"reverse", f_reverse},
-      {"round", f_round},       {"safe", f_safe},         {"select", f_select},
-      {"selectattr", f_selectattr}, {"sort", f_sort},     {"string", f_string},
-      {"sum", f_sum},           {"title", f_title},       {"tojson", f_tojson},
-      {"trim", f_trim},         {"unique", f_unique},     {"upper", f_upper},
+      {"abs", f_abs},
+      {"attr", f_attr},
+      {"batch", f_batch},
+      {"capitalize", f_capitalize},
+      {"center", f_center},
+      {"count", f_length},
+      {"d", f_default},
+      {"default", f_default},
+      {"dictsort", f_dictsort},
+      {"e", f_escape},
+      {"escape", f_escape},
+      {"first", f_first},
+      {"float", f_float},
+      {"forceescape", f_escape},
+      {"format", f_format},
+      {"indent", f_indent},
+      {"int", f_int},
+      {"items", f_items},
+      {"join", f_join},
+      {"last", f_last},
+      {"length", f_length},
+      {"list", f_list},
+      {"lower", f_lower},
+      {"map", f_map},
+      {"max", f_max},
+      {"min", f_min},
+      {"reject", f_reject},
+      {"rejectattr", f_rejectattr},
+      {"replace", f_replace},
+      {"reverse", f_reverse},
+      {"round", f_round},
+      {"safe", f_safe},
+      {"select", f_select},
+      {"selectattr", f_selectattr},
+      {"sort", f_sort},
+      {"string", f_string},
+      {"sum", f_sum},
+      {"title", f_title},
+      {"tojson", f_tojson},
+      {"trim", f_trim},
+      {"unique", f_unique},
+      {"upper", f_upper},
       {"wordcount", f_wordcount},
   };
   return kFilters;
@@ -581,16 +650,45 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
 
 const std::map<std::string, TestFn, std::less<>>& tests() {
   static const std::map<std::string, TestFn, std::less<>> kTests = {
-      {"!=", t_ne},       {"<", t_lt},          {"<=", t_le},         {"==", t_eq},
-      {">", t_gt},        {">=", t_ge},         {"boolean", t_boolean}, {"callable", t_callable},
-      {"defined", t_defined}, {"divisibleby", t_divisibleby}, {"eq", t_eq}, {"equalto", t_eq},
-      {"escaped", t_escaped}, {"even", t_even}, {"false", t_false}, {"filter", t_filter},
-      {"float", t_float}, {"ge", t_ge},         {"greaterthan", t_gt}, {"gt", t_gt},
-      {"in", t_in},       {"integer", t_integer}, {"iterable", t_iterable}, {"le", t_le},
-      {"lessthan", t_lt}, {"lower", t_lower},   {"lt", t_lt},         {"mapping", t_mapping},
-      {"ne", t_ne},       {"none", t_none},     {"number", t_number}, {"odd", t_odd},
-      {"sameas", t_sameas}, {"sequence", t_sequence}, {"string", t_string}, {"test", t_test},
-      {"true", t_true},   {"undefined", t_undefined}, {"upper", t_upper},
+      {"!=", t_ne},
+      {"<", t_lt},
+      {"<=", t_le},
+      {"==", t_eq},
+      {">", t_gt},
+      {">=", t_ge},
+      {"boolean", t_boolean},
+      {"callable", t_callable},
+      {"defined", t_defined},
+      {"divisibleby", t_divisibleby},
+      {"eq", t_eq},
+      {"equalto", t_eq},
+      {"escaped", t_escaped},
+      {"even", t_even},
+      {"false", t_false},
+      {"filter", t_filter},
+      {"float", t_float},
+      {"ge", t_ge},
+      {"greaterthan", t_gt},
+      {"gt", t_gt},
+      {"in", t_in},
+      {"integer", t_integer},
+      {"iterable", t_iterable},
+      {"le", t_le},
+      {"lessthan", t_lt},
+      {"lower", t_lower},
+      {"lt", t_lt},
+      {"mapping", t_mapping},
+      {"ne", t_ne},
+      {"none", t_none},
+      {"number", t_number},
+      {"odd", t_odd},
+      {"sameas", t_sameas},
+      {"sequence", t_sequence},
+      {"string", t_string},
+      {"test", t_test},
+      {"true", t_true},
+      {"undefined", t_undefined},
+      {"upper", t_upper},
   };
   return kTests;
 }
@@ -598,7 +696,7 @@ const std::map<std::string, TestFn, std::less<>>& tests() {
 // ---- methods ----
 
 Value bind_method(const Value& self, const std::string& name,
-           std::function<Value(Interpreter&, const Value&, CallArgs&)> fn) {
+                  std::function<Value(Interpreter&, const Value&, CallArgs&)> fn) {
   return make_callable(name, [self, fn](Interpreter& in, CallArgs& a) { return fn(in, self, a); });
 }
 
@@ -630,7 +728,8 @@ Value string_method(const Value& self, const std::string& name) {
     return bind_method(self, name, [S](Interpreter&, const Value& s, A& a) {
       check_args(a, "splitlines", 1, {"keepends"});
       std::vector<Value> out;
-      for (auto& l : splitlines(S(s), truthy(arg(a, 0, "keepends", Value(false))))) out.emplace_back(l);
+      for (auto& l : splitlines(S(s), truthy(arg(a, 0, "keepends", Value(false)))))
+        out.emplace_back(l);
       return Value::list(std::move(out));
     });
   }
@@ -643,7 +742,8 @@ Value string_method(const Value& self, const std::string& name) {
       const std::string& str = S(s);
       for (const Value& o : options) {
         if (!o.is_string())
-          throw TemplateError(name + " first arg must be str or a tuple of str, not " + o.type_name());
+          throw TemplateError(name + " first arg must be str or a tuple of str, not " +
+                              o.type_name());
         const std::string& x = o.as_string();
         if (x.size() <= str.size() &&
             str.compare(starts ? 0 : str.size() - x.size(), x.size(), x) == 0)
@@ -661,11 +761,12 @@ Value string_method(const Value& self, const std::string& name) {
                               need_int(count, "replace count")));
     });
   }
-  if (name == "upper" || name == "lower") {
-    auto f = name == "upper" ? cp_upper : cp_lower;
+  if (name == "upper" || name == "lower" || name == "swapcase" || name == "casefold") {
+    // casefold() is lower() here: the two differ only for a few characters (ß -> ss).
+    auto f = name == "upper" ? py_upper : (name == "swapcase" ? py_swapcase : py_lower);
     return bind_method(self, name, [S, f, name](Interpreter&, const Value& s, A& a) {
       check_args(a, name, 0, {});
-      return Value(map_cps(S(s), f));
+      return Value(f(S(s)));
     });
   }
   if (name == "title") {
@@ -688,7 +789,8 @@ Value string_method(const Value& self, const std::string& name) {
       if (name == "count") {
         if (sub.empty()) return Value(int64_t(utf8_length(str)) + 1);
         int64_t n = 0;
-        for (size_t p = str.find(sub); p != std::string::npos; p = str.find(sub, p + sub.size())) ++n;
+        for (size_t p = str.find(sub); p != std::string::npos; p = str.find(sub, p + sub.size()))
+          ++n;
         return Value(n);
       }
       bool right = name[0] == 'r';
@@ -707,7 +809,8 @@ Value string_method(const Value& self, const std::string& name) {
       bool first = true;
       for (const Value& item : in.iterate(arg(a, 0, "iterable"))) {
         if (!item.is_string())
-          throw TemplateError("sequence item: expected str instance, " + item.type_name() + " found");
+          throw TemplateError("sequence item: expected str instance, " + item.type_name() +
+                              " found");
         if (!first) out += S(s);
         first = false;
         out += item.as_string();
@@ -716,9 +819,8 @@ Value string_method(const Value& self, const std::string& name) {
     });
   }
   if (name == "format") {
-    return bind_method(self, name, [S](Interpreter&, const Value& s, A& a) {
-      return Value(py_format(S(s), a));
-    });
+    return bind_method(
+        self, name, [S](Interpreter&, const Value& s, A& a) { return Value(py_format(S(s), a)); });
   }
   if (name == "removeprefix" || name == "removesuffix") {
     bool prefix = name == "removeprefix";
@@ -726,7 +828,8 @@ Value string_method(const Value& self, const std::string& name) {
       check_args(a, name, 1, {});
       std::string x = need_string(arg(a, 0, "affix"), name + "() argument");
       const std::string& str = S(s);
-      if (x.size() <= str.size() && str.compare(prefix ? 0 : str.size() - x.size(), x.size(), x) == 0)
+      if (x.size() <= str.size() &&
+          str.compare(prefix ? 0 : str.size() - x.size(), x.size(), x) == 0)
         return Value(prefix ? str.substr(x.size()) : str.substr(0, str.size() - x.size()));
       return Value(str);
     });
@@ -764,7 +867,8 @@ Value string_method(const Value& self, const std::string& name) {
         int64_t left = pad / 2 + (pad & width & 1);
         return Value(rep(left) + str + rep(pad - left));
       }
-      if (!str.empty() && (str[0] == '-' || str[0] == '+')) return Value(str.substr(0, 1) + rep(pad) + str.substr(1));
+      if (!str.empty() && (str[0] == '-' || str[0] == '+'))
+        return Value(str.substr(0, 1) + rep(pad) + str.substr(1));
       return Value(rep(pad) + str);
     });
   }
@@ -790,7 +894,8 @@ Value string_method(const Value& self, const std::string& name) {
       check_args(a, name, 0, {});
       bool cased = false;
       for (uint32_t c : utf8_decode(S(s))) {
-        if (upper ? cp_is_cased_lower(c) && !cp_is_cased_upper(c) : cp_is_cased_upper(c)) return Value(false);
+        if (upper ? cp_is_cased_lower(c) && !cp_is_cased_upper(c) : cp_is_cased_upper(c))
+          return Value(false);
         cased = cased || cp_is_cased(c);
       }
       return Value(cased);
@@ -858,7 +963,8 @@ Value list_method(const Value& self, const std::string& name) {
       return Value::list(l.as_list()->items);
     });
   }
-  static const char* kUnsafe[] = {"append", "extend", "insert", "pop", "remove", "sort", "reverse", "clear"};
+  static const char* kUnsafe[] = {"append", "extend", "insert",  "pop",
+                                  "remove", "sort",   "reverse", "clear"};
   if (!self.is_tuple())
     for (const char* u : kUnsafe)
       if (name == u) return unsafe_method(self, name);
@@ -887,7 +993,8 @@ Value find_method(const Value& obj, const std::string& name) {
 void add_builtin_globals(DictData& g) {
   g.set(Value("range"), make_callable("range", [](Interpreter&, CallArgs& a) {
           check_args(a, "range", 3, {});
-          if (a.positional.empty()) throw TemplateError("range expected at least 1 argument, got 0");
+          if (a.positional.empty())
+            throw TemplateError("range expected at least 1 argument, got 0");
           int64_t start = 0, stop, step = 1;
           if (a.positional.size() == 1) {
             stop = need_int(a.positional[0], "range");
@@ -900,16 +1007,19 @@ void add_builtin_globals(DictData& g) {
           std::vector<Value> out;
           for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
             if (out.size() >= 100000)
-              throw TemplateError("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+              throw TemplateError(
+                  "Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
             out.emplace_back(i);
           }
           return Value::list(std::move(out));
         }));
   auto make_mapping = [](CallArgs& a, Value d, const char* fname) {
-    if (a.positional.size() > 1) throw TemplateError(std::string(fname) + " expected at most 1 argument");
+    if (a.positional.size() > 1)
+      throw TemplateError(std::string(fname) + " expected at most 1 argument");
     if (!a.positional.empty()) {
       const Value& src = a.positional[0];
-      if (!src.is_dict_like()) throw TemplateError(std::string(fname) + ": argument must be a mapping");
+      if (!src.is_dict_like())
+        throw TemplateError(std::string(fname) + ": argument must be a mapping");
       for (const auto& [k, v] : src.as_dict()->items) d.as_dict()->set(k, v);
     }
     for (const auto& [k, v] : a.keyword) d.as_dict()->set(Value(k), v);
@@ -921,7 +1031,8 @@ void add_builtin_globals(DictData& g) {
   g.set(Value("namespace"), make_callable("namespace", [make_mapping](Interpreter&, CallArgs& a) {
           return make_mapping(a, Value::namespace_object(), "namespace");
         }));
-  g.set(Value("raise_exception"), make_callable("raise_exception", [](Interpreter&, CallArgs& a) -> Value {
+  g.set(Value("raise_exception"),
+        make_callable("raise_exception", [](Interpreter&, CallArgs& a) -> Value {
           throw TemplateError("raise_exception: " + to_str(arg(a, 0, "message")));
         }));
   g.set(Value("strftime_now"), make_callable("strftime_now", [](Interpreter& in, CallArgs& a) {

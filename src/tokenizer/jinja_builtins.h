@@ -19,8 +19,9 @@ using TestFn = bool (*)(Interpreter& in, const Value& subject, CallArgs& args);
 FilterFn find_filter(std::string_view name);
 TestFn find_test(std::string_view name);
 
-// `obj.name` for a str / dict / list method: a bound Callable, or Undefined (with an "unsafe"
-// hint for mutating methods, so calling it fails like the sandbox does).
+// `obj.name` for a str / dict / list method: a bound Callable; Undefined with an "unsafe" hint
+// for mutating methods (calling it fails, as in the sandbox); Undefined with an empty hint when
+// the type has no such method (the caller then looks for a key / reports the attribute).
 Value find_method(const Value& obj, const std::string& name);
 
 // range, dict, namespace, raise_exception, strftime_now, cycler-free Jinja globals.

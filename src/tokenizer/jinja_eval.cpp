@@ -70,13 +70,14 @@ int64_t pymod(int64_t a, int64_t b) {
 
 double pyfmod(double a, double b) {
   double r = std::fmod(a, b);
-  if (r != 0 && ((r < 0) != (b < 0))) r += b;
+  if (r == 0) return std::copysign(0.0, b);  // Python: a zero result takes the divisor's sign
+  if ((r < 0) != (b < 0)) r += b;
   return r;
 }
 
 [[noreturn]] void unsupported(const std::string& op, const Value& l, const Value& r) {
-  throw TemplateError("unsupported operand type(s) for " + op + ": '" + l.type_name() +
-                      "' and '" + r.type_name() + "'");
+  throw TemplateError("unsupported operand type(s) for " + op + ": '" + l.type_name() + "' and '" +
+                      r.type_name() + "'");
 }
 
 // Python slice index normalisation (PySlice_AdjustIndices).
@@ -116,8 +117,10 @@ std::vector<int64_t> slice_indices(int64_t n, const Value& start_v, const Value&
 // printf-style `str % args` (the conversions templates use: %s %r %d %i %f %x %%).
 std::string percent_format(const std::string& fmt, const Value& args) {
   std::vector<Value> items;
-  if (args.is_tuple()) items = args.as_list()->items;
-  else items.push_back(args);
+  if (args.is_tuple())
+    items = args.as_list()->items;
+  else
+    items.push_back(args);
   size_t next = 0;
   std::string out;
   for (size_t i = 0; i < fmt.size(); ++i) {
@@ -140,7 +143,8 @@ std::string percent_format(const std::string& fmt, const Value& args) {
     const Value& a = items[next++];
     char buf[512];
     switch (conv) {
-      case 's': case 'r': {
+      case 's':
+      case 'r': {
         std::string s = conv == 's' ? to_str(a) : repr(a);
         if (spec.size() > 1) {
           std::snprintf(buf, sizeof(buf), (spec + "s").c_str(), s.c_str());
@@ -150,14 +154,25 @@ std::string percent_format(const std::string& fmt, const Value& args) {
         }
         break;
       }
-      case 'd': case 'i': case 'x': case 'X': case 'o': {
-        if (!a.is_number()) throw TemplateError("%" + std::string(1, conv) + " format: a real number is required, not " + a.type_name());
+      case 'd':
+      case 'i':
+      case 'x':
+      case 'X':
+      case 'o': {
+        if (!a.is_number())
+          throw TemplateError("%" + std::string(1, conv) +
+                              " format: a real number is required, not " + a.type_name());
         std::snprintf(buf, sizeof(buf), (spec + "ll" + (conv == 'i' ? 'd' : conv)).c_str(),
                       static_cast<long long>(a.is_float() ? int64_t(a.as_float()) : a.to_int()));
         out += buf;
         break;
       }
-      case 'f': case 'F': case 'e': case 'E': case 'g': case 'G': {
+      case 'f':
+      case 'F':
+      case 'e':
+      case 'E':
+      case 'g':
+      case 'G': {
         if (!a.is_number()) throw TemplateError("must be real number, not " + a.type_name());
         std::snprintf(buf, sizeof(buf), (spec + conv).c_str(), a.to_double());
         out += buf;
@@ -167,7 +182,10 @@ std::string percent_format(const std::string& fmt, const Value& args) {
         throw TemplateError(std::string("unsupported format character '") + conv + "'");
     }
   }
-  if (next < items.size() && !(items.size() == 1 && items[0].is_dict()))
+  // Python skips this check when the argument is mapping-like (dict, list, Undefined).
+  const bool mapping_like =
+      !args.is_tuple() && (args.is_dict() || args.is_list() || args.is_undefined());
+  if (next < items.size() && !mapping_like)
     throw TemplateError("not all arguments converted during string formatting");
   return out;
 }
@@ -183,8 +201,7 @@ bool contains(const Value& container, const Value& item) {
   if (container.is_undefined()) return false;  // Undefined iterates as empty
   if (container.is_string()) {
     if (!item.is_string())
-      throw TemplateError("'in <string>' requires string as left operand, not " +
-                          item.type_name());
+      throw TemplateError("'in <string>' requires string as left operand, not " + item.type_name());
     return container.as_string().find(item.as_string()) != std::string::npos;
   }
   if (container.is_list_like()) {
@@ -192,7 +209,11 @@ bool contains(const Value& container, const Value& item) {
       if (equals(v, item)) return true;
     return false;
   }
-  if (container.is_dict()) return container.as_dict()->find(item) != nullptr;
+  if (container.is_dict()) {
+    if ((item.is_list() && !item.is_tuple()) || item.is_dict_like() || item.is_generator())
+      throw TemplateError("unhashable type: '" + item.type_name() + "'");
+    return container.as_dict()->find(item) != nullptr;
+  }
   throw TemplateError("argument of type '" + container.type_name() + "' is not iterable");
 }
 
@@ -270,7 +291,8 @@ Interpreter::Flow Interpreter::exec_node(const Node& node, const FramePtr& frame
       }
       case Node::Kind::kWith: {
         auto scope = child_of(frame);
-        for (const auto& [target, expr] : node.assignments) assign(target, eval(*expr, frame), scope);
+        for (const auto& [target, expr] : node.assignments)
+          assign(target, eval(*expr, frame), scope);
         return exec(node.bodies[0], scope, out);
       }
       case Node::Kind::kScope:
@@ -287,8 +309,7 @@ Interpreter::Flow Interpreter::exec_node(const Node& node, const FramePtr& frame
   return Flow::kNormal;
 }
 
-Interpreter::Flow Interpreter::exec_for(const Node& node, const FramePtr& frame,
-                                        std::string& out) {
+Interpreter::Flow Interpreter::exec_for(const Node& node, const FramePtr& frame, std::string& out) {
   std::vector<Value> items = iterate(eval(*node.expr, frame));
   if (node.filter) {
     std::vector<Value> kept;
@@ -361,12 +382,15 @@ Value Interpreter::make_macro(const Node& node, const FramePtr& frame) {
   m->name = node.name;
   const Node* np = &node;
   FramePtr def_frame = frame;
-  m->fn = [this, np, def_frame](Interpreter&, CallArgs& a) { return call_macro(*np, def_frame, a); };
+  m->fn = [this, np, def_frame](Interpreter&, CallArgs& a) {
+    return call_macro(*np, def_frame, a);
+  };
   return Value(Value::FuncPtr(m));
 }
 
 Value Interpreter::call_macro(const Node& node, const FramePtr& def_frame, CallArgs& args) {
-  const std::string label = node.kind == Node::Kind::kMacro ? "macro '" + node.name + "'" : "caller";
+  const std::string label =
+      node.kind == Node::Kind::kMacro ? "macro '" + node.name + "'" : "caller";
   if (args.positional.size() > node.params.size())
     throw TemplateError(label + " takes not more than " + std::to_string(node.params.size()) +
                         " argument(s)");
@@ -394,8 +418,10 @@ Value Interpreter::call_macro(const Node& node, const FramePtr& def_frame, CallA
       }
     }
     if (found) continue;
-    if (p.default_value) scope->set(p.name, eval(*p.default_value, scope));
-    else scope->set(p.name, Value::undefined("parameter '" + p.name + "' was not provided"));
+    if (p.default_value)
+      scope->set(p.name, eval(*p.default_value, scope));
+    else
+      scope->set(p.name, Value::undefined("parameter '" + p.name + "' was not provided"));
   }
   for (size_t k = 0; k < args.keyword.size(); ++k) {
     if (used[k]) continue;
@@ -421,7 +447,8 @@ Value Interpreter::apply_filters(const std::vector<FilterCall>& filters, Value v
 
 Value Interpreter::call(const Value& callee, CallArgs& args) {
   require_defined(callee);
-  if (!callee.is_callable()) throw TemplateError("'" + callee.type_name() + "' object is not callable");
+  if (!callee.is_callable())
+    throw TemplateError("'" + callee.type_name() + "' object is not callable");
   return callee.as_callable()->fn(*this, args);
 }
 
@@ -576,7 +603,8 @@ Value Interpreter::eval(const Expr& e, const FramePtr& frame) {
         require_defined(v);
         if (!v.is_number())
           throw TemplateError(std::string("bad operand type for unary ") +
-                              (e.kind == Expr::Kind::kNeg ? "-" : "+") + ": '" + v.type_name() + "'");
+                              (e.kind == Expr::Kind::kNeg ? "-" : "+") + ": '" + v.type_name() +
+                              "'");
         if (e.kind == Expr::Kind::kPos) return v.is_bool() ? Value(v.to_int()) : v;
         if (v.is_float()) return Value(-v.as_float());
         return Value(-v.to_int());
@@ -639,13 +667,15 @@ bool Interpreter::eval_compare(const std::string& op, const Value& l, const Valu
 
 Value Interpreter::eval_binary(const std::string& op, const Value& l, const Value& r) {
   require_defined(l);
+  if (op == "%" && l.is_string()) return Value(percent_format(l.as_string(), r));
   require_defined(r);
   const bool ints = (l.is_int() || l.is_bool()) && (r.is_int() || r.is_bool());
   const bool nums = l.is_number() && r.is_number();
   if (op == "+") {
     if (ints) {
       int64_t out;
-      if (__builtin_add_overflow(l.to_int(), r.to_int(), &out)) throw TemplateError("integer overflow");
+      if (__builtin_add_overflow(l.to_int(), r.to_int(), &out))
+        throw TemplateError("integer overflow");
       return Value(out);
     }
     if (nums) return Value(l.to_double() + r.to_double());
@@ -665,7 +695,8 @@ Value Interpreter::eval_binary(const std::string& op, const Value& l, const Valu
   if (op == "-") {
     if (ints) {
       int64_t out;
-      if (__builtin_sub_overflow(l.to_int(), r.to_int(), &out)) throw TemplateError("integer overflow");
+      if (__builtin_sub_overflow(l.to_int(), r.to_int(), &out))
+        throw TemplateError("integer overflow");
       return Value(out);
     }
     if (nums) return Value(l.to_double() - r.to_double());
@@ -674,11 +705,13 @@ Value Interpreter::eval_binary(const std::string& op, const Value& l, const Valu
   if (op == "*") {
     if (ints) {
       int64_t out;
-      if (__builtin_mul_overflow(l.to_int(), r.to_int(), &out)) throw TemplateError("integer overflow");
+      if (__builtin_mul_overflow(l.to_int(), r.to_int(), &out))
+        throw TemplateError("integer overflow");
       return Value(out);
     }
     if (nums) return Value(l.to_double() * r.to_double());
-    const Value* seq = (l.is_string() || l.is_list()) ? &l : ((r.is_string() || r.is_list()) ? &r : nullptr);
+    const Value* seq =
+        (l.is_string() || l.is_list()) ? &l : ((r.is_string() || r.is_list()) ? &r : nullptr);
     const Value* count = seq == &l ? &r : &l;
     if (seq && (count->is_int() || count->is_bool())) {
       int64_t n = std::max<int64_t>(0, count->to_int());
@@ -715,6 +748,8 @@ Value Interpreter::eval_binary(const std::string& op, const Value& l, const Valu
   }
   if (op == "**") {
     if (!nums) unsupported("** or pow()", l, r);
+    if (l.to_double() == 0.0 && r.to_double() < 0)
+      throw TemplateError("0.0 cannot be raised to a negative power");
     if (ints && r.to_int() >= 0) {
       int64_t base = l.to_int(), result = 1;
       for (int64_t i = 0; i < r.to_int(); ++i)

@@ -98,20 +98,47 @@ std::string unescape(std::string_view body, int line) {
       return v;
     };
     switch (e) {
-      case '\n': break;  // line continuation
-      case '\\': out += '\\'; break;
-      case '\'': out += '\''; break;
-      case '"': out += '"'; break;
-      case 'a': out += '\a'; break;
-      case 'b': out += '\b'; break;
-      case 'f': out += '\f'; break;
-      case 'n': out += '\n'; break;
-      case 'r': out += '\r'; break;
-      case 't': out += '\t'; break;
-      case 'v': out += '\v'; break;
-      case 'x': utf8_append(out, hex(2)); break;
-      case 'u': utf8_append(out, hex(4)); break;
-      case 'U': utf8_append(out, hex(8)); break;
+      case '\n':
+        break;  // line continuation
+      case '\\':
+        out += '\\';
+        break;
+      case '\'':
+        out += '\'';
+        break;
+      case '"':
+        out += '"';
+        break;
+      case 'a':
+        out += '\a';
+        break;
+      case 'b':
+        out += '\b';
+        break;
+      case 'f':
+        out += '\f';
+        break;
+      case 'n':
+        out += '\n';
+        break;
+      case 'r':
+        out += '\r';
+        break;
+      case 't':
+        out += '\t';
+        break;
+      case 'v':
+        out += '\v';
+        break;
+      case 'x':
+        utf8_append(out, hex(2));
+        break;
+      case 'u':
+        utf8_append(out, hex(4));
+        break;
+      case 'U':
+        utf8_append(out, hex(8));
+        break;
       default:
         if (e >= '0' && e <= '7') {
           uint32_t v = uint32_t(e - '0');
@@ -164,8 +191,7 @@ class Lexer {
  private:
   size_t find_tag_start(size_t from) const {
     for (size_t i = s_.find('{', from); i != std::string::npos; i = s_.find('{', i + 1)) {
-      if (i + 1 < s_.size() && (s_[i + 1] == '{' || s_[i + 1] == '%' || s_[i + 1] == '#'))
-        return i;
+      if (i + 1 < s_.size() && (s_[i + 1] == '{' || s_[i + 1] == '%' || s_[i + 1] == '#')) return i;
     }
     return std::string::npos;
   }
@@ -209,9 +235,12 @@ class Lexer {
       if (!starts_with(s_, p, "endraw")) continue;
       p = skip_spaces(s_, p + 6);
       size_t end = 0;
-      if (starts_with(s_, p, "+%}")) end = p + 3;
-      else if (starts_with(s_, p, "-%}")) end = skip_spaces(s_, p + 3);
-      else if (starts_with(s_, p, "%}")) end = p + 2 + (p + 2 < s_.size() && s_[p + 2] == '\n');
+      if (starts_with(s_, p, "+%}"))
+        end = p + 3;
+      else if (starts_with(s_, p, "-%}"))
+        end = skip_spaces(s_, p + 3);
+      else if (starts_with(s_, p, "%}"))
+        end = p + 2 + (p + 2 < s_.size() && s_[p + 2] == '\n');
       if (!end) continue;
       std::string body = s_.substr(body_start, j - body_start);
       int body_lines = count_newlines(body);
@@ -229,9 +258,12 @@ class Lexer {
     size_t q = s_.find("#}", content_start);
     if (q == std::string::npos) throw TemplateError("missing end of comment tag", start_line);
     size_t end;
-    if (q > content_start && s_[q - 1] == '-') end = skip_spaces(s_, q + 2);
-    else if (q > content_start && s_[q - 1] == '+') end = q + 2;
-    else end = q + 2 + (q + 2 < s_.size() && s_[q + 2] == '\n');
+    if (q > content_start && s_[q - 1] == '-')
+      end = skip_spaces(s_, q + 2);
+    else if (q > content_start && s_[q - 1] == '+')
+      end = q + 2;
+    else
+      end = q + 2 + (q + 2 < s_.size() && s_[q + 2] == '\n');
     line_ += count_newlines(std::string_view(s_).substr(content_start, end - content_start));
     line_starting_ = s_[end - 1] == '\n';
     pos_ = end;
@@ -248,13 +280,17 @@ class Lexer {
       if (balance.empty()) {
         size_t end = 0;
         if (block) {
-          if (starts_with(s_, p, "+%}")) end = p + 3;
-          else if (starts_with(s_, p, "-%}")) end = skip_spaces(s_, p + 3);
+          if (starts_with(s_, p, "+%}"))
+            end = p + 3;
+          else if (starts_with(s_, p, "-%}"))
+            end = skip_spaces(s_, p + 3);
           else if (starts_with(s_, p, "%}"))
             end = p + 2 + (p + 2 < s_.size() && s_[p + 2] == '\n');
         } else {
-          if (starts_with(s_, p, "-}}")) end = skip_spaces(s_, p + 3);
-          else if (starts_with(s_, p, "}}")) end = p + 2;
+          if (starts_with(s_, p, "-}}"))
+            end = skip_spaces(s_, p + 3);
+          else if (starts_with(s_, p, "}}"))
+            end = p + 2;
         }
         if (end) {
           tokens_.push_back(
@@ -284,7 +320,8 @@ class Lexer {
           if (s_[k] != '_') digits += s_[k];
         int base = 10;
         size_t skip = 0;
-        if (digits.size() > 1 && digits[0] == '0' && std::isalpha(static_cast<unsigned char>(digits[1]))) {
+        if (digits.size() > 1 && digits[0] == '0' &&
+            std::isalpha(static_cast<unsigned char>(digits[1]))) {
           char b = char(std::tolower(digits[1]));
           base = b == 'b' ? 2 : (b == 'o' ? 8 : 16);
           skip = 2;
@@ -302,8 +339,7 @@ class Lexer {
       unsigned char c = static_cast<unsigned char>(s_[p]);
       if (std::isalpha(c) || c == '_') {
         size_t q = p;
-        while (q < s_.size() &&
-               (std::isalnum(static_cast<unsigned char>(s_[q])) || s_[q] == '_'))
+        while (q < s_.size() && (std::isalnum(static_cast<unsigned char>(s_[q])) || s_[q] == '_'))
           ++q;
         tokens_.push_back({TokenType::kName, s_.substr(p, q - p), 0, 0.0, line_});
         p = q;
@@ -382,23 +418,29 @@ class Lexer {
     auto run = [&](size_t q, auto is_digit) {  // (_?D)+
       size_t start = q;
       while (q < s_.size()) {
-        if (is_digit(s_[q])) ++q;
-        else if (s_[q] == '_' && q + 1 < s_.size() && is_digit(s_[q + 1])) q += 2;
-        else break;
+        if (is_digit(s_[q]))
+          ++q;
+        else if (s_[q] == '_' && q + 1 < s_.size() && is_digit(s_[q + 1]))
+          q += 2;
+        else
+          break;
       }
       return q - start;
     };
     if (s_[p] == '0' && p + 1 < s_.size()) {
       char b = char(std::tolower(static_cast<unsigned char>(s_[p + 1])));
       size_t n = 0;
-      if (b == 'b') n = run(p + 2, [](char ch) { return ch == '0' || ch == '1'; });
-      else if (b == 'o') n = run(p + 2, [](char ch) { return ch >= '0' && ch <= '7'; });
+      if (b == 'b')
+        n = run(p + 2, [](char ch) { return ch == '0' || ch == '1'; });
+      else if (b == 'o')
+        n = run(p + 2, [](char ch) { return ch >= '0' && ch <= '7'; });
       else if (b == 'x')
         n = run(p + 2, [](char ch) { return std::isxdigit(static_cast<unsigned char>(ch)) != 0; });
       if (n) return n + 2;
     }
     if (s_[p] == '0') return 1 + run(p + 1, [](char ch) { return ch == '0'; });
-    return 1 + run(p + 1, [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)) != 0; });
+    return 1 +
+           run(p + 1, [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)) != 0; });
   }
 
   std::string s_;
@@ -414,16 +456,26 @@ std::vector<Token> lex(const std::string& source) { return Lexer(source).run(); 
 
 std::string describe(const Token& t) {
   switch (t.type) {
-    case TokenType::kData: return "template data";
-    case TokenType::kVariableBegin: return "begin of print statement";
-    case TokenType::kVariableEnd: return "end of print statement";
-    case TokenType::kBlockBegin: return "begin of statement block";
-    case TokenType::kBlockEnd: return "end of statement block";
-    case TokenType::kEof: return "end of template";
-    case TokenType::kString: return "string";
-    case TokenType::kInteger: return "integer";
-    case TokenType::kFloat: return "float";
-    default: return "'" + t.text + "'";
+    case TokenType::kData:
+      return "template data";
+    case TokenType::kVariableBegin:
+      return "begin of print statement";
+    case TokenType::kVariableEnd:
+      return "end of print statement";
+    case TokenType::kBlockBegin:
+      return "begin of statement block";
+    case TokenType::kBlockEnd:
+      return "end of statement block";
+    case TokenType::kEof:
+      return "end of template";
+    case TokenType::kString:
+      return "string";
+    case TokenType::kInteger:
+      return "integer";
+    case TokenType::kFloat:
+      return "float";
+    default:
+      return "'" + t.text + "'";
   }
 }
 

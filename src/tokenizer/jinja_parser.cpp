@@ -31,8 +31,12 @@ class Parser {
     if (i_ + 1 < t_.size()) ++i_;
     return tok;
   }
-  bool is_op(const char* op) const { return cur().type == TokenType::kOperator && cur().text == op; }
-  bool is_name(const char* name) const { return cur().type == TokenType::kName && cur().text == name; }
+  bool is_op(const char* op) const {
+    return cur().type == TokenType::kOperator && cur().text == op;
+  }
+  bool is_name(const char* name) const {
+    return cur().type == TokenType::kName && cur().text == name;
+  }
   bool skip_op(const char* op) {
     if (!is_op(op)) return false;
     next();
@@ -133,12 +137,12 @@ class Parser {
       n->expr = parse_tuple(false, true, {}, false);
       return n;
     }
-    static const std::set<std::string> kUnsupported = {"include", "import", "from", "extends",
-                                                        "block", "autoescape", "do", "trans"};
+    static const std::set<std::string> kUnsupported = {"include", "import",     "from", "extends",
+                                                       "block",   "autoescape", "do",   "trans"};
     if (kUnsupported.count(name)) fail("unsupported tag '" + name + "'");
     static const std::set<std::string> kEndTags = {
-        "endif", "endfor", "endset", "endmacro", "endcall", "endfilter", "endwith",
-        "endgeneration", "elif", "else", "endraw", "endblock"};
+        "endif",   "endfor",        "endset", "endmacro", "endcall", "endfilter",
+        "endwith", "endgeneration", "elif",   "else",     "endraw",  "endblock"};
     if (kEndTags.count(name)) fail("unexpected '" + name + "' (no open block it could close)");
     fail("unknown tag '" + name + "'");
   }
@@ -151,8 +155,7 @@ class Parser {
       n->bodies.push_back(parse_statements({"elif", "else", "endif"}, "if", line, false));
       std::string tag = next().text;
       if (tag == "elif") continue;
-      if (tag == "else")
-        n->bodies.push_back(parse_statements({"endif"}, "if", line, true));
+      if (tag == "else") n->bodies.push_back(parse_statements({"endif"}, "if", line, true));
       break;
     }
     return n;
@@ -169,8 +172,10 @@ class Parser {
     ++loop_depth_;
     n->bodies.push_back(parse_statements({"endfor", "else"}, "for", line, false));
     --loop_depth_;
-    if (next().text == "else") n->bodies.push_back(parse_statements({"endfor"}, "for", line, true));
-    else n->bodies.emplace_back();
+    if (next().text == "else")
+      n->bodies.push_back(parse_statements({"endfor"}, "for", line, true));
+    else
+      n->bodies.emplace_back();
     return n;
   }
 
@@ -212,7 +217,8 @@ class Parser {
       if (is_op(")")) break;
       MacroParam p;
       p.name = expect_name().text;
-      if (skip_op("=")) p.default_value = parse_expression(true);
+      if (skip_op("="))
+        p.default_value = parse_expression(true);
       else if (!params.empty() && params.back().default_value)
         fail("non-default argument '" + p.name + "' follows a default argument");
       params.push_back(std::move(p));
@@ -332,8 +338,10 @@ class Parser {
       if (!items.empty()) expect_op(",");
       if (is_tuple_end(extra_end)) break;
       items.push_back(simplified ? parse_primary() : parse_expression(with_condexpr));
-      if (is_op(",")) is_tuple = true;
-      else break;
+      if (is_op(","))
+        is_tuple = true;
+      else
+        break;
     }
     if (!is_tuple) {
       if (!items.empty()) return std::move(items[0]);
@@ -497,9 +505,12 @@ class Parser {
     if (tok.type == TokenType::kName) {
       auto e = std::make_unique<Expr>(Expr::Kind::kConst, line);
       const std::string& v = tok.text;
-      if (v == "true" || v == "True") e->value = Value(true);
-      else if (v == "false" || v == "False") e->value = Value(false);
-      else if (v == "none" || v == "None") e->value = Value::none();
+      if (v == "true" || v == "True")
+        e->value = Value(true);
+      else if (v == "false" || v == "False")
+        e->value = Value(false);
+      else if (v == "none" || v == "None")
+        e->value = Value::none();
       else {
         e->kind = Expr::Kind::kName;
         e->name = v;
@@ -558,18 +569,25 @@ class Parser {
 
   ExprPtr parse_postfix(ExprPtr node) {
     while (true) {
-      if (is_op(".") || is_op("[")) node = parse_subscript(std::move(node));
-      else if (is_op("(")) node = parse_call(std::move(node));
-      else return node;
+      if (is_op(".") || is_op("["))
+        node = parse_subscript(std::move(node));
+      else if (is_op("("))
+        node = parse_call(std::move(node));
+      else
+        return node;
     }
   }
 
   ExprPtr parse_filter_expr(ExprPtr node) {
     while (true) {
-      if (is_op("|")) node = parse_filter(std::move(node));
-      else if (is_name("is")) node = parse_test(std::move(node));
-      else if (is_op("(")) node = parse_call(std::move(node));
-      else return node;
+      if (is_op("|"))
+        node = parse_filter(std::move(node));
+      else if (is_name("is"))
+        node = parse_test(std::move(node));
+      else if (is_op("("))
+        node = parse_call(std::move(node));
+      else
+        return node;
     }
   }
 

@@ -23,26 +23,127 @@ uint32_t cp_lower(uint32_t c) { return uint32_t(utf8proc_tolower(utf8proc_int32_
 uint32_t cp_title(uint32_t c) { return uint32_t(utf8proc_totitle(utf8proc_int32_t(c))); }
 bool cp_is_alpha(uint32_t c) {
   switch (utf8proc_category(utf8proc_int32_t(c))) {
-    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
-    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO:
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
       return true;
     default:
       return false;
   }
 }
-bool cp_is_digit(uint32_t c) { return utf8proc_category(utf8proc_int32_t(c)) == UTF8PROC_CATEGORY_ND; }
+bool cp_is_digit(uint32_t c) {
+  return utf8proc_category(utf8proc_int32_t(c)) == UTF8PROC_CATEGORY_ND;
+}
 bool cp_is_numeric(uint32_t c) {
   auto cat = utf8proc_category(utf8proc_int32_t(c));
   return cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL || cat == UTF8PROC_CATEGORY_NO;
 }
 bool cp_is_cased_upper(uint32_t c) { return cp_lower(c) != c; }
 bool cp_is_cased_lower(uint32_t c) { return cp_upper(c) != c; }
-bool cp_is_cased(uint32_t c) { return cp_is_cased_upper(c) || cp_is_cased_lower(c) || utf8proc_category(utf8proc_int32_t(c)) == UTF8PROC_CATEGORY_LT; }
+bool cp_is_cased(uint32_t c) {
+  return cp_is_cased_upper(c) || cp_is_cased_lower(c) ||
+         utf8proc_category(utf8proc_int32_t(c)) == UTF8PROC_CATEGORY_LT;
+}
 
-std::string map_cps(const std::string& s, uint32_t (*f)(uint32_t)) {
+namespace {
+
+// Python's full case mappings (SpecialCasing.txt) that differ from the simple one-to-one
+// mappings utf8proc gives, for the characters real text has: the sharp s and Latin ligatures.
+const char* special_upper(uint32_t c) {
+  switch (c) {
+    case 0x00DF:
+      return "SS";
+    case 0x0149:
+      return "\u02BCN";
+    case 0xFB00:
+      return "FF";
+    case 0xFB01:
+      return "FI";
+    case 0xFB02:
+      return "FL";
+    case 0xFB03:
+      return "FFI";
+    case 0xFB04:
+      return "FFL";
+    case 0xFB05:
+    case 0xFB06:
+      return "ST";
+    default:
+      return nullptr;
+  }
+}
+
+const char* special_title(uint32_t c) {
+  switch (c) {
+    case 0x00DF:
+      return "Ss";
+    case 0xFB00:
+      return "Ff";
+    case 0xFB01:
+      return "Fi";
+    case 0xFB02:
+      return "Fl";
+    case 0xFB03:
+      return "Ffi";
+    case 0xFB04:
+      return "Ffl";
+    case 0xFB05:
+    case 0xFB06:
+      return "St";
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace
+
+void append_upper(std::string& out, uint32_t c) {
+  if (const char* s = special_upper(c))
+    out += s;
+  else
+    utf8_append(out, cp_upper(c));
+}
+
+void append_lower(std::string& out, uint32_t c) {
+  if (c == 0x0130)
+    out += "i\u0307";  // İ -> i + combining dot above
+  else
+    utf8_append(out, cp_lower(c));
+}
+
+void append_title(std::string& out, uint32_t c) {
+  if (const char* s = special_title(c))
+    out += s;
+  else
+    utf8_append(out, cp_title(c));
+}
+
+std::string py_upper(const std::string& s) {
   std::string out;
   out.reserve(s.size());
-  for (uint32_t c : utf8_decode(s)) utf8_append(out, f(c));
+  for (uint32_t c : utf8_decode(s)) append_upper(out, c);
+  return out;
+}
+
+std::string py_lower(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (uint32_t c : utf8_decode(s)) append_lower(out, c);
+  return out;
+}
+
+std::string py_swapcase(const std::string& s) {
+  std::string out;
+  for (uint32_t c : utf8_decode(s)) {
+    if (cp_is_cased_upper(c))
+      append_lower(out, c);
+    else if (cp_is_cased_lower(c))
+      append_upper(out, c);
+    else
+      utf8_append(out, c);
+  }
   return out;
 }
 
@@ -71,9 +172,7 @@ std::vector<Value> py_split(const std::string& s, const Value& sep_v, int64_t ma
       while (i < n && is_py_space(cps[i])) ++i;
       if (i >= n) break;
       if (maxsplit >= 0 && int64_t(out.size()) >= maxsplit) {
-        size_t e = n;
-        while (e > i && is_py_space(cps[e - 1])) --e;
-        out.emplace_back(utf8_encode(CodePoints(cps.begin() + long(i), cps.begin() + long(e))));
+        out.emplace_back(utf8_encode(CodePoints(cps.begin() + long(i), cps.end())));
         break;
       }
       size_t j = i;
@@ -108,9 +207,7 @@ std::vector<Value> py_rsplit(const std::string& s, const Value& sep_v, int64_t m
       while (i > 0 && is_py_space(cps[size_t(i - 1)])) --i;
       if (i <= 0) break;
       if (int64_t(out.size()) >= maxsplit) {
-        size_t b = 0;
-        while (b < size_t(i) && is_py_space(cps[b])) ++b;
-        out.emplace_back(utf8_encode(CodePoints(cps.begin() + long(b), cps.begin() + i)));
+        out.emplace_back(utf8_encode(CodePoints(cps.begin(), cps.begin() + i)));
         break;
       }
       int64_t j = i;
@@ -171,7 +268,10 @@ std::string py_title(const std::string& s) {
   bool prev_cased = false;
   for (uint32_t c : utf8_decode(s)) {
     if (cp_is_cased(c)) {
-      utf8_append(out, prev_cased ? cp_lower(c) : cp_title(c));
+      if (prev_cased)
+        append_lower(out, c);
+      else
+        append_title(out, c);
       prev_cased = true;
     } else {
       utf8_append(out, c);
@@ -184,7 +284,12 @@ std::string py_title(const std::string& s) {
 std::string py_capitalize(const std::string& s) {
   CodePoints cps = utf8_decode(s);
   std::string out;
-  for (size_t i = 0; i < cps.size(); ++i) utf8_append(out, i == 0 ? cp_title(cps[i]) : cp_lower(cps[i]));
+  for (size_t i = 0; i < cps.size(); ++i) {
+    if (i == 0)
+      append_title(out, cps[i]);
+    else
+      append_lower(out, cps[i]);
+  }
   return out;
 }
 
@@ -212,9 +317,9 @@ bool parse_py_int(const std::string& text, int base, int64_t* out) {
       prev_digit = false;
       continue;
     }
-    int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0'
+    int d = std::isdigit(static_cast<unsigned char>(c))   ? c - '0'
             : std::isalpha(static_cast<unsigned char>(c)) ? std::tolower(c) - 'a' + 10
-                                                            : 99;
+                                                          : 99;
     if (d >= base) return false;
     if (__builtin_mul_overflow(v, int64_t(base), &v) || __builtin_add_overflow(v, int64_t(d), &v))
       return false;
@@ -265,7 +370,8 @@ std::string py_format(const std::string& fmt, const CallArgs& a) {
       ++i;
     } else if (c == '{') {
       size_t close = fmt.find('}', i);
-      if (close == std::string::npos) throw TemplateError("Single '{' encountered in format string");
+      if (close == std::string::npos)
+        throw TemplateError("Single '{' encountered in format string");
       std::string field = fmt.substr(i + 1, close - i - 1);
       if (field.find_first_of(":!.[") != std::string::npos)
         throw TemplateError("str.format: format specs and conversions are not supported ('{" +
@@ -276,10 +382,13 @@ std::string py_format(const std::string& fmt, const CallArgs& a) {
           throw TemplateError("Replacement index " + std::to_string(auto_index) +
                               " out of range for positional args tuple");
         v = a.positional[auto_index++];
-      } else if (std::all_of(field.begin(), field.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); })) {
+      } else if (std::all_of(field.begin(), field.end(), [](char ch) {
+                   return std::isdigit(static_cast<unsigned char>(ch));
+                 })) {
         size_t idx = std::stoul(field);
         if (idx >= a.positional.size())
-          throw TemplateError("Replacement index " + field + " out of range for positional args tuple");
+          throw TemplateError("Replacement index " + field +
+                              " out of range for positional args tuple");
         v = a.positional[idx];
       } else {
         bool found = false;
@@ -305,12 +414,23 @@ std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;

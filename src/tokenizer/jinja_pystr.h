@@ -23,8 +23,14 @@ bool cp_is_cased_upper(uint32_t c);  // has a lowercase mapping
 bool cp_is_cased_lower(uint32_t c);  // has an uppercase mapping
 bool cp_is_cased(uint32_t c);
 
-// Applies a code point mapping (cp_upper, cp_lower) to every character.
-std::string map_cps(const std::string& s, uint32_t (*f)(uint32_t));
+// str.upper() / lower() / swapcase(), with Python's one-to-many mappings for ß, İ and ligatures.
+std::string py_upper(const std::string& s);
+std::string py_lower(const std::string& s);
+std::string py_swapcase(const std::string& s);
+// One character of the above, appended to out (title: Python's title-case mapping).
+void append_upper(std::string& out, uint32_t c);
+void append_lower(std::string& out, uint32_t c);
+void append_title(std::string& out, uint32_t c);
 // True when s is non-empty and every character satisfies pred (str.isalpha() and friends).
 bool all_cps(const std::string& s, bool (*pred)(uint32_t));
 

@@ -78,9 +78,7 @@ bool Value::is_list() const {
 bool Value::is_generator() const {
   return is_list_like() && as_list()->kind == ListData::Kind::kGenerator;
 }
-bool Value::is_tuple() const {
-  return is_list_like() && as_list()->kind == ListData::Kind::kTuple;
-}
+bool Value::is_tuple() const { return is_list_like() && as_list()->kind == ListData::Kind::kTuple; }
 bool Value::is_dict() const { return is_dict_like() && as_dict()->kind == DictData::Kind::kDict; }
 bool Value::is_namespace() const {
   return is_dict_like() && as_dict()->kind == DictData::Kind::kNamespace;
@@ -109,16 +107,22 @@ std::string Value::type_name() const {
   if (is_string()) return "str";
   if (is_list_like()) {
     switch (as_list()->kind) {
-      case ListData::Kind::kList: return "list";
-      case ListData::Kind::kTuple: return "tuple";
-      case ListData::Kind::kGenerator: return "generator";
+      case ListData::Kind::kList:
+        return "list";
+      case ListData::Kind::kTuple:
+        return "tuple";
+      case ListData::Kind::kGenerator:
+        return "generator";
     }
   }
   if (is_dict_like()) {
     switch (as_dict()->kind) {
-      case DictData::Kind::kDict: return "dict";
-      case DictData::Kind::kNamespace: return "Namespace";
-      case DictData::Kind::kObject: return "LoopContext";
+      case DictData::Kind::kDict:
+        return "dict";
+      case DictData::Kind::kNamespace:
+        return "Namespace";
+      case DictData::Kind::kObject:
+        return "LoopContext";
     }
   }
   return "function";
@@ -301,9 +305,24 @@ size_t utf8_length(std::string_view s) {
 
 bool is_py_space(uint32_t cp) {
   switch (cp) {
-    case ' ': case '\t': case '\n': case '\v': case '\f': case '\r':
-    case 0x1c: case 0x1d: case 0x1e: case 0x1f: case 0x85: case 0xa0: case 0x1680:
-    case 0x2028: case 0x2029: case 0x202f: case 0x205f: case 0x3000:
+    case ' ':
+    case '\t':
+    case '\n':
+    case '\v':
+    case '\f':
+    case '\r':
+    case 0x1c:
+    case 0x1d:
+    case 0x1e:
+    case 0x1f:
+    case 0x85:
+    case 0xa0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202f:
+    case 0x205f:
+    case 0x3000:
       return true;
     default:
       return cp >= 0x2000 && cp <= 0x200a;
@@ -317,9 +336,14 @@ namespace {
 bool py_printable(uint32_t cp) {
   if (cp == ' ') return true;
   switch (utf8proc_category(utf8proc_int32_t(cp))) {
-    case UTF8PROC_CATEGORY_CC: case UTF8PROC_CATEGORY_CF: case UTF8PROC_CATEGORY_CS:
-    case UTF8PROC_CATEGORY_CO: case UTF8PROC_CATEGORY_CN: case UTF8PROC_CATEGORY_ZL:
-    case UTF8PROC_CATEGORY_ZP: case UTF8PROC_CATEGORY_ZS:
+    case UTF8PROC_CATEGORY_CC:
+    case UTF8PROC_CATEGORY_CF:
+    case UTF8PROC_CATEGORY_CS:
+    case UTF8PROC_CATEGORY_CO:
+    case UTF8PROC_CATEGORY_CN:
+    case UTF8PROC_CATEGORY_ZL:
+    case UTF8PROC_CATEGORY_ZP:
+    case UTF8PROC_CATEGORY_ZS:
       return false;
     default:
       return true;
@@ -345,9 +369,12 @@ std::string string_repr(const std::string& s) {
       out += "\\t";
     } else if (!py_printable(cp)) {
       char buf[16];
-      if (cp <= 0xff) std::snprintf(buf, sizeof(buf), "\\x%02x", cp);
-      else if (cp <= 0xffff) std::snprintf(buf, sizeof(buf), "\\u%04x", cp);
-      else std::snprintf(buf, sizeof(buf), "\\U%08x", cp);
+      if (cp <= 0xff)
+        std::snprintf(buf, sizeof(buf), "\\x%02x", cp);
+      else if (cp <= 0xffff)
+        std::snprintf(buf, sizeof(buf), "\\u%04x", cp);
+      else
+        std::snprintf(buf, sizeof(buf), "\\U%08x", cp);
       out += buf;
     } else {
       utf8_append(out, cp);
@@ -406,13 +433,27 @@ void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
   out += '"';
   for (uint32_t cp : utf8_decode(s)) {
     switch (cp) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default: {
         char buf[16];
         if (cp < 0x20) {
@@ -455,8 +496,10 @@ void json_value(std::string& out, const Value& v, const JsonOptions& o, int leve
   auto newline = [&](int lvl) {
     out += '\n';
     for (int i = 0; i < lvl; ++i) {
-      if (o.indent_is_string) out += o.indent_str;
-      else out += std::string(size_t(o.indent), ' ');
+      if (o.indent_is_string)
+        out += o.indent_str;
+      else
+        out += std::string(size_t(o.indent), ' ');
     }
   };
   bool pretty = o.indent >= 0 || o.indent_is_string;

@@ -58,17 +58,17 @@ class Value {
   using FuncPtr = std::shared_ptr<const Callable>;
 
   Value() : v_(Undefined{}) {}
-  Value(Undefined u) : v_(std::move(u)) {}                  // NOLINT
-  Value(NoneType n) : v_(n) {}                              // NOLINT
-  Value(bool b) : v_(b) {}                                  // NOLINT
-  Value(int64_t i) : v_(i) {}                               // NOLINT
-  Value(int i) : v_(int64_t(i)) {}                          // NOLINT
-  Value(double d) : v_(d) {}                                // NOLINT
-  Value(std::string s) : v_(std::move(s)) {}                // NOLINT
-  Value(const char* s) : v_(std::string(s)) {}              // NOLINT
-  Value(ListPtr l) : v_(std::move(l)) {}                    // NOLINT
-  Value(DictPtr d) : v_(std::move(d)) {}                    // NOLINT
-  Value(FuncPtr f) : v_(std::move(f)) {}                    // NOLINT
+  Value(Undefined u) : v_(std::move(u)) {}      // NOLINT
+  Value(NoneType n) : v_(n) {}                  // NOLINT
+  Value(bool b) : v_(b) {}                      // NOLINT
+  Value(int64_t i) : v_(i) {}                   // NOLINT
+  Value(int i) : v_(int64_t(i)) {}              // NOLINT
+  Value(double d) : v_(d) {}                    // NOLINT
+  Value(std::string s) : v_(std::move(s)) {}    // NOLINT
+  Value(const char* s) : v_(std::string(s)) {}  // NOLINT
+  Value(ListPtr l) : v_(std::move(l)) {}        // NOLINT
+  Value(DictPtr d) : v_(std::move(d)) {}        // NOLINT
+  Value(FuncPtr f) : v_(std::move(f)) {}        // NOLINT
 
   static Value undefined(std::string hint) { return Value(Undefined{std::move(hint)}); }
   static Value none() { return Value(NoneType{}); }
@@ -89,11 +89,11 @@ class Value {
   bool is_number() const { return is_int() || is_float() || is_bool(); }
   bool is_string() const { return std::holds_alternative<std::string>(v_); }
   bool is_list_like() const { return std::holds_alternative<ListPtr>(v_); }  // list/tuple/gen
-  bool is_list() const;       // a real list or tuple (not a generator)
+  bool is_list() const;  // a real list or tuple (not a generator)
   bool is_generator() const;
   bool is_tuple() const;
   bool is_dict_like() const { return std::holds_alternative<DictPtr>(v_); }
-  bool is_dict() const;       // a mapping (not a namespace / loop object)
+  bool is_dict() const;  // a mapping (not a namespace / loop object)
   bool is_namespace() const;
   bool is_callable() const { return std::holds_alternative<FuncPtr>(v_); }
 
@@ -164,7 +164,7 @@ std::string float_repr(double d);
 // json.dumps(v, ensure_ascii, indent, separators, sort_keys) — transformers' tojson filter.
 struct JsonOptions {
   bool ensure_ascii = false;
-  int indent = -1;  // < 0: None (single line)
+  int indent = -1;         // < 0: None (single line)
   std::string indent_str;  // used when indent was given as a string
   bool indent_is_string = false;
   std::string item_separator = ", ";

@@ -107,8 +107,8 @@ class ReferenceRender : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ReferenceRender, MatchesTransformersByteForByte) {
   const std::string name = GetParam();
-  ASSERT_FALSE(expected().is_null()) << "missing " << (kData / "expected.json")
-                                     << "; run scripts/make_template_refs.py";
+  ASSERT_FALSE(expected().is_null())
+      << "missing " << (kData / "expected.json") << "; run scripts/make_template_refs.py";
   ASSERT_TRUE(expected()["renders"].contains(name)) << name << " has no reference renders";
   const ojson& want = expected()["renders"][name];
   TempDir tmp;
@@ -184,8 +184,7 @@ TEST(ChatTemplateProbes, MatchTransformersEnvironment) {
     ctx.erase("messages");
     ctx.erase("tools");
     ctx.erase("add_generation_prompt");
-    auto tmpl = ChatTemplate::from_source(p["template"].get<std::string>(),
-                                          test_tokens());
+    auto tmpl = ChatTemplate::from_source(p["template"].get<std::string>(), test_tokens());
     ts::Result<std::string> got = tmpl.ok() ? [&] {
       tmpl->set_fixed_time(fixed_time());
       return tmpl->render(messages, tools, agp, ctx);
@@ -215,8 +214,9 @@ std::string render(const std::string& source, const std::string& extra_json = "{
 TEST(JinjaInterpreter, WhitespaceControl) {
   // trim_blocks: the newline after a block tag goes; lstrip_blocks: indentation before it goes.
   EXPECT_EQ(render("{% if true %}\nyes\n{% endif %}\nafter"), "yes\nafter");
-  EXPECT_EQ(render("<ul>\n    {% for x in [1, 2] %}\n    <li>{{ x }}</li>\n    {% endfor %}\n</ul>"),
-            "<ul>\n    <li>1</li>\n    <li>2</li>\n</ul>");
+  EXPECT_EQ(
+      render("<ul>\n    {% for x in [1, 2] %}\n    <li>{{ x }}</li>\n    {% endfor %}\n</ul>"),
+      "<ul>\n    <li>1</li>\n    <li>2</li>\n</ul>");
   // '-' strips all whitespace (newlines included) on its side; '+' keeps it.
   EXPECT_EQ(render("a   {{- 'b' -}}   c"), "abc");
   EXPECT_EQ(render("x\n\n  {%- if true -%}\n\n  y  {%- endif %}"), "xy");
@@ -230,8 +230,9 @@ TEST(JinjaInterpreter, WhitespaceControl) {
 }
 
 TEST(JinjaInterpreter, ExpressionsFollowPython) {
-  EXPECT_EQ(render("{{ 7 // 2 }} {{ -7 // 2 }} {{ -7 % 3 }} {{ 7 / 2 }} {{ 2 ** 10 }} {{ 1 + 1.5 }}"),
-            "3 -4 2 3.5 1024 2.5");
+  EXPECT_EQ(
+      render("{{ 7 // 2 }} {{ -7 // 2 }} {{ -7 % 3 }} {{ 7 / 2 }} {{ 2 ** 10 }} {{ 1 + 1.5 }}"),
+      "3 -4 2 3.5 1024 2.5");
   EXPECT_EQ(render("{{ 1.0 }} {{ 1e20 }} {{ 0.00001 }} {{ 1 / 3 }} {{ none }} {{ true }}"),
             "1.0 1e+20 1e-05 0.3333333333333333 None True");
   EXPECT_EQ(render("{{ 'a' ~ 1 ~ none }} {{ 'ab' * 2 }} {{ [1] + [2] }}"), "a1None abab [1, 2]");
@@ -240,8 +241,9 @@ TEST(JinjaInterpreter, ExpressionsFollowPython) {
             "True True True True");
   EXPECT_EQ(render("{{ 0 or '' or 'last' }} {{ 'y' if false else 'n' }} [{{ 'y' if false }}]"),
             "last n []");
-  EXPECT_EQ(render("{{ 'héllo'[1:3] }} {{ 'hello'[::-1] }} {{ [1, 2, 3, 4][-2:] }} {{ 'héllo'|length }}"),
-            "él olleh [3, 4] 5");
+  EXPECT_EQ(
+      render("{{ 'héllo'[1:3] }} {{ 'hello'[::-1] }} {{ [1, 2, 3, 4][-2:] }} {{ 'héllo'|length }}"),
+      "él olleh [3, 4] 5");
 }
 
 TEST(JinjaInterpreter, VariablesAttributesAndUndefined) {
@@ -269,13 +271,16 @@ TEST(JinjaInterpreter, LoopsAndScoping) {
                    "{% if i == 4 %}{% break %}{% endif %}{{ i }}{% endfor %}"),
             "023");
   // `set` in a loop body is per-iteration and does not leak; `if` does not open a scope.
-  EXPECT_EQ(render("{% set x = 0 %}{% for i in range(3) %}{% set x = x + 1 %}{{ x }}{% endfor %}{{ x }}"),
-            "1110");
+  EXPECT_EQ(
+      render("{% set x = 0 %}{% for i in range(3) %}{% set x = x + 1 %}{{ x }}{% endfor %}{{ x }}"),
+      "1110");
   EXPECT_EQ(render("{% if true %}{% set z = 3 %}{% endif %}{{ z }}"), "3");
   // namespace() carries state out of the loop, including the list-append idiom.
-  EXPECT_EQ(render("{% set ns = namespace(n=0, items=[]) %}{% for i in range(3) %}{% set ns.n = ns.n + i %}"
-                   "{% set ns.items = ns.items + [i] %}{% endfor %}{{ ns.n }} {{ ns.items }}"),
-            "3 [0, 1, 2]");
+  EXPECT_EQ(
+      render(
+          "{% set ns = namespace(n=0, items=[]) %}{% for i in range(3) %}{% set ns.n = ns.n + i %}"
+          "{% set ns.items = ns.items + [i] %}{% endfor %}{{ ns.n }} {{ ns.items }}"),
+      "3 [0, 1, 2]");
   EXPECT_EQ(render("{% set a, b = 1, 2 %}{{ b }}{{ a }}"), "21");
   EXPECT_EQ(render("{% set body %}x{{ 1 }}{% endset %}[{{ body }}]"), "[x1]");
 }
@@ -291,17 +296,21 @@ TEST(JinjaInterpreter, Macros) {
                    "{% call w('b') %}in{% endcall %}"),
             "<b>in</b>");
   // A macro reads template variables as they are when it runs.
-  EXPECT_EQ(render("{% macro m() %}{{ q }}{% endmacro %}{% set q = 1 %}{{ m() }}{% set q = 2 %}{{ m() }}"),
-            "12");
+  EXPECT_EQ(
+      render(
+          "{% macro m() %}{{ q }}{% endmacro %}{% set q = 1 %}{{ m() }}{% set q = 2 %}{{ m() }}"),
+      "12");
 }
 
 TEST(JinjaInterpreter, Filters) {
-  EXPECT_EQ(render("[{{ '  a \\n'|trim }}] {{ 'Hi'|upper }}{{ 'Hi'|lower }} {{ 'hello world'|title }}"
-                   " {{ 'hello'|capitalize }}"),
-            "[a] HIhi Hello World Hello");
-  EXPECT_EQ(render("{{ [1, 2]|join(', ') }} {{ [3, 1, 2]|sort|first }} {{ [1, 2]|last }} {{ 'x'|string }}"
-                   " {{ '42'|int + 1 }} {{ nothing|default('d') }} {{ 'aa'|replace('a', 'b') }}"),
-            "1, 2 1 2 x 43 d bb");
+  EXPECT_EQ(
+      render("[{{ '  a \\n'|trim }}] {{ 'Hi'|upper }}{{ 'Hi'|lower }} {{ 'hello world'|title }}"
+             " {{ 'hello'|capitalize }}"),
+      "[a] HIhi Hello World Hello");
+  EXPECT_EQ(
+      render("{{ [1, 2]|join(', ') }} {{ [3, 1, 2]|sort|first }} {{ [1, 2]|last }} {{ 'x'|string }}"
+             " {{ '42'|int + 1 }} {{ nothing|default('d') }} {{ 'aa'|replace('a', 'b') }}"),
+      "1, 2 1 2 x 43 d bb");
   EXPECT_EQ(render("{{ m|selectattr('role', 'equalto', 'user')|map(attribute='c')|list }} "
                    "{{ m|rejectattr('role', 'eq', 'user')|list|length }} "
                    "{{ m|selectattr('tool_calls', 'defined')|list|length }}",
@@ -320,25 +329,29 @@ TEST(JinjaInterpreter, TojsonIsTransformersJsonDumps) {
   // indent switches the item separator to "," (Python's json.dumps rule).
   EXPECT_EQ(render("{{ {'a': [1], 'b': {}}|tojson(indent=2) }}"),
             "{\n  \"a\": [\n    1\n  ],\n  \"b\": {}\n}");
-  EXPECT_EQ(render("{{ {'b': 1, 'a': 2}|tojson(sort_keys=true) }} {{ 'é'|tojson(ensure_ascii=true) }}"),
-            "{\"a\": 2, \"b\": 1} \"\\u00e9\"");
+  EXPECT_EQ(
+      render("{{ {'b': 1, 'a': 2}|tojson(sort_keys=true) }} {{ 'é'|tojson(ensure_ascii=true) }}"),
+      "{\"a\": 2, \"b\": 1} \"\\u00e9\"");
   EXPECT_NE(render("{{ nothing|tojson }}").find("not JSON serializable"), std::string::npos);
 }
 
 TEST(JinjaInterpreter, TestsAndStringMethods) {
-  EXPECT_EQ(render("{{ 'a' is string }} {{ 1 is number }} {{ none is none }} {{ {} is mapping }}"
-                   " {{ [] is iterable }} {{ 3 is odd }} {{ 'a' is in 'cat' }} {{ 1 is not string }}"),
-            "True True True True True True True True");
+  EXPECT_EQ(
+      render("{{ 'a' is string }} {{ 1 is number }} {{ none is none }} {{ {} is mapping }}"
+             " {{ [] is iterable }} {{ 3 is odd }} {{ 'a' is in 'cat' }} {{ 1 is not string }}"),
+      "True True True True True True True True");
   EXPECT_EQ(render("[{{ 'xxhixx'.strip('x') }}] {{ 'a,b'.split(',') }} {{ ' a  b '.split() }}"
                    " {{ 'abc'.startswith('ab') }} {{ 'abc'.endswith(('x', 'c')) }}"
                    " {{ 'a</think>b'.split('</think>')[-1] }} {{ '\\n\\nx'.lstrip('\\n') }}"),
             "[hi] ['a', 'b'] ['a', 'b'] True True b x");
-  EXPECT_EQ(render("{{ '{} {x}'.format(1, x=2) }} {{ 'ab'.upper() }} {{ 'a-b'.replace('-', '+') }}"),
-            "1 2 AB a+b");
+  EXPECT_EQ(
+      render("{{ '{} {x}'.format(1, x=2) }} {{ 'ab'.upper() }} {{ 'a-b'.replace('-', '+') }}"),
+      "1 2 AB a+b");
 }
 
 TEST(JinjaInterpreter, Globals) {
-  EXPECT_EQ(render("{{ range(3)|list }} {{ dict(a=1) }} {{ namespace(x=1).x }}"), "[0, 1, 2] {'a': 1} 1");
+  EXPECT_EQ(render("{{ range(3)|list }} {{ dict(a=1) }} {{ namespace(x=1).x }}"),
+            "[0, 1, 2] {'a': 1} 1");
   EXPECT_EQ(render("{{ strftime_now('%Y-%m-%d %a') }}"), "2025-03-14 Fri");
   EXPECT_EQ(render("{{ bos_token }}{{ eos_token }}{{ add_generation_prompt }}{{ tools is none }}"),
             "<s></s>FalseTrue");
@@ -402,7 +415,8 @@ TEST(ChatTemplateLoad, ErrorsNameWhatIsWrong) {
   TempDir tmp;
   auto t = ChatTemplate::load(tmp.path().string());
   ASSERT_FALSE(t.ok());
-  EXPECT_NE(t.error().message.find("tokenizer_config.json"), std::string::npos) << t.error().message;
+  EXPECT_NE(t.error().message.find("tokenizer_config.json"), std::string::npos)
+      << t.error().message;
   const fs::path cfg = tmp.path() / "tokenizer_config.json";
   write_all(cfg, R"({"eos_token": "</s>"})");
   t = ChatTemplate::load(tmp.path().string());
@@ -420,7 +434,8 @@ TEST(ChatTemplateLoad, ErrorsNameWhatIsWrong) {
   write_all(cfg, R"({"chat_template": "ok\n{{ x | nosuchfilter }}"})");
   t = ChatTemplate::load(tmp.path().string());
   ASSERT_FALSE(t.ok());
-  EXPECT_NE(t.error().message.find("tokenizer_config.json: template line 2: unknown filter 'nosuchfilter'"),
+  EXPECT_NE(t.error().message.find(
+                "tokenizer_config.json: template line 2: unknown filter 'nosuchfilter'"),
             std::string::npos)
       << t.error().message;
 }
@@ -500,23 +515,28 @@ TEST_F(ChatTemplateCli, BadInputIsOneLineAndExitTwo) {
   write_all(model / "tokenizer_config.json", R"({"eos_token": "</s>"})");
   expect_error(run("--model " + model.string() + msgs), "no \"chat_template\"");
   // An unknown construct in the template: named with its line.
-  write_all(model / "chat_template.jinja", "{% for m in messages %}\n{{ m.content | shout }}\n{% endfor %}");
+  write_all(model / "chat_template.jinja",
+            "{% for m in messages %}\n{{ m.content | shout }}\n{% endfor %}");
   expect_error(run("--model " + model.string() + msgs), "template line 2: unknown filter 'shout'");
   // raise_exception from the template.
   write_all(model / "chat_template.jinja", "{{ raise_exception('only one user turn allowed') }}");
-  expect_error(run("--model " + model.string() + msgs), "raise_exception: only one user turn allowed");
+  expect_error(run("--model " + model.string() + msgs),
+               "raise_exception: only one user turn allowed");
   write_all(model / "chat_template.jinja", "{{ messages[0].content }}");
   // Invalid messages JSON, wrong shape, missing file, unknown flag.
   write_all(tmp_.path() / "bad.json", "[{\"role\": ");
-  expect_error(run("--model " + model.string() + " --messages " + (tmp_.path() / "bad.json").string()),
-               "not valid JSON");
+  expect_error(
+      run("--model " + model.string() + " --messages " + (tmp_.path() / "bad.json").string()),
+      "not valid JSON");
   write_all(tmp_.path() / "obj.json", R"({"role": "user"})");
-  expect_error(run("--model " + model.string() + " --messages " + (tmp_.path() / "obj.json").string()),
-               "must hold a JSON array");
+  expect_error(
+      run("--model " + model.string() + " --messages " + (tmp_.path() / "obj.json").string()),
+      "must hold a JSON array");
   expect_error(run("--model " + model.string() + " --messages /nonexistent/m.json"),
                "cannot read /nonexistent/m.json");
-  expect_error(run("--model " + model.string() + msgs + " --tools " + (tmp_.path() / "obj.json").string()),
-               "--tools");
+  expect_error(
+      run("--model " + model.string() + msgs + " --tools " + (tmp_.path() / "obj.json").string()),
+      "--tools");
   // And the happy path of the same directory: the text, no newline added.
   RunResult ok = run("--model " + model.string() + msgs);
   EXPECT_EQ(ok.code, 0) << ok.err;

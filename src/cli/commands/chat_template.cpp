@@ -1,12 +1,13 @@
 // chat-template: render a conversation with the checkpoint's chat template, exactly as
 // transformers' apply_chat_template(tokenize=False) would. Stdout gets the rendered text and
 // nothing else (no trailing newline), so the output can be diffed or piped byte for byte.
+#include "tokenizer/chat_template.h"
+
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 
 #include "cli/commands/commands.h"
-#include "tokenizer/chat_template.h"
 
 namespace ts::cli {
 
