@@ -122,7 +122,7 @@ std::string Normalizer::apply(std::string s) const {
   for (const NormalizerStep& step : steps_) {
     switch (step.kind) {
       case K::kNfc:
-        ;
+        s = utf8proc_normalize(s, UTF8PROC_COMPOSE);
         break;
       case K::kNfd:
         s = utf8proc_normalize(s, UTF8PROC_DECOMPOSE);

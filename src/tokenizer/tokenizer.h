@@ -69,8 +69,9 @@ class Tokenizer {
 };
 
 // Incremental detokenizer for generation: push ids one at a time, get the text that is
-// final. Text that could still change is held back: an incomplete UTF-8 sequence (the
-// decode would end in U+FFFD), or anything a later token may alter. Concatenating every
+// final. Text is held back while it ends in an incomplete UTF-8 sequence (the window's
+// decode ends in U+FFFD; after 8 such ids the U+FFFD is taken as real), and a decoder that
+// strips a leading space only sees it at the stream's start. Concatenating every
 // push() result and flush() gives decode(all ids) for the tokenizers tested, and every
 // returned chunk is valid UTF-8. Exception: a stream that ends inside a character (or holds
 // bytes that never form one) flushes U+FFFD for those bytes only, where one-shot decode may

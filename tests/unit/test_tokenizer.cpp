@@ -214,10 +214,12 @@ TEST_P(RealTokenizer, StreamDecoderMatchesOneShot) {
   }
 }
 
-// Random ids: partial UTF-8 everywhere. Chunks stay valid UTF-8; the text may differ from the
-// one-shot decode only where the ids hold bytes that never form a character.
+// Random ids: partial UTF-8 everywhere. Chunks stay valid UTF-8, and the text equals the
+// one-shot decode whenever that decode has no U+FFFD. (Where it has, bytes never formed a
+// character, and the stream may already have emitted a valid prefix of the run that
+// Hugging Face's ByteFallback then replaces whole.)
 TEST_P(RealTokenizer, StreamDecoderOnRandomIdsEmitsValidUtf8) {
-  size_t same = 0;
+  size_t compared = 0;
   for (const json& p : expected_.probes) {
     auto ids = p["probe"].get<std::vector<int>>();
     StreamDecoder stream(*tok_, false);
@@ -227,10 +229,15 @@ TEST_P(RealTokenizer, StreamDecoderOnRandomIdsEmitsValidUtf8) {
       ASSERT_TRUE(ts::tokenizer::is_valid_utf8(chunk)) << show_ids(ids);
       all += chunk;
     }
-    all += stream.flush();
-    same += all == tok_->decode(ids, false);
+    std::string last = stream.flush();
+    ASSERT_TRUE(ts::tokenizer::is_valid_utf8(last)) << show_ids(ids);
+    all += last;
+    std::string one_shot = tok_->decode(ids, false);
+    if (one_shot.find("\xEF\xBF\xBD") != std::string::npos) continue;
+    ++compared;
+    EXPECT_EQ(all, one_shot) << show_ids(ids);
   }
-  EXPECT_GT(same, expected_.probes.size() * 9 / 10);
+  EXPECT_GT(compared, expected_.probes.size() / 4);
 }
 
 TEST_P(RealTokenizer, SpecialIdsAndTokenText) {
