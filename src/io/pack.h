@@ -8,8 +8,13 @@
 // Expert blob layout: gate | up | down, each at a 64-byte aligned offset inside the blob
 // (tensor "offset" in the manifest); blobs start on 4096-byte boundaries and the per-layer
 // stride is the blob size rounded up to 4096 (layers are never padded to the largest).
+// Quantized packs (--experts-quant / --dense-quant) store Q8_0 / Q4_K blocks (core/dtype.h)
+// in expert blobs and in dense.safetensors (our dtype extension, io/safetensors.h); a matrix
+// whose rows are not whole blocks keeps its source dtype, so each tensor's dtype (manifest
+// or safetensors header) is the record, experts_quant / dense_quant only the request.
 // Invariants checked on open: format and version, each file present with its manifest
-// size, every blob inside its file, bytes == rows * row bytes of the dtype.
+// size, every blob inside its file, bytes == rows * row bytes of the dtype (quantized: cols
+// a whole number of blocks).
 #pragma once
 
 #include <cstdint>

@@ -84,7 +84,7 @@ std::atomic<Isa>& active_slot() {
 void check_dtype(DType wt, int64_t cols) {
   TS_CHECK(wt == DType::kF32 || wt == DType::kF16 || wt == DType::kBF16 || wt == DType::kQ8_0 ||
                wt == DType::kQ4_K,
-           "CPU kernels take F32, F16, BF16, Q8_0 or Q4_K weights");
+           "CPU kernels take F32, F16 or BF16 weights, or Q8_0 / Q4_K blocks");
   TS_CHECK(dtype_row_ok(wt, cols), "quantized rows must be whole blocks (32 / 256 weights)");
 }
 

@@ -46,9 +46,9 @@ void dequantize_q8_0(const uint8_t* in, float* y, int64_t n_blocks) {
 
 // ---- Q4_K ------------------------------------------------------------------------------
 
-constexpr int kSub = 32;     // weights per sub-block
-constexpr int kNSub = 8;     // sub-blocks per block
-constexpr int kQMax = 15;    // 4-bit quants
+constexpr int kSub = 32;       // weights per sub-block
+constexpr int kNSub = 8;       // sub-blocks per block
+constexpr int kQMax = 15;      // 4-bit quants
 constexpr int kScaleMax = 63;  // 6-bit scales and mins
 
 struct SubFit {

@@ -77,14 +77,14 @@ void dequantize_row(DType t, const void* q, float* out, int64_t cols);
 // dequantizes a block of rows into a per-thread F32 buffer once per call and runs the F32
 // matmul of its ISA on it, so Y equals that ISA's F32 matmul of the dequantized rows.
 namespace avx2 {
-void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols,
-                       int64_t r0, int64_t r1);
+void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                       int64_t r1);
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
 }  // namespace avx2
 namespace avx512 {
-void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols,
-                       int64_t r0, int64_t r1);
+void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                       int64_t r1);
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
 }  // namespace avx512

@@ -109,8 +109,7 @@ void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const floa
   for (int r = 0; r < NR; ++r) y[r] = reduce_add(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-void q8_0_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0,
-                 int64_t r1) {
+void q8_0_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0, int64_t r1) {
   const int64_t n_blocks = cols / kQ8_0BlockElems;
   const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
   int64_t r = r0;
@@ -122,7 +121,8 @@ void q8_0_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64
 void q8_0_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
   for (int64_t b = 0; b < n_blocks; ++b, blk += kQ8_0BlockBytes, out += 32) {
     const __m256 d = _mm256_set1_ps(load_f16(blk));
-    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(widen_i8(blk + 2 + 8 * j), d));
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(widen_i8(blk + 2 + 8 * j), d));
   }
 }
 
@@ -137,10 +137,10 @@ Q4KScales q4_k_scales(const uint8_t* blk) {
   uint32_t u[3];
   std::memcpy(u, blk + 4, 12);
   constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  const uint64_t sc = uint64_t(u[0] & kLow6) |
-                      uint64_t((u[2] & kLow4) | ((u[0] >> 6) & kLow2) << 4) << 32;
-  const uint64_t m = uint64_t(u[1] & kLow6) |
-                     uint64_t(((u[2] >> 4) & kLow4) | ((u[1] >> 6) & kLow2) << 4) << 32;
+  const uint64_t sc = uint64_t(u[0] & kLow6) | uint64_t((u[2] & kLow4) | ((u[0] >> 6) & kLow2) << 4)
+                                                   << 32;
+  const uint64_t m =
+      uint64_t(u[1] & kLow6) | uint64_t(((u[2] >> 4) & kLow4) | ((u[1] >> 6) & kLow2) << 4) << 32;
   auto widen8 = [](uint64_t v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v))));
   };
@@ -194,8 +194,7 @@ void q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const floa
     y[r] = reduce_add(_mm256_add_ps(acc[r][0], acc[r][1])) - reduce_add(acc_min[r]);
 }
 
-void q4_k_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0,
-                 int64_t r1) {
+void q4_k_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0, int64_t r1) {
   thread_local Scratch scratch;
   const int64_t n_blocks = cols / kQ4_KBlockElems;
   const int64_t row_bytes = n_blocks * int64_t(kQ4_KBlockBytes);
@@ -231,8 +230,8 @@ void q4_k_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
 
 }  // namespace
 
-void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols,
-                       int64_t r0, int64_t r1) {
+void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                       int64_t r1) {
   const auto* wb = static_cast<const uint8_t*>(w);
   if (wt == DType::kQ8_0) return q8_0_matvec(wb, x, y, cols, r0, r1);
   return q4_k_matvec(wb, x, y, cols, r0, r1);
