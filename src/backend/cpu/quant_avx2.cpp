@@ -2,11 +2,13 @@
 // Compiled with those flags for this file only; reached through kernels_avx2.cpp's entry
 // points, which dispatch.cpp calls only when the CPU and OS support them.
 //
-// The same scheme as quant_avx512.cpp, in 8-lane ymm registers:
+// Each block is read once and widened to F32 in 8-lane ymm registers; X stays F32.
 //   Q8_0: per block, p = sum_i qs[i] * x[i] (four widened vectors of 8), acc += d * p;
 //         even and odd blocks go to two accumulators.
 //   Q4_K: w . x = sum_j d*sc[j] * (q_j . x_j) - sum_j dmin*m[j] * sum(x_j), the X sums per
-//         32-weight sub-block computed once per call; even / odd sub-blocks accumulate apart.
+//         32-weight sub-block computed once per call (AVX2 has no 16-entry vpermps, so the
+//         table lookup of quant_avx512.cpp does not apply); even / odd sub-blocks
+//         accumulate apart.
 //   matmul dequantizes a block of rows into a per-thread F32 buffer (bit-identical to
 //   dequantize_row) and runs this ISA's F32 matmul on it.
 //
@@ -25,7 +27,11 @@
 namespace ts::cpu::avx2 {
 namespace {
 
-constexpr int kMatvecTileRows = 2;  // 2 rows x 2 accumulators + 4 X vectors + temporaries
+// matvec rows per step. Four rows read 4,096 x 4,096 Q8_0 from DRAM at ~14 GB/s (1 thread)
+// where two managed ~10 (a few X vectors spill; one accumulator per row with X loaded per
+// block was ~11, eight rows ~13). Q4_K: the same for two or four. Lab runs on the shared dev
+// box, best of 6.
+constexpr int kMatvecTileRows = 4;
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kDequantBlockBytes = 64 << 10;
 
