@@ -141,4 +141,20 @@ inline uint16_t f32_to_f16(float f) {
   return uint16_t(sign | half);
 }
 
+// Converts n elements of a float-typed row (F32, F16, BF16) to F32: the one scalar path for
+// embedding rows, norms and biases. Precondition: !dtype_is_quantized(t).
+inline void float_row_to_f32(const void* src, DType t, float* dst, int64_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    switch (t) {
+      case DType::kF32: std::memcpy(&dst[i], p + 4 * i, 4); break;
+      case DType::kF16: std::memcpy(&h, p + 2 * i, 2); dst[i] = f16_to_f32(h); break;
+      case DType::kBF16: std::memcpy(&h, p + 2 * i, 2); dst[i] = bf16_to_f32(h); break;
+      case DType::kQ8_0:
+      case DType::kQ4_K: return;  // callers check dtype_is_quantized first
+    }
+  }
+}
+
 }  // namespace ts

@@ -36,17 +36,7 @@ struct Binder {
       return make_error("tensor " + name + " in " + t->file + " is " +
                         std::string(dtype_name(t->dtype)) + "; vectors must be F32, F16 or BF16");
     std::vector<float> out(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      const uint8_t* p = t->data + size_t(i) * dtype_size(t->dtype);
-      uint16_t h;
-      switch (t->dtype) {
-        case DType::kF32: std::memcpy(&out[size_t(i)], p, 4); break;
-        case DType::kF16: std::memcpy(&h, p, 2); out[size_t(i)] = f16_to_f32(h); break;
-        case DType::kBF16: std::memcpy(&h, p, 2); out[size_t(i)] = bf16_to_f32(h); break;
-        case DType::kQ8_0:
-        case DType::kQ4_K: break;  // refused above
-      }
-    }
+    float_row_to_f32(t->data, t->dtype, out.data(), n);
     return out;
   }
   Result<ExpertWeights> mlp(const std::string& prefix, const char* g, const char* u,

@@ -135,17 +135,7 @@ Status Session::forward_chunk(const int* tokens, int n, float* logits_out, bool 
     const model::Matrix& e = w.embed;
     const uint8_t* row = static_cast<const uint8_t*>(e.data) +
                          size_t(tokens[t]) * dtype_row_bytes(e.dtype, int64_t(d));
-    float* x = x_.data() + size_t(t) * d;
-    for (size_t i = 0; i < d; ++i) {
-      uint16_t h;
-      switch (e.dtype) {
-        case DType::kF32: std::memcpy(&x[i], row + 4 * i, 4); break;
-        case DType::kF16: std::memcpy(&h, row + 2 * i, 2); x[i] = f16_to_f32(h); break;
-        case DType::kBF16: std::memcpy(&h, row + 2 * i, 2); x[i] = bf16_to_f32(h); break;
-        case DType::kQ8_0:
-        case DType::kQ4_K: break;  // checked above
-      }
-    }
+    float_row_to_f32(row, e.dtype, x_.data() + size_t(t) * d, int64_t(d));
   }
   layer_boundary(-1, n, last_chunk);
   for (int l = 0; l < hp.n_layers; ++l) {
