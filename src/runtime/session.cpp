@@ -40,7 +40,7 @@ Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions opti
     : model_(model), pool_(pool) {
   const model::HParams& hp = model.hp();
   n_ctx_ = options.n_ctx > 0 ? options.n_ctx : std::min(hp.max_positions, 4096);
-  chunk_ = std::max(1, options.prefill_chunk);
+  chunk_ = options.prefill_chunk > 0 ? options.prefill_chunk : 256;
   const size_t kv = size_t(hp.n_layers) * size_t(n_ctx_) * size_t(hp.kv_dim());
   k_cache_.assign(kv, 0.0f);
   v_cache_.assign(kv, 0.0f);
@@ -110,6 +110,7 @@ Status Session::forward(std::span<const int> tokens, std::vector<float>* all_log
                       std::to_string(tokens.size()) + " tokens exceed n_ctx = " +
                       std::to_string(n_ctx_));
   if (all_logits) all_logits->assign(tokens.size() * size_t(hp.vocab), 0.0f);
+  const auto t_start = Clock::now();
   for (size_t b = 0; b < tokens.size(); b += size_t(chunk_)) {
     const size_t pos0 = size_t(pos_);
     const bool last_chunk = b + size_t(chunk_) >= tokens.size();
@@ -122,6 +123,7 @@ Status Session::forward(std::span<const int> tokens, std::vector<float>* all_log
       return st;
     }
   }
+  phases_.total_us += us_since(t_start);
   return {};
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "runtime/engine.h"
 #include "runtime/interventions.h"
 #include "runtime/model.h"
 
@@ -21,53 +22,30 @@ namespace ts::runtime {
 
 struct SessionOptions {
   int n_ctx = 0;           // KV cache length; 0 = min(max_position_embeddings, 4096)
-  int prefill_chunk = 256;  // tokens per forward chunk during prefill
+  int prefill_chunk = 0;    // tokens per forward chunk during prefill; 0 = the backend's
+                            // default (CPU 256, CUDA 2048)
+  bool quantize_q8_0 = false;  // CUDA: float matrices -> Q8_0 at load (CPU: use a pack)
   Interventions interventions;  // steering, residual capture, router trace
 };
 
-// One token's selection at one layer, in rank order.
-struct RouterTraceEntry {
-  int position;
-  int layer;
-  std::vector<int> ids;
-  std::vector<float> weights;
-};
-
-// Time per phase, microseconds, accumulated over the session's forward calls.
-struct PhaseTimes {
-  double attention_us = 0;
-  double router_us = 0;
-  double expert_io_us = 0;
-  double expert_compute_us = 0;
-  double dense_ffn_us = 0;
-  double lm_head_us = 0;
-  uint64_t expert_requests = 0;  // (token, expert) selections
-};
-
-class Session {
+class Session final : public Engine {
  public:
   Session(const LoadedModel& model, ThreadPool& pool, SessionOptions options);
 
-  int position() const { return pos_; }
-  int n_ctx() const { return n_ctx_; }
-  void reset() { pos_ = 0; }
-  // Forgets every position from n on (the KV rows are overwritten by later tokens), to reuse
-  // a shared prefix between turns. Precondition: 0 <= n <= position().
-  void truncate(int n) { pos_ = std::min(pos_, std::max(0, n)); }
-
-  // Runs `tokens` at the current position and advances it. If all_logits is given it is
-  // resized to [tokens.size(), vocab] and filled; last_logits() always holds the last row.
-  // Errors: empty input, a token id outside [0, vocab), or the context overflowing.
-  Status forward(std::span<const int> tokens, std::vector<float>* all_logits);
-  std::span<const float> last_logits() const { return last_logits_; }
-  const PhaseTimes& phases() const { return phases_; }
-  // Selections per (layer, expert), [n_layers * n_experts], over the session's lifetime.
-  const std::vector<uint64_t>& router_hist() const { return router_hist_; }
-  // Captured residual rows per capture layer (options.interventions.capture_layers order),
-  // each [captured_positions(), d_model] row-major.
-  const std::vector<std::vector<float>>& captures() const { return captures_; }
-  int64_t captured_positions() const;
-  const std::vector<RouterTraceEntry>& router_trace() const { return trace_; }
+  int position() const override { return pos_; }
+  int n_ctx() const override { return n_ctx_; }
+  void reset() override { pos_ = 0; }
+  // The KV rows from n on are overwritten by later tokens.
+  void truncate(int n) override { pos_ = std::min(pos_, std::max(0, n)); }
+  Status forward(std::span<const int> tokens, std::vector<float>* all_logits) override;
+  std::span<const float> last_logits() const override { return last_logits_; }
+  const PhaseTimes& phases() const override { return phases_; }
+  std::vector<uint64_t> router_hist() const override { return router_hist_; }
+  // In options.interventions.capture_layers order.
+  const std::vector<std::vector<float>>& captures() const override { return captures_; }
+  int64_t captured_positions() const override;
+  const std::vector<RouterTraceEntry>& router_trace() const override { return trace_; }
+  std::string device_name() const override { return "cpu"; }
 
  private:
   Status forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk);

@@ -12,6 +12,7 @@ Status cmd_generate(const Args& args);
 Status cmd_inspect(const Args& args);
 Status cmd_synth(const Args& args);
 Status cmd_bench(const Args& args);
+Status cmd_bench_cuda(const Args& args);  // bench --device cuda
 Status cmd_pack(const Args& args);
 Status cmd_verify(const Args& args);
 Status cmd_analyze_router(const Args& args);

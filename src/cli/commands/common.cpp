@@ -11,7 +11,7 @@
 
 namespace ts::cli {
 
-nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Session& session,
+nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
                           int64_t tokens_processed) {
   const runtime::PhaseTimes& p = session.phases();
   const experts::StoreStats s = model.experts().stats();
@@ -54,12 +54,12 @@ void print_stats(const nlohmann::json& j) {
 }
 
 Status write_router_hist(const std::string& path, const runtime::LoadedModel& model,
-                         const runtime::Session& session) {
+                         const runtime::Engine& session) {
   const model::HParams& hp = model.hp();
   nlohmann::json counts = nlohmann::json::array();
+  const std::vector<uint64_t> hist = session.router_hist();
   for (int l = 0; l < hp.n_layers; ++l) {
-    std::vector<uint64_t> row(session.router_hist().begin() + l * hp.n_experts,
-                              session.router_hist().begin() + (l + 1) * hp.n_experts);
+    std::vector<uint64_t> row(hist.begin() + l * hp.n_experts, hist.begin() + (l + 1) * hp.n_experts);
     counts.push_back(hp.layer_is_moe[size_t(l)] ? nlohmann::json(row) : nlohmann::json(nullptr));
   }
   nlohmann::json j = {{"n_layers", hp.n_layers},
@@ -125,7 +125,7 @@ Result<runtime::Interventions> build_interventions(const ModelFlags& flags,
 namespace {
 
 Status write_captures(const ModelFlags& flags, const runtime::LoadedModel& m,
-                      const runtime::Session& s) {
+                      const runtime::Engine& s) {
   const auto& layers = s.captures();
   const int64_t P = s.captured_positions(), d = m.hp().d_model;
   std::vector<float> all;
@@ -150,7 +150,7 @@ Status write_captures(const ModelFlags& flags, const runtime::LoadedModel& m,
   return io::write_file_atomic(out + ".json", {io::ConstBytes{text.data(), text.size()}});
 }
 
-Status write_router_trace(const std::string& path, const runtime::Session& s) {
+Status write_router_trace(const std::string& path, const runtime::Engine& s) {
   // One line per token: {"pos": p, "layers": [{"layer": l, "ids": [...], "weights": [...]}]}
   std::map<int, nlohmann::json> by_pos;
   for (const runtime::RouterTraceEntry& e : s.router_trace()) {
@@ -165,7 +165,7 @@ Status write_router_trace(const std::string& path, const runtime::Session& s) {
 
 }  // namespace
 
-Status finish_run(const ModelFlags& flags, const Loaded& m, const runtime::Session& session,
+Status finish_run(const ModelFlags& flags, const Loaded& m, const runtime::Engine& session,
                   int64_t tokens_processed) {
   if (flags.stats) print_stats(stats_json(*m.model, session, tokens_processed));
   if (!flags.router_hist.empty()) TS_TRY(write_router_hist(flags.router_hist, *m.model, session));

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/model.h"
+#include "runtime/engine.h"
 #include "runtime/session.h"
 
 namespace ts::cli {
@@ -24,6 +25,8 @@ struct Loaded {
 struct ModelFlags {
   std::string dir;
   int threads = 1;
+  runtime::Device device;  // --device cpu|cuda[:N]
+  bool quantize_q8_0 = false;  // --quant q8_0 (CUDA: quantize float matrices at load)
   runtime::LoadOptions load;
   bool stats = false;       // --stats or TURBOSPARK_PHASES=1: phase summary on stderr
   std::string router_hist;  // --router-hist FILE: per-layer per-expert selection counts
@@ -41,6 +44,14 @@ inline Result<ModelFlags> read_model_flags(const Args& args) {
   TS_ASSIGN(int64_t threads,
             args.integer_or("threads", std::max(1u, std::thread::hardware_concurrency()), 1, 1024));
   f.threads = int(threads);
+  TS_ASSIGN(f.device, runtime::parse_device(args.str_or("device", "cpu")));
+  if (args.has("quant")) {
+    if (args.str_or("quant", "") != "q8_0") return make_error("--quant: only q8_0 is supported");
+    if (f.device.kind != runtime::DeviceKind::kCuda)
+      return make_error("--quant q8_0 quantizes at load on --device cuda; for the CPU, make a "
+                        "pack: turbospark pack --experts-quant q8_0 --dense-quant q8_0");
+    f.quantize_q8_0 = true;
+  }
   TS_ASSIGN(f.load.residency, experts::parse_residency(args.str_or("residency", "mapped")));
   TS_ASSIGN(int64_t slots, args.integer_or("expert-cache-slots", 0, 1, 1 << 20));
   TS_ASSIGN(f.load.expert_cache_mb, args.integer_or("expert-cache-mb", 0, 1, int64_t(1) << 40));
@@ -84,15 +95,23 @@ inline Result<Loaded> load_model(const ModelFlags& flags) {
   return out;
 }
 
+// The session for the --device flag.
+inline Result<std::unique_ptr<runtime::Engine>> make_session(const ModelFlags& flags,
+                                                             const Loaded& m,
+                                                             runtime::SessionOptions options) {
+  options.quantize_q8_0 = flags.quantize_q8_0;
+  return runtime::make_engine(*m.model, *m.pool, std::move(options), flags.device);
+}
+
 // Phase times, expert cache counters and storage bytes of a finished run, for --stats.
-nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Session& session,
+nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
                           int64_t tokens_processed);
 void print_stats(const nlohmann::json& stats);
 // Writes the session's router histogram as JSON: {"n_layers", "n_experts", "counts": [[..]]}.
 Status write_router_hist(const std::string& path, const runtime::LoadedModel& model,
-                         const runtime::Session& session);
+                         const runtime::Engine& session);
 // --stats, --router-hist, --capture-out and --router-trace at the end of a run.
-Status finish_run(const ModelFlags& flags, const Loaded& m, const runtime::Session& session,
+Status finish_run(const ModelFlags& flags, const Loaded& m, const runtime::Engine& session,
                   int64_t tokens_processed);
 
 }  // namespace ts::cli

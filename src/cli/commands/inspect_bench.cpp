@@ -73,6 +73,7 @@ Status cmd_inspect(const Args& args) {
 }
 
 Status cmd_bench(const Args& args) {
+  if (args.str_or("device", "cpu").rfind("cuda", 0) == 0) return cmd_bench_cuda(args);
   bool json = args.has("json");
   TS_ASSIGN(int64_t n_prompt, args.integer_or("prompt-tokens", 128, 1, 1 << 20));
   TS_ASSIGN(int64_t n_gen, args.integer_or("gen-tokens", 32, 1, 1 << 20));
@@ -82,7 +83,9 @@ Status cmd_bench(const Args& args) {
   TS_TRY(args.check_all_used());
   TS_ASSIGN(Loaded m, load_model(flags));
   const model::HParams& hp = m.model->hp();
-  runtime::Session session(*m.model, *m.pool, {.n_ctx = int(n_prompt + n_gen)});
+  TS_ASSIGN(std::unique_ptr<runtime::Engine> engine,
+            make_session(flags, m, {.n_ctx = int(n_prompt + n_gen)}));
+  runtime::Engine& session = *engine;
   std::vector<int> prompt(static_cast<size_t>(n_prompt));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int((i * 7919 + 13) % size_t(hp.vocab));
   using Clock = std::chrono::steady_clock;

@@ -17,8 +17,9 @@ Status cmd_logits(const Args& args) {
   TS_TRY(args.check_all_used());
   TS_ASSIGN(Loaded m, load_model(flags));
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
-  runtime::Session session(*m.model, *m.pool,
-                           {.n_ctx = int(tokens.size()), .interventions = std::move(iv)});
+  TS_ASSIGN(std::unique_ptr<runtime::Engine> engine,
+            make_session(flags, m, {.n_ctx = int(tokens.size()), .interventions = std::move(iv)}));
+  runtime::Engine& session = *engine;
   std::vector<float> logits;
   TS_TRY(session.forward(tokens, &logits));
   TS_TRY(io::write_npy_f32(out_path, {int64_t(tokens.size()), m.model->hp().vocab},
@@ -48,7 +49,9 @@ Status cmd_generate(const Args& args) {
                       " tokens exceed max_position_embeddings = " +
                       std::to_string(m.model->hp().max_positions));
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
-  runtime::Session session(*m.model, *m.pool, {.n_ctx = n_ctx, .interventions = std::move(iv)});
+  TS_ASSIGN(std::unique_ptr<runtime::Engine> engine,
+            make_session(flags, m, {.n_ctx = n_ctx, .interventions = std::move(iv)}));
+  runtime::Engine& session = *engine;
   runtime::Sampler sampler(so);
   std::string line;
   if (n > 0) {

@@ -95,7 +95,7 @@ struct TurnResult {
 };
 
 // Runs prompt ids (reusing the session's cached prefix `cached`) and streams the reply.
-Result<TurnResult> generate_text(runtime::Session& session, std::vector<int>& cached,
+Result<TurnResult> generate_text(runtime::Engine& session, std::vector<int>& cached,
                                  const std::vector<int>& prompt, const tokenizer::Tokenizer& tok,
                                  const GenFlags& g, runtime::Sampler& sampler) {
   TurnResult r;
@@ -190,7 +190,9 @@ Status cmd_run(const Args& args) {
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
   const int ctx = n_ctx ? int(n_ctx) : int(std::min<int64_t>(m.model->hp().max_positions,
                                                              int64_t(ids.size()) + g.max_tokens));
-  runtime::Session session(*m.model, *m.pool, {.n_ctx = ctx, .interventions = std::move(iv)});
+  TS_ASSIGN(std::unique_ptr<runtime::Engine> engine,
+            make_session(flags, m, {.n_ctx = ctx, .interventions = std::move(iv)}));
+  runtime::Engine& session = *engine;
   runtime::Sampler sampler(g.sampler);
   std::vector<int> cached;
   TS_ASSIGN(TurnResult r, generate_text(session, cached, ids, *tok, g, sampler));
@@ -210,7 +212,8 @@ Status cmd_chat(const Args& args) {
   TS_ASSIGN(tokenizer::ChatTemplate tmpl, tokenizer::ChatTemplate::load(flags.dir));
   TS_ASSIGN(Loaded m, load_model(flags));
   const int ctx = int(std::min<int64_t>(n_ctx, m.model->hp().max_positions));
-  runtime::Session session(*m.model, *m.pool, {.n_ctx = ctx});
+  TS_ASSIGN(std::unique_ptr<runtime::Engine> engine, make_session(flags, m, {.n_ctx = ctx}));
+  runtime::Engine& session = *engine;
   runtime::Sampler sampler(g.sampler);
   const bool tty = isatty(fileno(stdin));
   ojson history = ojson::array();

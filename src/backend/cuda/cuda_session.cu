@@ -1,0 +1,980 @@
+#include "backend/cuda/cuda_session.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/kernels.cuh"
+#include "experts/expert_store.h"
+#include "runtime/interventions.h"
+#include "runtime/model.h"
+
+namespace ts::cuda {
+namespace {
+
+Error cuda_error(const char* what, cudaError_t e, const char* file, int line) {
+  return make_error(std::string("CUDA error: ") + cudaGetErrorString(e) + " in " + what + " (" +
+                    file + ":" + std::to_string(line) + ")");
+}
+
+#define CUDA_TRY(expr)                                                 \
+  do {                                                                 \
+    const cudaError_t ts_cuda_err_ = (expr);                           \
+    if (ts_cuda_err_ != cudaSuccess)                                   \
+      return cuda_error(#expr, ts_cuda_err_, __FILE__, __LINE__);      \
+  } while (0)
+
+#define CUBLAS_TRY(expr)                                                                   \
+  do {                                                                                     \
+    const cublasStatus_t ts_blas_st_ = (expr);                                             \
+    if (ts_blas_st_ != CUBLAS_STATUS_SUCCESS)                                              \
+      return make_error(std::string("cuBLAS error ") + std::to_string(int(ts_blas_st_)) + \
+                        " in " #expr " (" __FILE__ ":" + std::to_string(__LINE__) + ")"); \
+  } while (0)
+
+double gib(uint64_t b) { return double(b) / double(1ull << 30); }
+
+// Device allocations owned by a session, freed together.
+class Arena {
+ public:
+  Arena() = default;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  ~Arena() {
+    for (void* p : ptrs_) cudaFree(p);
+  }
+  Result<void*> alloc(size_t bytes) {
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 256));
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error state
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      return make_error("out of GPU memory: allocating " + std::to_string(gib(bytes)) +
+                        " GiB with " + std::to_string(gib(free_b)) + " GiB free of " +
+                        std::to_string(gib(total_b)) + " GiB (" + cudaGetErrorString(e) + ")");
+    }
+    ptrs_.push_back(p);
+    bytes_ += bytes;
+    return p;
+  }
+  template <class T>
+  Result<T*> alloc_n(size_t n) {
+    TS_ASSIGN(void* p, alloc(n * sizeof(T)));
+    return static_cast<T*>(p);
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  std::vector<void*> ptrs_;
+  uint64_t bytes_ = 0;
+};
+
+struct DevMlp {
+  DevMatrix gate, up, down;
+};
+
+struct DevLayer {
+  float* attn_norm = nullptr;  // [d_model]
+  float* ffn_norm = nullptr;   // [d_model]
+  float *bq = nullptr, *bk = nullptr, *bv = nullptr;  // qkv biases or null
+  float *q_norm = nullptr, *k_norm = nullptr;         // [head_dim] or [q_dim]/[kv_dim] or null
+  DevMatrix wq, wk, wv, wo;
+  bool is_moe = false;
+  DevMatrix router;       // [n_experts, d_model]
+  DevMatrix shared_gate;  // [1, d_model]
+  DevMlp shared;          // shared expert (d_shared)
+  DevMlp dense;           // dense MLP (d_ff) on layers without experts
+  // Routed experts: views (for the grouped prefill) and the same addresses as device tables
+  // [n_experts] (for the decode kernels).
+  std::vector<DevMlp> experts;
+  const void** gate_tab = nullptr;
+  const void** up_tab = nullptr;
+  const void** down_tab = nullptr;
+};
+
+struct DevWeights {
+  DevMatrix embed;     // [vocab, d_model]
+  DevMatrix lm_head;   // [vocab, d_model]
+  float* final_norm = nullptr;
+  std::vector<DevLayer> layers;
+};
+
+uint64_t mlp_bytes(const DevMlp& m) {
+  return m.gate.present() ? m.gate.n_bytes() + m.up.n_bytes() + m.down.n_bytes() : 0;
+}
+
+// Builds DevWeights: from host memory (a loaded model) or from random numbers on the device.
+class Uploader {
+ public:
+  Uploader(Arena& arena, cudaStream_t s, bool quantize) : arena_(arena), s_(s), quantize_(quantize) {}
+
+  Result<float*> vec(const std::vector<float>& v) {
+    if (v.empty()) return static_cast<float*>(nullptr);
+    TS_ASSIGN(float* p, arena_.alloc_n<float>(v.size()));
+    CUDA_TRY(cudaMemcpyAsync(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice, s_));
+    return p;
+  }
+
+  // Type the matrix will have on the device.
+  DType device_type(DType t, int64_t cols) const {
+    return quantize_ && !dtype_is_quantized(t) && cols % 32 == 0 ? DType::kQ8_0 : t;
+  }
+
+  // Copies (or quantizes) host matrix m into dst (device_type(m) bytes reserved there).
+  Status copy(const model::Matrix& m, void* dst) {
+    const DevMatrix src_shape{nullptr, m.dtype, m.rows, m.cols};
+    if (device_type(m.dtype, m.cols) == m.dtype) {
+      CUDA_TRY(cudaMemcpyAsync(dst, m.data, src_shape.n_bytes(), cudaMemcpyHostToDevice, s_));
+      return {};
+    }
+    TS_TRY(ensure_staging(src_shape.n_bytes(), size_t(m.rows * m.cols) * 4));
+    CUDA_TRY(cudaMemcpyAsync(raw_, m.data, src_shape.n_bytes(), cudaMemcpyHostToDevice, s_));
+    to_f32({raw_, m.dtype, m.rows, m.cols}, f32_, s_);
+    quantize_q8_0(f32_, dst, m.rows * m.cols, s_);
+    // The staging buffers are reused by the next call: wait for this one.
+    CUDA_TRY(cudaStreamSynchronize(s_));
+    return {};
+  }
+
+  Result<DevMatrix> matrix(const model::Matrix& m) {
+    if (!m.present()) return DevMatrix{};
+    const DevMatrix out_shape{nullptr, device_type(m.dtype, m.cols), m.rows, m.cols};
+    TS_ASSIGN(void* p, arena_.alloc(out_shape.n_bytes()));
+    TS_TRY(copy(m, p));
+    return DevMatrix{p, out_shape.dtype, m.rows, m.cols};
+  }
+
+  // A random matrix of `type` on the device.
+  Result<DevMatrix> random(DType type, int64_t rows, int64_t cols, uint64_t seed) {
+    const DevMatrix shape{nullptr, type, rows, cols};
+    TS_ASSIGN(void* p, arena_.alloc(shape.n_bytes()));
+    TS_TRY(fill_random(type, rows, cols, seed, p));
+    return DevMatrix{p, type, rows, cols};
+  }
+
+  Status fill_random(DType type, int64_t rows, int64_t cols, uint64_t seed, void* dst) {
+    const float scale = 1.0f / std::sqrt(float(cols));
+    if (!dtype_is_quantized(type)) {
+      fill_uniform(dst, type, rows * cols, scale, seed, s_);
+      return {};
+    }
+    if (type != DType::kQ8_0) return make_error("synthetic weights: only F32, F16, BF16, Q8_0");
+    TS_TRY(ensure_staging(0, size_t(rows * cols) * 4));
+    fill_uniform(f32_, DType::kF32, rows * cols, scale, seed, s_);
+    quantize_q8_0(f32_, dst, rows * cols, s_);
+    CUDA_TRY(cudaStreamSynchronize(s_));
+    return {};
+  }
+
+  Result<float*> ones(int64_t n) {
+    TS_ASSIGN(float* p, arena_.alloc_n<float>(size_t(n)));
+    fill_value(p, n, 1.0f, s_);
+    return p;
+  }
+
+ private:
+  Status ensure_staging(size_t raw_bytes, size_t f32_bytes) {
+    if (raw_bytes > raw_cap_) {
+      if (raw_) cudaFree(raw_);
+      raw_ = nullptr;
+      CUDA_TRY(cudaMalloc(&raw_, raw_bytes));
+      raw_cap_ = raw_bytes;
+    }
+    if (f32_bytes > f32_cap_) {
+      if (f32_) cudaFree(f32_);
+      f32_ = nullptr;
+      CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&f32_), f32_bytes));
+      f32_cap_ = f32_bytes;
+    }
+    return {};
+  }
+
+ public:
+  ~Uploader() {
+    if (raw_) cudaFree(raw_);
+    if (f32_) cudaFree(f32_);
+  }
+
+ private:
+  Arena& arena_;
+  cudaStream_t s_;
+  bool quantize_;
+  void* raw_ = nullptr;
+  float* f32_ = nullptr;
+  size_t raw_cap_ = 0, f32_cap_ = 0;
+};
+
+size_t align256(size_t b) { return (b + 255) / 256 * 256; }
+
+using Clock = std::chrono::steady_clock;
+
+class CudaSession final : public runtime::Engine {
+ public:
+  CudaSession(const model::HParams& hp, runtime::SessionOptions options, int device)
+      : hp_(hp), device_(device), opt_(std::move(options)) {}
+  ~CudaSession() override;
+
+  // Allocates the KV cache and scratch after the weights are in place.
+  Status init(const std::string& device_name);
+  Status upload(const runtime::LoadedModel& model);
+  Status synthesize(const SyntheticOptions& syn);
+  Status begin(int device);  // stream, cuBLAS
+
+  int position() const override { return pos_; }
+  int n_ctx() const override { return n_ctx_; }
+  void reset() override { pos_ = 0; }
+  void truncate(int n) override { pos_ = std::min(pos_, std::max(0, n)); }
+  Status forward(std::span<const int> tokens, std::vector<float>* all_logits) override;
+  std::span<const float> last_logits() const override { return last_logits_; }
+  const runtime::PhaseTimes& phases() const override { return phases_; }
+  std::vector<uint64_t> router_hist() const override;
+  const std::vector<std::vector<float>>& captures() const override { return captures_; }
+  int64_t captured_positions() const override {
+    return captures_.empty() ? 0 : int64_t(captures_[0].size()) / hp_.d_model;
+  }
+  const std::vector<runtime::RouterTraceEntry>& router_trace() const override { return trace_; }
+  std::string device_name() const override { return device_name_; }
+
+  CudaBenchInfo info() const;
+
+ private:
+  Status forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk);
+  Status run_layers(int n, bool all_rows, bool last_chunk);
+  Status layer_boundary(int layer, int n, bool last_chunk);
+  Status attention_block(int layer, int n);
+  Status moe_block(int layer, int n);
+  Status grouped_experts(int layer, int n);
+  Status dense_mlp(const DevMlp& mlp, int n, int d_hidden, float* out);
+  // y[n, rows] (+)= x[n, cols] . W^T: the GEMV kernel for few tokens, cuBLAS beyond.
+  Status linear(const DevMatrix& w, const float* x, int n, float* y, bool accumulate = false);
+  // cuBLAS: y[n, rows] (+)= x . W^T where x is already in the GEMM input type of w.
+  Status gemm(const DevMatrix& w, const void* x, int n, float* y, bool accumulate);
+  DType gemm_input_type(DType w) const {
+    return w == DType::kF32 ? DType::kF32 : w == DType::kF16 ? DType::kF16 : DType::kBF16;
+  }
+  int attention_splits(int n, int max_keys) const;
+  bool graph_eligible() const;
+
+  model::HParams hp_;
+  int device_;
+  runtime::SessionOptions opt_;
+  std::string device_name_;
+  Arena arena_;
+  DevWeights w_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  cudaGraphExec_t graph_ = nullptr;
+  int graph_splits_ = 0;
+
+  int n_ctx_ = 0, chunk_ = 0, pos_ = 0;
+  float *k_cache_ = nullptr, *v_cache_ = nullptr;  // [n_layers, n_ctx, kv_dim]
+  float* inv_freq_ = nullptr;
+  // Scratch for one chunk (device).
+  float *x_ = nullptr, *xn_ = nullptr, *tmp_ = nullptr, *q_ = nullptr, *k_ = nullptr,
+        *v_ = nullptr, *att_ = nullptr, *partial_ = nullptr, *router_ = nullptr,
+        *sel_w_ = nullptr, *h1_ = nullptr, *h2_ = nullptr, *moe_out_ = nullptr,
+        *shared_out_ = nullptr, *shared_z_ = nullptr, *logits_ = nullptr, *slot_rows_ = nullptr;
+  int *sel_ids_ = nullptr, *tokens_ = nullptr, *pos_dev_ = nullptr, *group_src_ = nullptr,
+      *group_row_of_ = nullptr;
+  void* act_ = nullptr;     // GEMM inputs in F16/BF16 (gathered rows, activations)
+  void* wtmp_ = nullptr;    // a quantized matrix dequantized to BF16 for cuBLAS
+  size_t act_bytes_ = 0, wtmp_bytes_ = 0;
+  int partial_rows_ = 0;    // n * n_splits the partial buffer holds
+  unsigned long long* hist_ = nullptr;  // [n_layers, n_experts]
+  // Pinned host mirrors.
+  int* h_tokens_ = nullptr;
+  int* h_pos_ = nullptr;
+  int* h_ids_ = nullptr;
+  float* h_logits_ = nullptr;
+  std::vector<float> last_logits_;
+  runtime::PhaseTimes phases_;
+  runtime::Interventions iv_;
+  std::vector<int> capture_index_;
+  std::vector<std::vector<float>> captures_;
+  std::vector<runtime::RouterTraceEntry> trace_;
+  std::vector<float> host_rows_;
+  bool use_graphs_ = true;
+};
+
+CudaSession::~CudaSession() {
+  if (graph_) cudaGraphExecDestroy(graph_);
+  if (blas_) cublasDestroy(blas_);
+  if (stream_) cudaStreamDestroy(stream_);
+  for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_),
+                  static_cast<void*>(h_ids_), static_cast<void*>(h_logits_)})
+    if (p) cudaFreeHost(p);
+}
+
+Status CudaSession::begin(int device) {
+  CUDA_TRY(cudaSetDevice(device));
+  CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUBLAS_TRY(cublasCreate(&blas_));
+  CUBLAS_TRY(cublasSetStream(blas_, stream_));
+  // F32 GEMMs stay F32 (no TF32): the fixtures are checked against transformers in F32.
+  CUBLAS_TRY(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
+  const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
+  use_graphs_ = !(env && std::string(env) == "0");
+  return {};
+}
+
+Status CudaSession::upload(const runtime::LoadedModel& model) {
+  const model::DenseWeights& d = model.dense();
+  Uploader up(arena_, stream_, opt_.quantize_q8_0);
+  // The embedding is only gathered row by row: it stays in its float type.
+  Uploader keep(arena_, stream_, false);
+  TS_ASSIGN(w_.embed, keep.matrix(d.embed));
+  if (d.lm_head.data == d.embed.data && !opt_.quantize_q8_0) {
+    w_.lm_head = w_.embed;
+  } else {
+    TS_ASSIGN(w_.lm_head, up.matrix(d.lm_head));
+  }
+  TS_ASSIGN(w_.final_norm, up.vec(d.final_norm));
+  experts::ExpertStore& store = model.experts();
+  w_.layers.resize(size_t(hp_.n_layers));
+  for (int l = 0; l < hp_.n_layers; ++l) {
+    const model::LayerWeights& L = d.layers[size_t(l)];
+    DevLayer& D = w_.layers[size_t(l)];
+    TS_ASSIGN(D.attn_norm, up.vec(L.attn_norm));
+    TS_ASSIGN(D.ffn_norm, up.vec(L.ffn_norm));
+    TS_ASSIGN(D.bq, up.vec(L.bq));
+    TS_ASSIGN(D.bk, up.vec(L.bk));
+    TS_ASSIGN(D.bv, up.vec(L.bv));
+    TS_ASSIGN(D.q_norm, up.vec(L.q_norm));
+    TS_ASSIGN(D.k_norm, up.vec(L.k_norm));
+    TS_ASSIGN(D.wq, up.matrix(L.wq));
+    TS_ASSIGN(D.wk, up.matrix(L.wk));
+    TS_ASSIGN(D.wv, up.matrix(L.wv));
+    TS_ASSIGN(D.wo, up.matrix(L.wo));
+    D.is_moe = L.is_moe;
+    TS_ASSIGN(D.dense.gate, up.matrix(L.dense.gate));
+    TS_ASSIGN(D.dense.up, up.matrix(L.dense.up));
+    TS_ASSIGN(D.dense.down, up.matrix(L.dense.down));
+    if (!L.is_moe) continue;
+    // The router stays in its float type: selection must match the CPU's.
+    TS_ASSIGN(D.router, keep.matrix(L.router));
+    TS_ASSIGN(D.shared_gate, keep.matrix(L.shared_gate));
+    TS_ASSIGN(D.shared.gate, up.matrix(L.shared.gate));
+    TS_ASSIGN(D.shared.up, up.matrix(L.shared.up));
+    TS_ASSIGN(D.shared.down, up.matrix(L.shared.down));
+    // Routed experts: one allocation per layer, each expert's gate|up|down 256-byte aligned.
+    std::vector<model::ExpertWeights> views(size_t(hp_.n_experts));
+    const int batch = std::max(1, store.max_batch(l));
+    std::vector<int> ids;
+    size_t expert_bytes = 0;
+    DType gate_t{}, down_t{};
+    uint8_t* base = nullptr;
+    for (int e0 = 0; e0 < hp_.n_experts; e0 += batch) {
+      const int nb = std::min(batch, hp_.n_experts - e0);
+      ids.resize(size_t(nb));
+      for (int i = 0; i < nb; ++i) ids[size_t(i)] = e0 + i;
+      TS_TRY(store.acquire(l, ids, std::span<model::ExpertWeights>(views.data() + e0, size_t(nb))));
+      for (int i = 0; i < nb; ++i) {
+        const model::ExpertWeights& v = views[size_t(e0 + i)];
+        const DType g = up.device_type(v.gate.dtype, v.gate.cols);
+        const DType dn = up.device_type(v.down.dtype, v.down.cols);
+        if (!base) {
+          gate_t = g;
+          down_t = dn;
+          expert_bytes = 2 * align256(DevMatrix{nullptr, g, v.gate.rows, v.gate.cols}.n_bytes()) +
+                         align256(DevMatrix{nullptr, dn, v.down.rows, v.down.cols}.n_bytes());
+          TS_ASSIGN(void* p, arena_.alloc(expert_bytes * size_t(hp_.n_experts)));
+          base = static_cast<uint8_t*>(p);
+          D.experts.resize(size_t(hp_.n_experts));
+        }
+        if (g != gate_t || dn != down_t || up.device_type(v.up.dtype, v.up.cols) != g)
+          return make_error("layer " + std::to_string(l) + " expert " + std::to_string(e0 + i) +
+                            ": expert weights of one layer must share their dtypes on CUDA");
+        uint8_t* at = base + size_t(e0 + i) * expert_bytes;
+        DevMlp& m = D.experts[size_t(e0 + i)];
+        m.gate = {at, g, v.gate.rows, v.gate.cols};
+        m.up = {at + align256(m.gate.n_bytes()), g, v.up.rows, v.up.cols};
+        m.down = {at + 2 * align256(m.gate.n_bytes()), dn, v.down.rows, v.down.cols};
+        TS_TRY(up.copy(v.gate, const_cast<void*>(m.gate.data)));
+        TS_TRY(up.copy(v.up, const_cast<void*>(m.up.data)));
+        TS_TRY(up.copy(v.down, const_cast<void*>(m.down.data)));
+      }
+      // Copies from mapped or slot memory must finish before the slots are reused.
+      CUDA_TRY(cudaStreamSynchronize(stream_));
+      store.release(l);
+    }
+  }
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  return {};
+}
+
+Status CudaSession::synthesize(const SyntheticOptions& syn) {
+  Uploader up(arena_, stream_, false);
+  uint64_t seed = syn.seed * 1000003ull;
+  const DType float_t = dtype_is_quantized(syn.dtype) ? DType::kBF16 : syn.dtype;
+  const int d = hp_.d_model;
+  TS_ASSIGN(w_.embed, up.random(float_t, hp_.vocab, d, ++seed));
+  if (hp_.tie_word_embeddings && !dtype_is_quantized(syn.dtype)) {
+    w_.lm_head = w_.embed;
+  } else {
+    TS_ASSIGN(w_.lm_head, up.random(syn.dtype, hp_.vocab, d, ++seed));
+  }
+  TS_ASSIGN(w_.final_norm, up.ones(d));
+  w_.layers.resize(size_t(hp_.n_layers));
+  for (int l = 0; l < hp_.n_layers; ++l) {
+    DevLayer& D = w_.layers[size_t(l)];
+    TS_ASSIGN(D.attn_norm, up.ones(d));
+    TS_ASSIGN(D.ffn_norm, up.ones(d));
+    TS_ASSIGN(D.wq, up.random(syn.dtype, hp_.q_dim(), d, ++seed));
+    TS_ASSIGN(D.wk, up.random(syn.dtype, hp_.kv_dim(), d, ++seed));
+    TS_ASSIGN(D.wv, up.random(syn.dtype, hp_.kv_dim(), d, ++seed));
+    TS_ASSIGN(D.wo, up.random(syn.dtype, d, hp_.q_dim(), ++seed));
+    if (hp_.qk_norm == model::QkNorm::kPerHead) {
+      TS_ASSIGN(D.q_norm, up.ones(hp_.head_dim));
+      TS_ASSIGN(D.k_norm, up.ones(hp_.head_dim));
+    } else if (hp_.qk_norm == model::QkNorm::kFullProjection) {
+      TS_ASSIGN(D.q_norm, up.ones(hp_.q_dim()));
+      TS_ASSIGN(D.k_norm, up.ones(hp_.kv_dim()));
+    }
+    D.is_moe = hp_.layer_is_moe[size_t(l)];
+    if (!D.is_moe) {
+      TS_ASSIGN(D.dense.gate, up.random(syn.dtype, hp_.d_ff, d, ++seed));
+      TS_ASSIGN(D.dense.up, up.random(syn.dtype, hp_.d_ff, d, ++seed));
+      TS_ASSIGN(D.dense.down, up.random(syn.dtype, d, hp_.d_ff, ++seed));
+      continue;
+    }
+    TS_ASSIGN(D.router, up.random(float_t, hp_.n_experts, d, ++seed));
+    if (hp_.d_shared > 0) {
+      TS_ASSIGN(D.shared.gate, up.random(syn.dtype, hp_.d_shared, d, ++seed));
+      TS_ASSIGN(D.shared.up, up.random(syn.dtype, hp_.d_shared, d, ++seed));
+      TS_ASSIGN(D.shared.down, up.random(syn.dtype, d, hp_.d_shared, ++seed));
+      if (hp_.shared_expert_gate) {
+        TS_ASSIGN(D.shared_gate, up.random(float_t, 1, d, ++seed));
+      }
+    }
+    const DevMatrix g{nullptr, syn.dtype, hp_.d_expert, d}, dn{nullptr, syn.dtype, d, hp_.d_expert};
+    const size_t expert_bytes = 2 * align256(g.n_bytes()) + align256(dn.n_bytes());
+    TS_ASSIGN(void* p, arena_.alloc(expert_bytes * size_t(hp_.n_experts)));
+    uint8_t* base = static_cast<uint8_t*>(p);
+    D.experts.resize(size_t(hp_.n_experts));
+    for (int e = 0; e < hp_.n_experts; ++e) {
+      uint8_t* at = base + size_t(e) * expert_bytes;
+      DevMlp& m = D.experts[size_t(e)];
+      m.gate = {at, syn.dtype, hp_.d_expert, d};
+      m.up = {at + align256(g.n_bytes()), syn.dtype, hp_.d_expert, d};
+      m.down = {at + 2 * align256(g.n_bytes()), syn.dtype, d, hp_.d_expert};
+      TS_TRY(up.fill_random(syn.dtype, hp_.d_expert, d, ++seed, const_cast<void*>(m.gate.data)));
+      TS_TRY(up.fill_random(syn.dtype, hp_.d_expert, d, ++seed, const_cast<void*>(m.up.data)));
+      TS_TRY(up.fill_random(syn.dtype, d, hp_.d_expert, ++seed, const_cast<void*>(m.down.data)));
+    }
+  }
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  return {};
+}
+
+Status CudaSession::init(const std::string& device_name) {
+  device_name_ = device_name;
+  const model::HParams& hp = hp_;
+  n_ctx_ = opt_.n_ctx > 0 ? opt_.n_ctx : std::min(hp.max_positions, 4096);
+  chunk_ = opt_.prefill_chunk > 0 ? opt_.prefill_chunk : 2048;
+  chunk_ = std::min(chunk_, n_ctx_);
+  for (const DevLayer& L : w_.layers)
+    if (L.is_moe && (L.experts.empty() || !L.experts[0].gate.present()))
+      return make_error("internal: a MoE layer without experts on the device");
+  if (hp.head_dim > kMaxHeadDim || hp.head_dim % 2)
+    return make_error("CUDA attention supports an even head_dim up to " +
+                      std::to_string(kMaxHeadDim) + ", the model has " +
+                      std::to_string(hp.head_dim));
+  if (hp.n_experts > kMaxExperts)
+    return make_error("CUDA router supports up to " + std::to_string(kMaxExperts) +
+                      " experts, the model has " + std::to_string(hp.n_experts));
+  // The KV cache and scratch: check the free memory first for a clear message.
+  const size_t c = size_t(chunk_), d = size_t(hp.d_model), k = size_t(std::max(1, hp.top_k));
+  const size_t kv = size_t(hp.n_layers) * size_t(n_ctx_) * size_t(hp.kv_dim());
+  const size_t hidden = size_t(std::max({hp.d_expert, hp.d_ff, hp.d_shared, 1}));
+  const size_t widest = std::max({d, size_t(hp.q_dim()), hidden});
+  partial_rows_ = int(std::max<size_t>(c, 64));
+  size_t need = 2 * kv * 4 + c * d * 4 * 6 + c * size_t(hp.q_dim()) * 8 +
+                c * size_t(hp.kv_dim()) * 8 + size_t(partial_rows_) * size_t(hp.n_heads) *
+                size_t(hp.head_dim + 2) * 4 + c * size_t(hp.n_experts) * 4 +
+                c * k * (8 + d * 4) + 2 * c * k * hidden * 4 + c * size_t(hp.vocab) * 4;
+  act_bytes_ = c * k * widest * 2;
+  need += act_bytes_;
+  size_t free_b = 0, total_b = 0;
+  CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  if (need + (64u << 20) > free_b)
+    return make_error("the KV cache (n_ctx " + std::to_string(n_ctx_) + ") and scratch need " +
+                      std::to_string(gib(need)) + " GiB on " + device_name_ + " after the weights (" +
+                      std::to_string(gib(arena_.bytes())) + " GiB); " +
+                      std::to_string(gib(free_b)) + " GiB are free: use a smaller --n-ctx");
+  TS_ASSIGN(k_cache_, arena_.alloc_n<float>(kv));
+  TS_ASSIGN(v_cache_, arena_.alloc_n<float>(kv));
+  std::vector<float> inv;
+  for (int i = 0; i < hp.head_dim / 2; ++i)
+    inv.push_back(1.0f / std::pow(hp.rope_theta, float(2 * i) / float(hp.head_dim)));
+  TS_ASSIGN(inv_freq_, arena_.alloc_n<float>(inv.size()));
+  CUDA_TRY(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
+  TS_ASSIGN(x_, arena_.alloc_n<float>(c * d));
+  TS_ASSIGN(xn_, arena_.alloc_n<float>(c * d));
+  TS_ASSIGN(tmp_, arena_.alloc_n<float>(c * d));
+  TS_ASSIGN(moe_out_, arena_.alloc_n<float>(c * d));
+  TS_ASSIGN(shared_out_, arena_.alloc_n<float>(c * d));
+  TS_ASSIGN(shared_z_, arena_.alloc_n<float>(c));
+  TS_ASSIGN(q_, arena_.alloc_n<float>(c * size_t(hp.q_dim())));
+  TS_ASSIGN(att_, arena_.alloc_n<float>(c * size_t(hp.q_dim())));
+  TS_ASSIGN(k_, arena_.alloc_n<float>(c * size_t(hp.kv_dim())));
+  TS_ASSIGN(v_, arena_.alloc_n<float>(c * size_t(hp.kv_dim())));
+  TS_ASSIGN(partial_, arena_.alloc_n<float>(size_t(partial_rows_) * size_t(hp.n_heads) *
+                                             size_t(hp.head_dim + 2)));
+  TS_ASSIGN(router_, arena_.alloc_n<float>(c * size_t(std::max(1, hp.n_experts))));
+  TS_ASSIGN(sel_ids_, arena_.alloc_n<int>(c * k));
+  TS_ASSIGN(sel_w_, arena_.alloc_n<float>(c * k));
+  TS_ASSIGN(group_src_, arena_.alloc_n<int>(c * k));
+  TS_ASSIGN(group_row_of_, arena_.alloc_n<int>(c * k));
+  TS_ASSIGN(slot_rows_, arena_.alloc_n<float>(c * k * d));
+  TS_ASSIGN(h1_, arena_.alloc_n<float>(c * k * hidden));
+  TS_ASSIGN(h2_, arena_.alloc_n<float>(c * k * hidden));
+  TS_ASSIGN(logits_, arena_.alloc_n<float>(c * size_t(hp.vocab)));
+  TS_ASSIGN(tokens_, arena_.alloc_n<int>(c));
+  TS_ASSIGN(pos_dev_, arena_.alloc_n<int>(1));
+  TS_ASSIGN(act_, arena_.alloc(act_bytes_));
+  TS_ASSIGN(hist_, arena_.alloc_n<unsigned long long>(size_t(hp.n_layers) *
+                                                      size_t(std::max(1, hp.n_experts))));
+  CUDA_TRY(cudaMemset(hist_, 0, size_t(hp.n_layers) * size_t(std::max(1, hp.n_experts)) * 8));
+  // Dequantization buffer for cuBLAS on quantized matrices (prefill only).
+  size_t wtmp = 0;
+  auto note = [&](const DevMatrix& m) {
+    if (m.present() && dtype_is_quantized(m.dtype)) wtmp = std::max(wtmp, size_t(m.rows * m.cols) * 2);
+  };
+  note(w_.lm_head);
+  for (const DevLayer& L : w_.layers) {
+    for (const DevMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.shared.gate, &L.shared.up,
+                               &L.shared.down, &L.dense.gate, &L.dense.up, &L.dense.down})
+      note(*m);
+    if (!L.experts.empty()) {
+      note(L.experts[0].gate);
+      note(L.experts[0].down);
+    }
+  }
+  if (wtmp) {
+    TS_ASSIGN(wtmp_, arena_.alloc(wtmp));
+    wtmp_bytes_ = wtmp;
+  }
+  // Device address tables of the experts.
+  for (DevLayer& L : w_.layers) {
+    if (!L.is_moe) continue;
+    std::vector<const void*> g, u, dn;
+    for (const DevMlp& m : L.experts) {
+      g.push_back(m.gate.data);
+      u.push_back(m.up.data);
+      dn.push_back(m.down.data);
+    }
+    for (auto [tab, host] : {std::pair{&L.gate_tab, &g}, std::pair{&L.up_tab, &u},
+                             std::pair{&L.down_tab, &dn}}) {
+      TS_ASSIGN(void* p, arena_.alloc(host->size() * sizeof(void*)));
+      CUDA_TRY(cudaMemcpy(p, host->data(), host->size() * sizeof(void*), cudaMemcpyHostToDevice));
+      *tab = static_cast<const void**>(p);
+    }
+  }
+  CUDA_TRY(cudaMallocHost(&h_tokens_, c * 4));
+  CUDA_TRY(cudaMallocHost(&h_pos_, 4));
+  CUDA_TRY(cudaMallocHost(&h_ids_, c * k * 4));
+  CUDA_TRY(cudaMallocHost(&h_logits_, size_t(hp.vocab) * 4));
+  last_logits_.assign(size_t(hp.vocab), 0.0f);
+  iv_ = std::move(opt_.interventions);
+  iv_.steer.resize(size_t(hp.n_layers));
+  capture_index_.assign(size_t(hp.n_layers) + 1, -1);
+  for (int l : iv_.capture_layers) {
+    if (l < -1 || l >= hp.n_layers) return make_error("capture layer out of range");
+    capture_index_[size_t(l + 1)] = int(captures_.size());
+    captures_.emplace_back();
+  }
+  return {};
+}
+
+std::vector<uint64_t> CudaSession::router_hist() const {
+  std::vector<uint64_t> out(size_t(hp_.n_layers) * size_t(std::max(1, hp_.n_experts)));
+  if (cudaMemcpy(out.data(), hist_, out.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess)
+    std::fill(out.begin(), out.end(), 0);
+  if (hp_.n_experts == 0) out.clear();
+  return out;
+}
+
+CudaBenchInfo CudaSession::info() const {
+  CudaBenchInfo b;
+  uint64_t bytes = w_.lm_head.n_bytes() + w_.embed.row_bytes();
+  for (const DevLayer& L : w_.layers) {
+    bytes += L.wq.n_bytes() + L.wk.n_bytes() + L.wv.n_bytes() + L.wo.n_bytes();
+    bytes += mlp_bytes(L.dense) + mlp_bytes(L.shared) + L.shared_gate.n_bytes() + L.router.n_bytes();
+    if (L.is_moe) bytes += uint64_t(hp_.top_k) * mlp_bytes(L.experts[0]);
+  }
+  b.decode_weight_bytes = bytes;
+  b.kv_bytes_per_position = 2ull * uint64_t(hp_.n_layers) * uint64_t(hp_.kv_dim()) * 4;
+  b.device_bytes = arena_.bytes();
+  b.graphs = use_graphs_ && iv_.capture_layers.empty() && !iv_.trace_router;
+  return b;
+}
+
+// ---------------------------------------------------------------- forward
+
+Status CudaSession::forward(std::span<const int> tokens, std::vector<float>* all_logits) {
+  if (tokens.empty()) return make_error("the token list is empty");
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= hp_.vocab)
+      return make_error("token id " + std::to_string(tokens[i]) + " at index " +
+                        std::to_string(i) + " is outside the vocabulary [0, " +
+                        std::to_string(hp_.vocab) + ")");
+  if (pos_ + int64_t(tokens.size()) > n_ctx_)
+    return make_error("context overflow: " + std::to_string(pos_) + " + " +
+                      std::to_string(tokens.size()) + " tokens exceed n_ctx = " +
+                      std::to_string(n_ctx_));
+  if (all_logits) all_logits->assign(tokens.size() * size_t(hp_.vocab), 0.0f);
+  const auto t0 = Clock::now();
+  for (size_t b = 0; b < tokens.size(); b += size_t(chunk_)) {
+    const int pos0 = pos_;
+    const bool last_chunk = b + size_t(chunk_) >= tokens.size();
+    const int n = int(std::min(tokens.size() - b, size_t(chunk_)));
+    Status st = forward_chunk(tokens.data() + b, n,
+                              all_logits ? all_logits->data() + b * size_t(hp_.vocab) : nullptr,
+                              last_chunk);
+    if (!st.ok()) {
+      pos_ = pos0;
+      return st;
+    }
+  }
+  phases_.total_us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+  return {};
+}
+
+bool CudaSession::graph_eligible() const {
+  if (!use_graphs_ || iv_.trace_router || !iv_.capture_layers.empty()) return false;
+  for (const auto& ops : iv_.steer)
+    if (!ops.empty()) return false;
+  return true;
+}
+
+Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk) {
+  std::copy_n(tokens, n, h_tokens_);
+  *h_pos_ = pos_;
+  const bool all_rows = logits_out != nullptr;
+  if (n == 1 && !all_rows && graph_eligible()) {
+    // A decode step is the same launches every time (the position is read on the device):
+    // capture it once, replay it after.
+    if (!graph_) {
+      graph_splits_ = attention_splits(1, n_ctx_);
+      cudaGraph_t g = nullptr;
+      CUDA_TRY(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      Status st = [&]() -> Status {
+        CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, 4, cudaMemcpyHostToDevice, stream_));
+        CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
+        TS_TRY(run_layers(1, false, true));
+        CUDA_TRY(cudaMemcpyAsync(h_logits_, logits_, size_t(hp_.vocab) * 4,
+                                 cudaMemcpyDeviceToHost, stream_));
+        return {};
+      }();
+      const cudaError_t end = cudaStreamEndCapture(stream_, &g);
+      TS_TRY(st);
+      if (end != cudaSuccess) return cuda_error("cudaStreamEndCapture", end, __FILE__, __LINE__);
+      const cudaError_t inst = cudaGraphInstantiate(&graph_, g, 0);
+      cudaGraphDestroy(g);
+      if (inst != cudaSuccess) return cuda_error("cudaGraphInstantiate", inst, __FILE__, __LINE__);
+    }
+    CUDA_TRY(cudaGraphLaunch(graph_, stream_));
+  } else {
+    CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
+    TS_TRY(run_layers(n, all_rows, last_chunk));
+    const float* last = logits_ + (all_rows ? size_t(n - 1) * size_t(hp_.vocab) : 0);
+    CUDA_TRY(cudaMemcpyAsync(h_logits_, last, size_t(hp_.vocab) * 4, cudaMemcpyDeviceToHost,
+                             stream_));
+    if (all_rows)
+      CUDA_TRY(cudaMemcpyAsync(logits_out, logits_, size_t(n) * size_t(hp_.vocab) * 4,
+                               cudaMemcpyDeviceToHost, stream_));
+  }
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  CUDA_TRY(cudaGetLastError());
+  std::copy_n(h_logits_, hp_.vocab, last_logits_.data());
+  pos_ += n;
+  int moe_layers = 0;
+  for (const DevLayer& L : w_.layers) moe_layers += L.is_moe;
+  phases_.expert_requests += uint64_t(n) * uint64_t(hp_.top_k) * uint64_t(moe_layers);
+  return {};
+}
+
+Status CudaSession::run_layers(int n, bool all_rows, bool last_chunk) {
+  const size_t d = size_t(hp_.d_model);
+  embed_rows(w_.embed, tokens_, n, x_, stream_);
+  TS_TRY(layer_boundary(-1, n, last_chunk));
+  for (int l = 0; l < hp_.n_layers; ++l) {
+    TS_TRY(attention_block(l, n));
+    const DevLayer& L = w_.layers[size_t(l)];
+    if (L.is_moe) {
+      TS_TRY(moe_block(l, n));
+    } else {
+      rmsnorm(x_, L.ffn_norm, xn_, n, int(d), hp_.rms_eps, stream_);
+      TS_TRY(dense_mlp(L.dense, n, hp_.d_ff, tmp_));
+      add_inplace(x_, tmp_, int64_t(n) * int64_t(d), stream_);
+    }
+    TS_TRY(layer_boundary(l, n, last_chunk));
+  }
+  rmsnorm(x_, w_.final_norm, xn_, n, int(d), hp_.rms_eps, stream_);
+  if (all_rows) return linear(w_.lm_head, xn_, n, logits_);
+  return linear(w_.lm_head, xn_ + size_t(n - 1) * d, 1, logits_);
+}
+
+Status CudaSession::layer_boundary(int layer, int n, bool last_chunk) {
+  const size_t d = size_t(hp_.d_model);
+  const bool steer = layer >= 0 && !iv_.steer[size_t(layer)].empty();
+  const int c = capture_index_[size_t(layer + 1)];
+  if (!steer && c < 0) return {};
+  // Steering and capture run the CPU's definitions on the downloaded rows (apply_steer), so
+  // both backends intervene at the same point with the same arithmetic.
+  host_rows_.resize(size_t(n) * d);
+  CUDA_TRY(cudaMemcpyAsync(host_rows_.data(), x_, host_rows_.size() * 4, cudaMemcpyDeviceToHost,
+                           stream_));
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  if (steer) {
+    for (const runtime::SteerOp& op : iv_.steer[size_t(layer)])
+      for (int t = 0; t < n; ++t) runtime::apply_steer(op, host_rows_.data() + size_t(t) * d, int64_t(d));
+    CUDA_TRY(cudaMemcpyAsync(x_, host_rows_.data(), host_rows_.size() * 4, cudaMemcpyHostToDevice,
+                             stream_));
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+  }
+  if (c >= 0) {
+    std::vector<float>& cap = captures_[size_t(c)];
+    if (!iv_.capture_last) cap.insert(cap.end(), host_rows_.begin(), host_rows_.end());
+    else if (last_chunk) cap.insert(cap.end(), host_rows_.end() - long(d), host_rows_.end());
+  }
+  return {};
+}
+
+int CudaSession::attention_splits(int n, int max_keys) const {
+  // Enough blocks to fill the GPU (~2 per SM on 132 SMs) without splits of under 32 keys.
+  const int want = (264 + hp_.n_heads * n - 1) / (hp_.n_heads * n);
+  int splits = std::clamp(want, 1, std::max(1, (max_keys + 31) / 32));
+  splits = std::min(splits, std::max(1, partial_rows_ / n));
+  return splits;
+}
+
+Status CudaSession::attention_block(int layer, int n) {
+  const DevLayer& L = w_.layers[size_t(layer)];
+  const int d = hp_.d_model, qd = hp_.q_dim(), kvd = hp_.kv_dim();
+  rmsnorm(x_, L.attn_norm, xn_, n, d, hp_.rms_eps, stream_);
+  TS_TRY(linear(L.wq, xn_, n, q_));
+  TS_TRY(linear(L.wk, xn_, n, k_));
+  TS_TRY(linear(L.wv, xn_, n, v_));
+  if (L.bq) add_bias(q_, L.bq, n, qd, stream_);
+  if (L.bk) add_bias(k_, L.bk, n, kvd, stream_);
+  if (L.bv) add_bias(v_, L.bv, n, kvd, stream_);
+  switch (hp_.qk_norm) {
+    case model::QkNorm::kNone: break;
+    case model::QkNorm::kPerHead:
+      rmsnorm(q_, L.q_norm, q_, int64_t(n) * hp_.n_heads, hp_.head_dim, hp_.rms_eps, stream_);
+      rmsnorm(k_, L.k_norm, k_, int64_t(n) * hp_.n_kv_heads, hp_.head_dim, hp_.rms_eps, stream_);
+      break;
+    case model::QkNorm::kFullProjection:
+      rmsnorm(q_, L.q_norm, q_, n, qd, hp_.rms_eps, stream_);
+      rmsnorm(k_, L.k_norm, k_, n, kvd, hp_.rms_eps, stream_);
+      break;
+  }
+  const size_t layer_off = size_t(layer) * size_t(n_ctx_) * size_t(kvd);
+  rope_kv_append({.q = q_, .k = k_, .v = v_, .k_cache = k_cache_ + layer_off,
+                  .v_cache = v_cache_ + layer_off, .inv_freq = inv_freq_, .pos = pos_dev_, .n = n,
+                  .n_heads = hp_.n_heads, .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim},
+                 stream_);
+  const int splits = n == 1 && graph_splits_ > 0 ? graph_splits_ : attention_splits(n, pos_ + n);
+  attention({.q = q_, .k_cache = k_cache_ + layer_off, .v_cache = v_cache_ + layer_off,
+             .out = att_, .partial = partial_, .pos = pos_dev_, .n = n, .n_heads = hp_.n_heads,
+             .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim, .n_splits = splits},
+            stream_);
+  return linear(L.wo, att_, n, x_, /*accumulate=*/true);
+}
+
+Status CudaSession::dense_mlp(const DevMlp& mlp, int n, int d_hidden, float* out) {
+  TS_TRY(linear(mlp.gate, xn_, n, h1_));
+  TS_TRY(linear(mlp.up, xn_, n, h2_));
+  silu_mul(h1_, h2_, h1_, int64_t(n) * d_hidden, stream_);
+  return linear(mlp.down, h1_, n, out);
+}
+
+constexpr int kGemvMaxTokens = 8;
+
+Status CudaSession::moe_block(int layer, int n) {
+  const DevLayer& L = w_.layers[size_t(layer)];
+  const int d = hp_.d_model, k = hp_.top_k;
+  rmsnorm(x_, L.ffn_norm, xn_, n, d, hp_.rms_eps, stream_);
+  TS_TRY(linear(L.router, xn_, n, router_));
+  route({.logits = router_, .ids = sel_ids_, .weights = sel_w_,
+         .hist = hist_ + size_t(layer) * size_t(hp_.n_experts), .n = n,
+         .n_experts = hp_.n_experts, .top_k = k, .renormalize = hp_.moe.renormalize},
+        stream_);
+  if (iv_.trace_router) {
+    std::vector<int> ids(size_t(n) * size_t(k));
+    std::vector<float> wts(ids.size());
+    CUDA_TRY(cudaMemcpyAsync(ids.data(), sel_ids_, ids.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    CUDA_TRY(cudaMemcpyAsync(wts.data(), sel_w_, wts.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+    for (int t = 0; t < n; ++t)
+      trace_.push_back({pos_ + t, layer,
+                        std::vector<int>(ids.begin() + long(t) * k, ids.begin() + long(t + 1) * k),
+                        std::vector<float>(wts.begin() + long(t) * k, wts.begin() + long(t + 1) * k)});
+  }
+  if (n <= kGemvMaxTokens) {
+    const MoeArgs a{.gate = L.gate_tab, .up = L.up_tab, .down = L.down_tab,
+                    .gate_dtype = L.experts[0].gate.dtype, .down_dtype = L.experts[0].down.dtype,
+                    .ids = sel_ids_, .weights = sel_w_, .xn = xn_, .h = h1_, .out = moe_out_,
+                    .n = n, .d_model = d, .d_expert = hp_.d_expert, .top_k = k};
+    moe_gate_up(a, stream_);
+    moe_down_sum(a, stream_);
+  } else {
+    TS_TRY(grouped_experts(layer, n));
+  }
+  const bool shared = L.shared.gate.present();
+  if (shared) {
+    TS_TRY(dense_mlp(L.shared, n, hp_.d_shared, shared_out_));
+    if (L.shared_gate.present()) TS_TRY(linear(L.shared_gate, xn_, n, shared_z_));
+  }
+  moe_residual(x_, moe_out_, shared ? shared_out_ : nullptr,
+               shared && L.shared_gate.present() ? shared_z_ : nullptr, n, d, stream_);
+  return {};
+}
+
+// Prefill: the chunk's (token, rank) slots sorted by expert; each expert used runs its
+// three projections as GEMMs over its rows; the slots are then summed in rank order.
+Status CudaSession::grouped_experts(int layer, int n) {
+  const DevLayer& L = w_.layers[size_t(layer)];
+  const int d = hp_.d_model, k = hp_.top_k, de = hp_.d_expert, ns = n * k;
+  CUDA_TRY(cudaMemcpyAsync(h_ids_, sel_ids_, size_t(ns) * 4, cudaMemcpyDeviceToHost, stream_));
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  std::vector<int> count(size_t(hp_.n_experts) + 1, 0);
+  std::vector<int> src(static_cast<size_t>(ns)), row_of(static_cast<size_t>(ns));
+  for (int s = 0; s < ns; ++s) ++count[size_t(h_ids_[s]) + 1];
+  for (int e = 0; e < hp_.n_experts; ++e) count[size_t(e) + 1] += count[size_t(e)];
+  std::vector<int> fill(count.begin(), count.end() - 1);
+  for (int s = 0; s < ns; ++s) {
+    const int at = fill[size_t(h_ids_[s])]++;
+    src[size_t(at)] = s / k;
+    row_of[size_t(s)] = at;
+  }
+  CUDA_TRY(cudaMemcpyAsync(group_src_, src.data(), size_t(ns) * 4, cudaMemcpyHostToDevice, stream_));
+  CUDA_TRY(cudaMemcpyAsync(group_row_of_, row_of.data(), size_t(ns) * 4, cudaMemcpyHostToDevice,
+                           stream_));
+  const DType gate_in = gemm_input_type(L.experts[0].gate.dtype);
+  const DType down_in = gemm_input_type(L.experts[0].down.dtype);
+  const size_t gate_es = gate_in == DType::kF32 ? 4 : 2;
+  // Gathered rows: F16/BF16 in act_; F32 in slot_rows_, where each expert's down projection
+  // then overwrites its own rows after its gate/up GEMMs have read them (one stream, in
+  // order). The down outputs [ns, d_model] always land in slot_rows_.
+  void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
+  gather_rows(xn_, group_src_, ns, d, xg, gate_in, stream_);
+  float* yg = slot_rows_;
+  for (int e = 0; e < hp_.n_experts; ++e) {
+    const int m = count[size_t(e) + 1] - count[size_t(e)];
+    if (m == 0) continue;
+    const int off = count[size_t(e)];
+    const DevMlp& x = L.experts[size_t(e)];
+    const void* xe = static_cast<const uint8_t*>(xg) + size_t(off) * size_t(d) * gate_es;
+    TS_TRY(gemm(x.gate, xe, m, h1_, false));
+    TS_TRY(gemm(x.up, xe, m, h2_, false));
+    silu_mul(h1_, h2_, h1_, int64_t(m) * de, stream_);
+    const void* he = h1_;
+    if (down_in != DType::kF32) {
+      // h2_ is free again: the activations in the down GEMM's input type.
+      convert_f32(h1_, h2_, down_in, int64_t(m) * de, stream_);
+      he = h2_;
+    }
+    TS_TRY(gemm(x.down, he, m, yg + size_t(off) * size_t(d), false));
+  }
+  slot_sum(yg, group_row_of_, sel_w_, n, k, d, moe_out_, stream_);
+  return {};
+}
+
+Status CudaSession::linear(const DevMatrix& w, const float* x, int n, float* y, bool accumulate) {
+  if (n <= kGemvMaxTokens) {
+    gemv(w, x, n, y, accumulate, stream_);
+    return {};
+  }
+  const DType in = gemm_input_type(w.dtype);
+  if (in == DType::kF32) return gemm(w, x, n, y, accumulate);
+  if (size_t(n) * size_t(w.cols) * 2 > act_bytes_)
+    return make_error("internal: GEMM input scratch too small");
+  convert_f32(x, act_, in, int64_t(n) * w.cols, stream_);
+  return gemm(w, act_, n, y, accumulate);
+}
+
+Status CudaSession::gemm(const DevMatrix& w, const void* x, int n, float* y, bool accumulate) {
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const int rows = int(w.rows), cols = int(w.cols);
+  if (w.dtype == DType::kF32) {
+    CUBLAS_TRY(cublasSgemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one,
+                           static_cast<const float*>(w.data), cols, static_cast<const float*>(x),
+                           cols, &beta, y, rows));
+    return {};
+  }
+  const void* wd = w.data;
+  cudaDataType_t t = w.dtype == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
+  if (dtype_is_quantized(w.dtype)) {
+    if (size_t(w.rows * w.cols) * 2 > wtmp_bytes_) return make_error("internal: dequant scratch");
+    dequantize_bf16(w, wtmp_, stream_);
+    wd = wtmp_;
+    t = CUDA_R_16BF;
+  }
+  CUBLAS_TRY(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, wd, t, cols, x, t,
+                          cols, &beta, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F,
+                          CUBLAS_GEMM_DEFAULT));
+  return {};
+}
+
+Result<std::string> open_device(int device) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0)
+    return make_error(std::string("--device cuda: no CUDA device found (") +
+                      (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") + ")");
+  if (device < 0 || device >= count)
+    return make_error("--device cuda:" + std::to_string(device) + ": there are " +
+                      std::to_string(count) + " CUDA device(s), numbered from 0");
+  cudaDeviceProp prop{};
+  CUDA_TRY(cudaGetDeviceProperties(&prop, device));
+  return "cuda:" + std::to_string(device) + " (" + prop.name + ")";
+}
+
+}  // namespace
+
+Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::LoadedModel& model,
+                                                           runtime::SessionOptions options,
+                                                           int device) {
+  TS_ASSIGN(std::string name, open_device(device));
+  auto s = std::make_unique<CudaSession>(model.hp(), std::move(options), device);
+  TS_TRY(s->begin(device));
+  // Weights first: a model too big for the card fails here with the sizes.
+  size_t free_b = 0, total_b = 0;
+  CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  const uint64_t weights = model.counts().dense_bytes + model.counts().routed_bytes;
+  if (weights > free_b)
+    return make_error("the model's weights need " + std::to_string(gib(weights)) + " GiB on " +
+                      name + ", which has " + std::to_string(gib(free_b)) + " GiB free of " +
+                      std::to_string(gib(total_b)) + " GiB");
+  TS_TRY(s->upload(model));
+  TS_TRY(s->init(name));
+  return std::unique_ptr<runtime::Engine>(std::move(s));
+}
+
+Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
+    const model::HParams& hp, runtime::SessionOptions options, int device,
+    SyntheticOptions synthetic) {
+  TS_ASSIGN(std::string name, open_device(device));
+  auto s = std::make_unique<CudaSession>(hp, std::move(options), device);
+  TS_TRY(s->begin(device));
+  TS_TRY(s->synthesize(synthetic));
+  TS_TRY(s->init(name));
+  return std::unique_ptr<runtime::Engine>(std::move(s));
+}
+
+CudaBenchInfo bench_info(const runtime::Engine& engine) {
+  const auto* s = dynamic_cast<const CudaSession*>(&engine);
+  return s ? s->info() : CudaBenchInfo{};
+}
+
+}  // namespace ts::cuda

@@ -1,0 +1,43 @@
+// The CUDA backend's session: every weight resident in GPU memory, the forward pass of
+// runtime::Session on the device. Decode steps (one token) run the routed experts through
+// per-layer address tables and are replayed from a CUDA graph; prefill chunks run the dense
+// projections and the expert-grouped MoE through cuBLAS.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "model/hparams.h"
+#include "runtime/engine.h"
+#include "runtime/session.h"
+
+namespace ts::cuda {
+
+// Uploads `model`'s weights to device `device` (experts through its ExpertStore).
+Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::LoadedModel& model,
+                                                           runtime::SessionOptions options,
+                                                           int device);
+
+// Random weights generated on the device for a config (bench --synthetic): matrices
+// uniform in ±1/sqrt(cols) in `dtype` (F32, F16, BF16, or Q8_0 quantized from F32), norms 1.
+struct SyntheticOptions {
+  DType dtype = DType::kBF16;
+  uint64_t seed = 1;
+};
+Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
+    const model::HParams& hp, runtime::SessionOptions options, int device,
+    SyntheticOptions synthetic);
+
+// What a CUDA session reports to `bench`: bytes of weights one decode step reads, the
+// device's name and its memory in use.
+struct CudaBenchInfo {
+  uint64_t decode_weight_bytes = 0;  // dense + lm head + top_k experts per MoE layer
+  uint64_t kv_bytes_per_position = 0;
+  uint64_t device_bytes = 0;         // weights + KV + scratch allocated
+  bool graphs = false;
+};
+CudaBenchInfo bench_info(const runtime::Engine& engine);
+
+}  // namespace ts::cuda

@@ -1,0 +1,715 @@
+#include "backend/cuda/kernels.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <climits>
+
+namespace ts::cuda {
+namespace {
+
+// ---------------------------------------------------------------- device helpers
+
+__device__ __forceinline__ float bf16_bits(uint32_t h) { return __uint_as_float(h << 16); }
+__device__ __forceinline__ float f16_bits(uint32_t h) {
+  return __half2float(__ushort_as_half(uint16_t(h)));
+}
+
+__host__ __device__ __forceinline__ size_t dtype_row_bytes_dev(DType t, int64_t cols) {
+  switch (t) {
+    case DType::kF32: return size_t(cols) * 4;
+    case DType::kF16:
+    case DType::kBF16: return size_t(cols) * 2;
+    case DType::kQ8_0: return size_t(cols / 32) * 34;
+    case DType::kQ4_K: return size_t(cols / 256) * 144;
+  }
+  return 0;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+  return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+}
+
+// 6-bit scale and min of sub-block j of a Q4_K block (llama.cpp get_scale_min_k4).
+__device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float* s, float* m) {
+  if (j < 4) {
+    *s = float(sc[j] & 63);
+    *m = float(sc[j + 4] & 63);
+  } else {
+    *s = float((sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4));
+    *m = float((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
+  }
+}
+
+// One warp's share of acc[t] += row . x[t] for t < nt. x rows are `cols` floats apart and
+// 16-byte aligned; every lane ends with a partial sum (reduce with warp_sum).
+template <DType T, int NT>
+__device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int cols, int nt,
+                                        float (&acc)[NT], int lane) {
+  if constexpr (T == DType::kF32) {
+    const float* w = reinterpret_cast<const float*>(row);
+    if ((cols & 3) == 0) {
+#pragma unroll 4
+      for (int c = lane * 4; c < cols; c += 128) {
+        const float4 wv = __ldg(reinterpret_cast<const float4*>(w + c));
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < nt) acc[t] += dot4(wv, *reinterpret_cast<const float4*>(x + size_t(t) * cols + c));
+      }
+    } else {
+      for (int c = lane; c < cols; c += 32) {
+        const float wv = __ldg(w + c);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < nt) acc[t] += wv * x[size_t(t) * cols + c];
+      }
+    }
+  } else if constexpr (T == DType::kBF16 || T == DType::kF16) {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+    if ((cols & 7) == 0) {
+#pragma unroll 4
+      for (int c = lane * 8; c < cols; c += 256) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + c));
+        const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+        float wf[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (T == DType::kBF16) {
+            wf[2 * i] = bf16_bits(u[i] & 0xffffu);
+            wf[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+          } else {
+            wf[2 * i] = f16_bits(u[i] & 0xffffu);
+            wf[2 * i + 1] = f16_bits(u[i] >> 16);
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < nt) {
+            const float4* xv = reinterpret_cast<const float4*>(x + size_t(t) * cols + c);
+            acc[t] += dot4(make_float4(wf[0], wf[1], wf[2], wf[3]), xv[0]) +
+                      dot4(make_float4(wf[4], wf[5], wf[6], wf[7]), xv[1]);
+          }
+      }
+    } else {
+      for (int c = lane; c < cols; c += 32) {
+        const float wv = T == DType::kBF16 ? bf16_bits(w[c]) : f16_bits(w[c]);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < nt) acc[t] += wv * x[size_t(t) * cols + c];
+      }
+    }
+  } else if constexpr (T == DType::kQ8_0) {
+    // One 34-byte block (f16 d, int8 qs[32]) per lane per step.
+    const int nb = cols / 32;
+    for (int b = lane; b < nb; b += 32) {
+      const uint16_t* blk = reinterpret_cast<const uint16_t*>(row + size_t(b) * 34);
+      const float d = f16_bits(__ldg(blk));
+      float wq[32];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t v = __ldg(blk + 1 + i);
+        wq[2 * i] = float(int8_t(v & 0xff));
+        wq[2 * i + 1] = float(int8_t(v >> 8));
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        if (t < nt) {
+          const float4* xv = reinterpret_cast<const float4*>(x + size_t(t) * cols + b * 32);
+          float s = 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            s += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xv[i]);
+          acc[t] += d * s;
+        }
+    }
+  } else if constexpr (T == DType::kQ4_K) {
+    // One 32-weight sub-block per lane per step: w = d * sc * q - dmin * m.
+    const int nsb = cols / 32;
+    for (int sb = lane; sb < nsb; sb += 32) {
+      const uint8_t* blk = row + size_t(sb / 8) * 144;
+      const int j = sb % 8;
+      const uint16_t* dd = reinterpret_cast<const uint16_t*>(blk);
+      float sc, mn;
+      q4k_scale_min(blk + 4, j, &sc, &mn);
+      const float d = f16_bits(__ldg(dd)) * sc, dmin = f16_bits(__ldg(dd + 1)) * mn;
+      const uint32_t* qs = reinterpret_cast<const uint32_t*>(blk + 16 + 32 * (j / 2));
+      const int shift = 4 * (j & 1);
+      float wq[32];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t v = __ldg(qs + i) >> shift;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) wq[4 * i + b] = float((v >> (8 * b)) & 15u);
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        if (t < nt) {
+          const float4* xv = reinterpret_cast<const float4*>(x + size_t(t) * cols + sb * 32);
+          float sq = 0, sx = 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float4 xi = xv[i];
+            sq += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xi);
+            sx += xi.x + xi.y + xi.z + xi.w;
+          }
+          acc[t] += d * sq - dmin * sx;
+        }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- kernels
+
+constexpr int kWarps = 4;  // warps per block in the row kernels
+
+struct GemvParams {
+  const uint8_t* w;
+  size_t row_bytes;
+  int64_t rows;
+  int cols;
+  const float* x;
+  int n;
+  float* y;
+  bool accumulate;
+};
+
+template <DType T, int NT>
+__global__ void gemv_kernel(GemvParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t r = int64_t(blockIdx.x) * kWarps + warp;
+  if (r >= p.rows) return;
+  const int t0 = blockIdx.y * NT;
+  const int nt = min(NT, p.n - t0);
+  float acc[NT] = {};
+  row_dot<T, NT>(p.w + size_t(r) * p.row_bytes, p.x + size_t(t0) * p.cols, p.cols, nt, acc,
+                 lane);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float v = warp_sum(acc[t]);
+    if (lane == 0 && t < nt) {
+      float* y = p.y + size_t(t0 + t) * size_t(p.rows) + size_t(r);
+      *y = p.accumulate ? *y + v : v;
+    }
+  }
+}
+
+__global__ void embed_kernel(const uint8_t* table, DType type, size_t row_bytes, const int* ids,
+                             int d, float* x) {
+  const int t = blockIdx.y;
+  const uint8_t* row = table + size_t(ids[t]) * row_bytes;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d; i += gridDim.x * blockDim.x) {
+    float v;
+    if (type == DType::kF32) v = reinterpret_cast<const float*>(row)[i];
+    else if (type == DType::kBF16) v = bf16_bits(reinterpret_cast<const uint16_t*>(row)[i]);
+    else v = f16_bits(reinterpret_cast<const uint16_t*>(row)[i]);
+    x[size_t(t) * d + i] = v;
+  }
+}
+
+__global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int cols, float eps) {
+  const float* xr = x + size_t(blockIdx.x) * cols;
+  float* yr = y + size_t(blockIdx.x) * cols;
+  float ss = 0;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
+  __shared__ float part[32];
+  ss = warp_sum(ss);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) part[0] = v;
+  }
+  __syncthreads();
+  const float inv = rsqrtf(part[0] / float(cols) + eps);
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) yr[i] = xr[i] * inv * w[i];
+}
+
+__global__ void add_bias_kernel(float* y, const float* b, int64_t total, int dim) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x)
+    y[i] += b[i % dim];
+}
+
+__global__ void add_kernel(float* x, const float* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] += y[i];
+}
+
+__global__ void silu_mul_kernel(const float* g, const float* u, float* h, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+__global__ void moe_residual_kernel(float* x, const float* moe, const float* shared,
+                                    const float* shared_z, int n, int d) {
+  const int64_t total = int64_t(n) * d;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float tmp = moe[i];
+    if (shared) {
+      const float g = shared_z ? 1.0f / (1.0f + expf(-shared_z[i / d])) : 1.0f;
+      tmp += g * shared[i];
+    }
+    x[i] += tmp;
+  }
+}
+
+// grid (n, max(n_heads, n_kv_heads)), block head_dim / 2 threads.
+__global__ void rope_kv_kernel(RopeKvArgs a) {
+  const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
+  const int half = a.head_dim / 2, q_dim = a.n_heads * a.head_dim,
+            kv_dim = a.n_kv_heads * a.head_dim;
+  const int position = *a.pos + t;
+  // transformers: freqs = position * inv_freq in float32, then cos/sin.
+  const float freq = float(position) * a.inv_freq[i];
+  const float c = float(cos(double(freq))), s = float(sin(double(freq)));
+  if (h < a.n_heads) {
+    float* xh = a.q + size_t(t) * q_dim + size_t(h) * a.head_dim;
+    const float x0 = xh[i], x1 = xh[i + half];
+    xh[i] = x0 * c - x1 * s;
+    xh[i + half] = x1 * c + x0 * s;
+  }
+  if (h < a.n_kv_heads) {
+    const size_t src = size_t(t) * kv_dim + size_t(h) * a.head_dim;
+    const size_t dst = size_t(position) * kv_dim + size_t(h) * a.head_dim;
+    const float x0 = a.k[src + i], x1 = a.k[src + i + half];
+    a.k_cache[dst + i] = x0 * c - x1 * s;
+    a.k_cache[dst + i + half] = x1 * c + x0 * s;
+    a.v_cache[dst + i] = a.v[src + i];
+    a.v_cache[dst + i + half] = a.v[src + i + half];
+  }
+}
+
+// grid (n_heads, n, n_splits), block 128: each warp runs an online softmax over its keys;
+// the block merges its warps and writes (m, l, acc[head_dim]) for its split.
+constexpr int kAttnWarps = 4;
+constexpr int kPerLane = kMaxHeadDim / 32;
+
+__global__ void attention_split_kernel(AttentionArgs a) {
+  const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, g = h / group;
+  const int kv_dim = a.n_kv_heads * hd;
+  const int n_keys = *a.pos + t + 1;
+  const int chunk = (n_keys + a.n_splits - 1) / a.n_splits;
+  const int j0 = split * chunk, j1 = min(n_keys, j0 + chunk);
+  const float scale = rsqrtf(float(hd));
+  const float* qr = a.q + size_t(t) * a.n_heads * hd + size_t(h) * hd;
+  float q[kPerLane], acc[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int dim = lane + 32 * i;
+    q[i] = dim < hd ? qr[dim] : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  for (int j = j0 + warp; j < j1; j += kAttnWarps) {
+    const float* k = a.k_cache + size_t(j) * kv_dim + size_t(g) * hd;
+    float s = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int dim = lane + 32 * i;
+      if (dim < hd) s += q[i] * k[dim];
+    }
+    s = warp_sum(s) * scale;
+    const float m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new), p = expf(s - m_new);
+    l = l * corr + p;
+    const float* v = a.v_cache + size_t(j) * kv_dim + size_t(g) * hd;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int dim = lane + 32 * i;
+      if (dim < hd) acc[i] = acc[i] * corr + p * v[dim];
+    }
+    m = m_new;
+  }
+  __shared__ float sm_m[kAttnWarps], sm_l[kAttnWarps];
+  __shared__ float sm_acc[kAttnWarps][kMaxHeadDim];
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_l[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int dim = lane + 32 * i;
+    if (dim < hd) sm_acc[warp][dim] = acc[i];
+  }
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm_m[w]);
+  float* out = a.partial + ((size_t(t) * a.n_heads + h) * a.n_splits + split) * (hd + 2);
+  for (int dim = threadIdx.x; dim < hd; dim += blockDim.x) {
+    float v = 0;
+    for (int w = 0; w < kAttnWarps; ++w)
+      if (sm_m[w] > -INFINITY) v += sm_acc[w][dim] * expf(sm_m[w] - M);
+    out[2 + dim] = v;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0;
+    for (int w = 0; w < kAttnWarps; ++w)
+      if (sm_m[w] > -INFINITY) L += sm_l[w] * expf(sm_m[w] - M);
+    out[0] = M;
+    out[1] = L;
+  }
+}
+
+// grid (n_heads, n), block 128: merges the splits.
+__global__ void attention_merge_kernel(AttentionArgs a) {
+  const int h = blockIdx.x, t = blockIdx.y, hd = a.head_dim;
+  const float* part = a.partial + (size_t(t) * a.n_heads + h) * a.n_splits * (hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < a.n_splits; ++s) M = fmaxf(M, part[s * (hd + 2)]);
+  float L = 0;
+  for (int s = 0; s < a.n_splits; ++s) {
+    const float ms = part[s * (hd + 2)];
+    if (ms > -INFINITY) L += part[s * (hd + 2) + 1] * expf(ms - M);
+  }
+  const float inv = 1.0f / L;
+  float* o = a.out + size_t(t) * a.n_heads * hd + size_t(h) * hd;
+  for (int dim = threadIdx.x; dim < hd; dim += blockDim.x) {
+    float v = 0;
+    for (int s = 0; s < a.n_splits; ++s) {
+      const float ms = part[s * (hd + 2)];
+      if (ms > -INFINITY) v += part[s * (hd + 2) + 2 + dim] * expf(ms - M);
+    }
+    o[dim] = v * inv;
+  }
+}
+
+// One warp per token; lane i holds experts i, i + 32, ...
+__global__ void route_kernel(RouteArgs a) {
+  constexpr int kPer = kMaxExperts / 32;
+  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t >= a.n) return;
+  const float* lg = a.logits + size_t(t) * a.n_experts;
+  float p[kPer];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < a.n_experts ? lg[e] : -INFINITY;
+    mx = fmaxf(mx, p[i]);
+  }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < a.n_experts ? expf(p[i] - mx) : 0.0f;
+    sum += p[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < a.n_experts ? p[i] / sum : -1.0f;
+  float picked_sum = 0;
+  for (int r = 0; r < a.top_k; ++r) {
+    float best = -2.0f;
+    int best_e = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (p[i] > best) {  // strictly greater: the lower id wins ties within a lane
+        best = p[i];
+        best_e = lane + 32 * i;
+      }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+      if (ob > best || (ob == best && oe < best_e)) {
+        best = ob;
+        best_e = oe;
+      }
+    }
+    if (lane == best_e % 32) p[best_e / 32] = -1.0f;  // taken
+    if (lane == 0) {
+      a.ids[size_t(t) * a.top_k + r] = best_e;
+      a.weights[size_t(t) * a.top_k + r] = best;
+      if (a.hist) atomicAdd(a.hist + best_e, 1ull);
+    }
+    picked_sum += best;
+  }
+  if (a.renormalize && lane == 0)
+    for (int r = 0; r < a.top_k; ++r) a.weights[size_t(t) * a.top_k + r] /= picked_sum;
+}
+
+// grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
+template <DType T>
+__global__ void moe_gate_up_kernel(MoeArgs a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
+  if (r >= a.d_expert) return;
+  const int e = a.ids[s], t = s / a.top_k;
+  const size_t rb = dtype_row_bytes_dev(T, a.d_model);
+  const float* x = a.xn + size_t(t) * a.d_model;
+  float g[1] = {}, u[1] = {};
+  row_dot<T, 1>(static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb, x, a.d_model, 1, g, lane);
+  row_dot<T, 1>(static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb, x, a.d_model, 1, u, lane);
+  const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
+  if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
+}
+
+// grid (ceil(d_model / kWarps), n): warp per (token, row), ranks summed in order.
+template <DType T>
+__global__ void moe_down_sum_kernel(MoeArgs a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.x * kWarps + warp, t = blockIdx.y;
+  if (r >= a.d_model) return;
+  const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
+  float total = 0;
+  for (int k = 0; k < a.top_k; ++k) {
+    const int s = t * a.top_k + k;
+    float acc[1] = {};
+    row_dot<T, 1>(static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r) * rb,
+                  a.h + size_t(s) * a.d_expert, a.d_expert, 1, acc, lane);
+    total += a.weights[s] * warp_sum(acc[0]);
+  }
+  if (lane == 0) a.out[size_t(t) * a.d_model + r] = total;
+}
+
+__device__ __forceinline__ void store_as(void* dst, DType type, size_t i, float v) {
+  if (type == DType::kF32) static_cast<float*>(dst)[i] = v;
+  else if (type == DType::kBF16) static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16(v);
+  else static_cast<__half*>(dst)[i] = __float2half(v);
+}
+
+__global__ void gather_rows_kernel(const float* src, const int* src_row, int d, void* dst,
+                                   DType type) {
+  const int i = blockIdx.y;
+  const float* row = src + size_t(src_row[i]) * d;
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x)
+    store_as(dst, type, size_t(i) * d + c, row[c]);
+}
+
+__global__ void convert_kernel(const float* src, void* dst, DType type, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_as(dst, type, size_t(i), src[i]);
+}
+
+// Element (r, c) of any matrix as F32.
+__device__ float matrix_elem(const uint8_t* w, DType type, size_t row_bytes, int64_t r,
+                             int64_t c) {
+  const uint8_t* row = w + size_t(r) * row_bytes;
+  switch (type) {
+    case DType::kF32: return reinterpret_cast<const float*>(row)[c];
+    case DType::kBF16: return bf16_bits(reinterpret_cast<const uint16_t*>(row)[c]);
+    case DType::kF16: return f16_bits(reinterpret_cast<const uint16_t*>(row)[c]);
+    case DType::kQ8_0: {
+      const uint8_t* blk = row + size_t(c / 32) * 34;
+      const float d = f16_bits(blk[0] | (uint32_t(blk[1]) << 8));
+      return d * float(int8_t(blk[2 + c % 32]));
+    }
+    case DType::kQ4_K: {
+      const uint8_t* blk = row + size_t(c / 256) * 144;
+      const int in = int(c % 256), j = in / 32;
+      float sc, mn;
+      q4k_scale_min(blk + 4, j, &sc, &mn);
+      const float d = f16_bits(blk[0] | (uint32_t(blk[1]) << 8));
+      const float dmin = f16_bits(blk[2] | (uint32_t(blk[3]) << 8));
+      const uint8_t q = blk[16 + 32 * (j / 2) + in % 32];
+      return d * sc * float((j & 1) ? q >> 4 : q & 15) - dmin * mn;
+    }
+  }
+  return 0.0f;
+}
+
+__global__ void dequantize_kernel(const uint8_t* w, DType type, size_t row_bytes, int64_t rows,
+                                  int64_t cols, void* dst, DType dst_type) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_as(dst, dst_type, size_t(i), matrix_elem(w, type, row_bytes, i / cols, i % cols));
+}
+
+__global__ void slot_sum_kernel(const float* rows, const int* row_of, const float* weights, int k,
+                                int d, float* out) {
+  const int t = blockIdx.y;
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x) {
+    float total = 0;
+    for (int r = 0; r < k; ++r)
+      total += weights[t * k + r] * rows[size_t(row_of[t * k + r]) * d + c];
+    out[size_t(t) * d + c] = total;
+  }
+}
+
+// One thread per 32-value block: d = max|x| / 127, q = round(x / d) (llama.cpp reference).
+__global__ void quantize_q8_0_kernel(const float* x, uint8_t* out, int64_t n_blocks) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < n_blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    const float* xb = x + b * 32;
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t* ob = out + b * 34;
+    // Blocks are 34 bytes apart: d is 2-byte aligned.
+    *reinterpret_cast<uint16_t*>(ob) = __half_as_ushort(__float2half(d));
+    for (int i = 0; i < 32; ++i) ob[2 + i] = uint8_t(int8_t(roundf(xb[i] * id)));
+  }
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_uniform_kernel(void* dst, DType type, int64_t n, float scale, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t z = mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
+    const float u = float(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    store_as(dst, type, size_t(i), (2.0f * u - 1.0f) * scale);
+  }
+}
+
+__global__ void fill_value_kernel(float* dst, int64_t n, float v) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = v;
+}
+
+// ---------------------------------------------------------------- launch helpers
+
+unsigned grid_for(int64_t n, int block = 256) {
+  return unsigned(std::min<int64_t>((n + block - 1) / block, 65535 * 4));
+}
+
+template <int NT>
+void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
+  const dim3 grid(unsigned((w.rows + kWarps - 1) / kWarps), unsigned((p.n + NT - 1) / NT));
+  switch (w.dtype) {
+    case DType::kF32: gemv_kernel<DType::kF32, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
+    case DType::kF16: gemv_kernel<DType::kF16, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
+    case DType::kBF16: gemv_kernel<DType::kBF16, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
+    case DType::kQ8_0: gemv_kernel<DType::kQ8_0, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
+    case DType::kQ4_K: gemv_kernel<DType::kQ4_K, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- host launchers
+
+void gemv(const DevMatrix& w, const float* x, int n, float* y, bool accumulate, cudaStream_t s) {
+  const GemvParams p{static_cast<const uint8_t*>(w.data), w.row_bytes(), w.rows, int(w.cols), x,
+                     n, y, accumulate};
+  if (n == 1) launch_gemv<1>(w, p, s);
+  else launch_gemv<4>(w, p, s);
+}
+
+void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStream_t s) {
+  const dim3 grid(unsigned((table.cols + 255) / 256), unsigned(n));
+  embed_kernel<<<grid, 256, 0, s>>>(static_cast<const uint8_t*>(table.data), table.dtype,
+                                    table.row_bytes(), ids, int(table.cols), x);
+}
+
+void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int cols, float eps,
+             cudaStream_t s) {
+  const int block = cols >= 1024 ? 1024 : cols >= 256 ? 256 : 64;
+  rmsnorm_kernel<<<unsigned(rows), block, 0, s>>>(x, w, y, cols, eps);
+}
+
+void add_bias(float* y, const float* b, int n, int dim, cudaStream_t s) {
+  add_bias_kernel<<<grid_for(int64_t(n) * dim), 256, 0, s>>>(y, b, int64_t(n) * dim, dim);
+}
+
+void add_inplace(float* x, const float* y, int64_t n, cudaStream_t s) {
+  add_kernel<<<grid_for(n), 256, 0, s>>>(x, y, n);
+}
+
+void silu_mul(const float* g, const float* u, float* h, int64_t n, cudaStream_t s) {
+  silu_mul_kernel<<<grid_for(n), 256, 0, s>>>(g, u, h, n);
+}
+
+void moe_residual(float* x, const float* moe, const float* shared, const float* shared_z, int n,
+                  int d, cudaStream_t s) {
+  moe_residual_kernel<<<grid_for(int64_t(n) * d), 256, 0, s>>>(x, moe, shared, shared_z, n, d);
+}
+
+void rope_kv_append(const RopeKvArgs& a, cudaStream_t s) {
+  const dim3 grid(unsigned(a.n), unsigned(std::max(a.n_heads, a.n_kv_heads)));
+  rope_kv_kernel<<<grid, unsigned(a.head_dim / 2), 0, s>>>(a);
+}
+
+void attention(const AttentionArgs& a, cudaStream_t s) {
+  attention_split_kernel<<<dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)),
+                           32 * kAttnWarps, 0, s>>>(a);
+  attention_merge_kernel<<<dim3(unsigned(a.n_heads), unsigned(a.n)), 128, 0, s>>>(a);
+}
+
+void route(const RouteArgs& a, cudaStream_t s) {
+  route_kernel<<<unsigned((a.n + 3) / 4), 128, 0, s>>>(a);
+}
+
+void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
+  const dim3 grid(unsigned((a.d_expert + kWarps - 1) / kWarps), unsigned(a.n * a.top_k));
+  switch (a.gate_dtype) {
+    case DType::kF32: moe_gate_up_kernel<DType::kF32><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kF16: moe_gate_up_kernel<DType::kF16><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kBF16: moe_gate_up_kernel<DType::kBF16><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kQ8_0: moe_gate_up_kernel<DType::kQ8_0><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kQ4_K: moe_gate_up_kernel<DType::kQ4_K><<<grid, 32 * kWarps, 0, s>>>(a); break;
+  }
+}
+
+void moe_down_sum(const MoeArgs& a, cudaStream_t s) {
+  const dim3 grid(unsigned((a.d_model + kWarps - 1) / kWarps), unsigned(a.n));
+  switch (a.down_dtype) {
+    case DType::kF32: moe_down_sum_kernel<DType::kF32><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kF16: moe_down_sum_kernel<DType::kF16><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kBF16: moe_down_sum_kernel<DType::kBF16><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kQ8_0: moe_down_sum_kernel<DType::kQ8_0><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kQ4_K: moe_down_sum_kernel<DType::kQ4_K><<<grid, 32 * kWarps, 0, s>>>(a); break;
+  }
+}
+
+void gather_rows(const float* src, const int* src_row, int n_rows, int d, void* dst,
+                 DType dst_type, cudaStream_t s) {
+  const dim3 grid(unsigned((d + 255) / 256), unsigned(n_rows));
+  gather_rows_kernel<<<grid, 256, 0, s>>>(src, src_row, d, dst, dst_type);
+}
+
+void convert_f32(const float* src, void* dst, DType dst_type, int64_t n, cudaStream_t s) {
+  convert_kernel<<<grid_for(n), 256, 0, s>>>(src, dst, dst_type, n);
+}
+
+void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s) {
+  dequantize_kernel<<<grid_for(w.rows * w.cols), 256, 0, s>>>(
+      static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), w.rows, w.cols, dst,
+      DType::kBF16);
+}
+
+void to_f32(const DevMatrix& w, float* dst, cudaStream_t s) {
+  dequantize_kernel<<<grid_for(w.rows * w.cols), 256, 0, s>>>(
+      static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), w.rows, w.cols, dst,
+      DType::kF32);
+}
+
+void slot_sum(const float* rows, const int* row_of, const float* weights, int n, int k, int d,
+              float* out, cudaStream_t s) {
+  const dim3 grid(unsigned((d + 255) / 256), unsigned(n));
+  slot_sum_kernel<<<grid, 256, 0, s>>>(rows, row_of, weights, k, d, out);
+}
+
+void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s) {
+  quantize_q8_0_kernel<<<grid_for(n / 32), 256, 0, s>>>(x, static_cast<uint8_t*>(out), n / 32);
+}
+
+void fill_uniform(void* dst, DType type, int64_t n, float scale, uint64_t seed, cudaStream_t s) {
+  fill_uniform_kernel<<<grid_for(n), 256, 0, s>>>(dst, type, n, scale, seed);
+}
+
+void fill_value(float* dst, int64_t n, float value, cudaStream_t s) {
+  fill_value_kernel<<<grid_for(n), 256, 0, s>>>(dst, n, value);
+}
+
+}  // namespace ts::cuda

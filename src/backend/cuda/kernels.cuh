@@ -1,0 +1,125 @@
+// CUDA kernels of the forward pass, with host launchers. Activations are F32; weights keep
+// their dtype (F32, F16, BF16, or GGUF Q8_0 / Q4_K blocks) and are converted in registers.
+// Every launcher takes the stream it runs on; none synchronizes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace ts::cuda {
+
+// A weight matrix in device memory: [rows, cols] row-major in its dtype.
+struct DevMatrix {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  size_t row_bytes() const { return size_t(dtype_row_bytes(dtype, cols)); }
+  size_t n_bytes() const { return size_t(rows) * row_bytes(); }
+  bool present() const { return data != nullptr; }
+};
+
+// y[t, r] = sum_c W[r, c] x[t, c] for t < n (accumulate: y += instead of =). x rows are
+// `cols` floats apart. One warp per row; tokens in tiles of up to 4 share each weight load.
+void gemv(const DevMatrix& w, const float* x, int n, float* y, bool accumulate, cudaStream_t s);
+
+// x[t] = table[ids[t]] as F32. table: F32, F16 or BF16.
+void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStream_t s);
+
+// y = x / rms(x) * w over rows of `cols` (in place allowed).
+void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int cols, float eps,
+             cudaStream_t s);
+
+void add_bias(float* y, const float* b, int n, int dim, cudaStream_t s);
+void add_inplace(float* x, const float* y, int64_t n, cudaStream_t s);
+// h = silu(g) * u
+void silu_mul(const float* g, const float* u, float* h, int64_t n, cudaStream_t s);
+// x[t, i] += moe[t, i] + g_t * shared[t, i]; g_t = sigmoid(shared_z[t]) when shared_z, 1
+// otherwise; shared may be null (no shared expert).
+void moe_residual(float* x, const float* moe, const float* shared, const float* shared_z, int n,
+                  int d, cudaStream_t s);
+
+// RoPE (rotate-half) on q and k of n tokens at positions *pos + t, then k and v appended
+// to the layer's cache rows *pos + t.
+struct RopeKvArgs {
+  float* q;               // [n, n_heads * head_dim]
+  const float* k;         // [n, kv_dim]
+  const float* v;         // [n, kv_dim]
+  float* k_cache;         // [n_ctx, kv_dim] of this layer
+  float* v_cache;
+  const float* inv_freq;  // [head_dim / 2]
+  const int* pos;         // device scalar: position of token 0
+  int n, n_heads, n_kv_heads, head_dim;
+};
+void rope_kv_append(const RopeKvArgs& a, cudaStream_t s);
+
+// Causal attention of n queries (positions *pos + t) over the cache, split over the key
+// range into n_splits parts that are merged afterwards (flash-decoding).
+struct AttentionArgs {
+  const float* q;        // [n, n_heads * head_dim]
+  const float* k_cache;  // [n_ctx, kv_dim]
+  const float* v_cache;
+  float* out;            // [n, n_heads * head_dim]
+  float* partial;        // [n, n_heads, n_splits, head_dim + 2] scratch
+  const int* pos;
+  int n, n_heads, n_kv_heads, head_dim, n_splits;
+};
+void attention(const AttentionArgs& a, cudaStream_t s);
+constexpr int kMaxHeadDim = 256;
+
+// Router: softmax over the logits -> top-k (rank order, ties to the lower id) -> optional
+// renormalisation, one warp per token; counts each selection in hist[id] (may be null).
+struct RouteArgs {
+  const float* logits;  // [n, n_experts]
+  int* ids;             // [n, top_k]
+  float* weights;       // [n, top_k]
+  unsigned long long* hist;  // [n_experts] of this layer
+  int n, n_experts, top_k;
+  bool renormalize;
+};
+void route(const RouteArgs& a, cudaStream_t s);
+constexpr int kMaxExperts = 512;
+
+// The routed-expert pass for few tokens, experts addressed through per-layer tables of
+// device pointers indexed by expert id (so a cache can bind slots without changing this).
+struct MoeArgs {
+  const void* const* gate;  // [n_experts] -> [d_expert, d_model]
+  const void* const* up;
+  const void* const* down;  // [n_experts] -> [d_model, d_expert]
+  DType gate_dtype, down_dtype;
+  const int* ids;           // [n, top_k]
+  const float* weights;     // [n, top_k]
+  const float* xn;          // [n, d_model]
+  float* h;                 // [n, top_k, d_expert]
+  float* out;               // [n, d_model]
+  int n, d_model, d_expert, top_k;
+};
+// phase 1: h[t, r] = silu(gate_e . xn[t]) * (up_e . xn[t]), e = ids[t, r]
+void moe_gate_up(const MoeArgs& a, cudaStream_t s);
+// phase 2: out[t] = sum over r = 0..k-1, in rank order, of weights[t, r] * (down_e . h[t, r])
+void moe_down_sum(const MoeArgs& a, cudaStream_t s);
+
+// Prefill helpers (expert-grouped GEMMs).
+// dst[i] = src[src_row[i]] (rows of d floats), converted to dst_type (F32, F16 or BF16).
+void gather_rows(const float* src, const int* src_row, int n_rows, int d, void* dst,
+                 DType dst_type, cudaStream_t s);
+void convert_f32(const float* src, void* dst, DType dst_type, int64_t n, cudaStream_t s);
+// Any matrix -> BF16 [rows, cols].
+void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s);
+// out[t] = sum over r in rank order of weights[t, r] * rows[row_of[t * k + r]].
+void slot_sum(const float* rows, const int* row_of, const float* weights, int n, int k, int d,
+              float* out, cudaStream_t s);
+
+// F32 -> Q8_0 blocks (llama.cpp's reference rounding); n a multiple of 32.
+void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s);
+// Any float matrix -> F32 (for quantizing at load).
+void to_f32(const DevMatrix& w, float* dst, cudaStream_t s);
+// Uniform(-scale, scale) from a counter hash, written as `type` (F32, F16, BF16).
+void fill_uniform(void* dst, DType type, int64_t n, float scale, uint64_t seed, cudaStream_t s);
+void fill_value(float* dst, int64_t n, float value, cudaStream_t s);
+
+}  // namespace ts::cuda

@@ -1,0 +1,181 @@
+// bench --device cuda: decode tok/s at given contexts and prefill tok/s for given prompt
+// lengths, on a model directory or on random weights generated on the GPU (--synthetic
+// CONFIG). Decode is compared with the memory-bandwidth roofline (weights + KV bytes read per
+// step / --roofline-gbps, default the H200's 4,100 GB/s), prefill with --roofline-tflops
+// (default 790, BF16 tensor cores).
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cli/commands/commands.h"
+#include "cli/commands/common.h"
+#include "runtime/sampler.h"
+
+#ifdef TS_HAVE_CUDA
+#include "backend/cuda/cuda_session.h"
+#endif
+
+namespace ts::cli {
+namespace {
+
+Result<std::vector<int64_t>> int_list(const std::string& flag, const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end || v < 1 || v > (1 << 24))
+      return make_error("--" + flag + ": '" + item + "' is not a positive integer");
+    out.push_back(v);
+  }
+  if (out.empty()) return make_error("--" + flag + ": empty list");
+  return out;
+}
+
+}  // namespace
+
+Status cmd_bench_cuda(const Args& args) {
+#ifndef TS_HAVE_CUDA
+  (void)args;
+  return make_error("--device cuda: this turbospark was built without CUDA");
+#else
+  const bool json = args.has("json");
+  TS_ASSIGN(std::vector<int64_t> contexts, int_list("contexts", args.str_or("contexts", "128,4096")));
+  TS_ASSIGN(std::vector<int64_t> prompts, int_list("prompts", args.str_or("prompts", "512,4096")));
+  TS_ASSIGN(int64_t n_gen, args.integer_or("gen-tokens", 64, 1, 1 << 16));
+  TS_ASSIGN(double roofline_gbps, args.number_or("roofline-gbps", 4100.0, 0.001, 1e7));
+  TS_ASSIGN(double roofline_tflops, args.number_or("roofline-tflops", 790.0, 0.001, 1e7));
+  TS_ASSIGN(runtime::Device device, runtime::parse_device(args.str_or("device", "cuda")));
+  const std::string synthetic = args.str_or("synthetic", "");
+  const std::string dtype_s = args.str_or("dtype", "bf16");
+  TS_ASSIGN(int64_t seed, args.integer_or("seed", 1, 0, INT64_MAX));
+  const bool quant = args.str_or("quant", "") == "q8_0";
+  if (args.has("quant") && !quant) return make_error("--quant: only q8_0");
+  int64_t max_ctx = 0;
+  for (int64_t c : contexts) max_ctx = std::max(max_ctx, c + n_gen);
+  for (int64_t p : prompts) max_ctx = std::max(max_ctx, p);
+  runtime::SessionOptions so{.n_ctx = int(max_ctx), .quantize_q8_0 = quant};
+  std::unique_ptr<runtime::Engine> engine;
+  model::HParams hp;
+  Loaded m;
+  std::string source;
+  if (!synthetic.empty()) {
+    if (args.has("model")) return make_error("give --model or --synthetic, not both");
+    DType dtype;
+    if (dtype_s == "bf16") dtype = DType::kBF16;
+    else if (dtype_s == "f16") dtype = DType::kF16;
+    else if (dtype_s == "f32") dtype = DType::kF32;
+    else if (dtype_s == "q8_0") dtype = DType::kQ8_0;
+    else return make_error("--dtype: '" + dtype_s + "' is not one of bf16, f16, f32, q8_0");
+    TS_TRY(args.check_all_used());
+    std::ifstream f(synthetic, std::ios::binary);
+    if (!f) return make_error("--synthetic: cannot read " + synthetic);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    TS_ASSIGN(hp, model::parse_hparams(ss.str(), synthetic));
+    TS_ASSIGN(engine, cuda::make_synthetic_cuda_session(hp, so, device.index,
+                                                         {.dtype = dtype, .seed = uint64_t(seed)}));
+    source = synthetic + " (random " + dtype_s + " weights on the device)";
+  } else {
+    TS_ASSIGN(ModelFlags flags, read_model_flags(args));
+    TS_TRY(args.check_all_used());
+    TS_ASSIGN(m, load_model(flags));
+    hp = m.model->hp();
+    TS_ASSIGN(engine, runtime::make_engine(*m.model, *m.pool, so, device));
+    source = m.model->dir() + (quant ? " (quantized to Q8_0 at load)" : "");
+  }
+  const cuda::CudaBenchInfo info = cuda::bench_info(*engine);
+  using Clock = std::chrono::steady_clock;
+  auto prompt_of = [&](int64_t n) {
+    std::vector<int> p(size_t(n), 0);
+    for (size_t i = 0; i < p.size(); ++i) p[i] = int((i * 7919 + 13) % size_t(hp.vocab));
+    return p;
+  };
+  nlohmann::json j = {{"device", engine->device_name()},
+                      {"model", source},
+                      {"decode_weight_bytes_per_token", info.decode_weight_bytes},
+                      {"kv_bytes_per_position", info.kv_bytes_per_position},
+                      {"device_bytes_allocated", info.device_bytes},
+                      {"cuda_graphs", info.graphs},
+                      {"roofline_gbps", roofline_gbps},
+                      {"roofline_tflops", roofline_tflops}};
+  if (!json)
+    std::printf("%s on %s\nweights read per decode token %.3f GB, KV %.1f KB per position, "
+                "%.1f GiB on the device\n",
+                source.c_str(), engine->device_name().c_str(), double(info.decode_weight_bytes) / 1e9,
+                double(info.kv_bytes_per_position) / 1e3,
+                double(info.device_bytes) / double(1ull << 30));
+  // Warm-up: one short prefill and a few decode steps (graph capture, cuBLAS heuristics).
+  {
+    const std::vector<int> p = prompt_of(std::min<int64_t>(64, max_ctx - 8));
+    TS_TRY(engine->forward(p, nullptr));
+    int t = runtime::argmax(engine->last_logits());
+    for (int i = 0; i < 4; ++i) TS_TRY(engine->forward(std::span<const int>(&t, 1), nullptr));
+    engine->reset();
+  }
+  nlohmann::json decode = nlohmann::json::array();
+  for (int64_t ctx : contexts) {
+    engine->reset();
+    TS_TRY(engine->forward(prompt_of(ctx), nullptr));
+    int next = runtime::argmax(engine->last_logits());
+    const auto t0 = Clock::now();
+    for (int64_t i = 0; i < n_gen; ++i) {
+      TS_TRY(engine->forward(std::span<const int>(&next, 1), nullptr));
+      next = runtime::argmax(engine->last_logits());
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double tps = double(n_gen) / s;
+    // KV read per step: every cached position up to the middle of the timed run.
+    const double kv = double(info.kv_bytes_per_position) * (double(ctx) + double(n_gen) / 2);
+    const double bytes = double(info.decode_weight_bytes) + kv;
+    const double gbps = bytes * tps / 1e9;
+    decode.push_back({{"context", ctx}, {"tokens", n_gen}, {"tokens_per_s", tps},
+                      {"bytes_per_token", bytes}, {"achieved_gbps", gbps},
+                      {"roofline_fraction", gbps / roofline_gbps},
+                      {"roofline_tokens_per_s", roofline_gbps * 1e9 / bytes}});
+    if (!json)
+      std::printf("decode  context %6lld: %8.1f tok/s, %.3f GB/token, %7.0f GB/s = %4.1f%% of "
+                  "%.0f GB/s (roofline %.0f tok/s)\n",
+                  (long long)ctx, tps, bytes / 1e9, gbps, 100.0 * gbps / roofline_gbps,
+                  roofline_gbps, roofline_gbps * 1e9 / bytes);
+  }
+  nlohmann::json prefill = nlohmann::json::array();
+  // FLOPs per prompt token: 2 per active weight (dense, lm head once, top_k experts) plus
+  // causal attention (QK^T and PV: 2 * 2 * head_dim per head per visible key, ~n/2 keys).
+  int64_t params_active = int64_t(hp.d_model) * (2 * hp.q_dim() + 2 * hp.kv_dim()) * hp.n_layers;
+  for (int l = 0; l < hp.n_layers; ++l) {
+    if (hp.layer_is_moe[size_t(l)])
+      params_active += int64_t(hp.d_model) * (3 * int64_t(hp.top_k) * hp.d_expert +
+                                              3 * int64_t(hp.d_shared) + hp.n_experts);
+    else params_active += 3 * int64_t(hp.d_model) * hp.d_ff;
+  }
+  for (int64_t n : prompts) {
+    engine->reset();
+    const std::vector<int> p = prompt_of(n);
+    const auto t0 = Clock::now();
+    TS_TRY(engine->forward(p, nullptr));
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double flops = 2.0 * double(params_active) * double(n) +
+                         2.0 * double(hp.d_model) * double(hp.vocab) +  // last row's lm head
+                         4.0 * double(hp.head_dim) * hp.n_heads * hp.n_layers * double(n) *
+                             double(n) / 2.0;
+    const double tflops = flops / s / 1e12;
+    prefill.push_back({{"prompt_tokens", n}, {"tokens_per_s", double(n) / s}, {"seconds", s},
+                       {"tflops", tflops}, {"roofline_fraction", tflops / roofline_tflops}});
+    if (!json)
+      std::printf("prefill %6lld tokens: %8.0f tok/s (%.3f s), %6.1f TFLOP/s = %4.1f%% of %.0f\n",
+                  (long long)n, double(n) / s, s, tflops, 100.0 * tflops / roofline_tflops,
+                  roofline_tflops);
+  }
+  j["decode"] = decode;
+  j["prefill"] = prefill;
+  j["params_active_per_token"] = params_active;
+  if (json) std::printf("%s\n", j.dump(2).c_str());
+  return {};
+#endif
+}
+
+}  // namespace ts::cli

@@ -1,0 +1,83 @@
+// Engine: the interface every backend's session implements — tokens in, logits out, one
+// sequence, with its own KV cache. The CPU backend is runtime::Session; the CUDA backend is
+// cuda::CudaSession (src/backend/cuda). Commands and the server hold an Engine and never
+// learn the device.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ts {
+class ThreadPool;
+}
+
+namespace ts::runtime {
+
+class LoadedModel;
+struct SessionOptions;
+
+// One token's selection at one layer, in rank order.
+struct RouterTraceEntry {
+  int position;
+  int layer;
+  std::vector<int> ids;
+  std::vector<float> weights;
+};
+
+// Time per phase, microseconds, accumulated over the session's forward calls. A backend that
+// runs asynchronously (CUDA) leaves the per-phase times it cannot see at 0 and reports the
+// whole step in total_us.
+struct PhaseTimes {
+  double attention_us = 0;
+  double router_us = 0;
+  double expert_io_us = 0;
+  double expert_compute_us = 0;
+  double dense_ffn_us = 0;
+  double lm_head_us = 0;
+  double total_us = 0;
+  uint64_t expert_requests = 0;  // (token, expert) selections
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual int position() const = 0;
+  virtual int n_ctx() const = 0;
+  virtual void reset() = 0;
+  // Forgets every position from n on, to reuse a shared prefix. Precondition: 0 <= n.
+  virtual void truncate(int n) = 0;
+  // Runs `tokens` at the current position and advances it. If all_logits is given it is
+  // resized to [tokens.size(), vocab] and filled; last_logits() always holds the last row.
+  // Errors: empty input, a token id outside [0, vocab), or the context overflowing.
+  virtual Status forward(std::span<const int> tokens, std::vector<float>* all_logits) = 0;
+  virtual std::span<const float> last_logits() const = 0;
+  virtual const PhaseTimes& phases() const = 0;
+  // Selections per (layer, expert), [n_layers * n_experts], over the session's lifetime.
+  virtual std::vector<uint64_t> router_hist() const = 0;
+  // Captured residual rows per capture layer, each [captured_positions(), d_model].
+  virtual const std::vector<std::vector<float>>& captures() const = 0;
+  virtual int64_t captured_positions() const = 0;
+  virtual const std::vector<RouterTraceEntry>& router_trace() const = 0;
+  // "cpu" or the CUDA device's name, for reports.
+  virtual std::string device_name() const = 0;
+};
+
+enum class DeviceKind : uint8_t { kCpu, kCuda };
+struct Device {
+  DeviceKind kind = DeviceKind::kCpu;
+  int index = 0;  // CUDA device ordinal
+};
+// "cpu", "cuda", "cuda:N".
+Result<Device> parse_device(const std::string& s);
+
+// The session for `device`. CUDA errors (no GPU, a bad index, the model not fitting) come
+// back as values naming the device and what was needed.
+Result<std::unique_ptr<Engine>> make_engine(const LoadedModel& model, ThreadPool& pool,
+                                            SessionOptions options, Device device);
+
+}  // namespace ts::runtime

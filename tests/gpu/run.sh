@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU test runner: run on a machine with a CUDA device, from the repository root.
+#   bash tests/gpu/run.sh [BIN_DIR]   (BIN_DIR holds turbospark and ts_unit_tests; default build)
+# Runs every CUDA kernel and model test (tests/unit/cuda), then the CLI on one fixture with
+# --device cuda against --device cpu.
+set -euo pipefail
+bin=${1:-build}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export TS_TEST_DATA_DIR="$PWD/tests"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$bin/ts_unit_tests" --gtest_filter='*Cuda*' --gtest_brief=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for m in tests/models/*/; do
+  ids=$(python3 -c "import json,sys; print(','.join(map(str, json.load(open('$m/ref.json'))['prompt_ids'])))")
+  "$bin/turbospark" logits --model "$m" --tokens "$ids" --out "$tmp/cpu.npy"
+  "$bin/turbospark" logits --model "$m" --tokens "$ids" --out "$tmp/cuda.npy" --device cuda
+  python3 - "$tmp/cpu.npy" "$tmp/cuda.npy" "$m" <<'PY'
+import sys, numpy as np
+a, b = np.load(sys.argv[1]), np.load(sys.argv[2])
+rel = np.abs(a - b).max() / np.abs(a).max()
+print(f"cli {sys.argv[3]}: cuda vs cpu logits max rel {rel:.3g}")
+assert rel <= 1e-3, rel
+PY
+done
+echo "gpu tests: all passed"

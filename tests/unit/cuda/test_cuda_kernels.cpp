@@ -1,0 +1,345 @@
+// Every CUDA kernel against a simple CPU reference on random inputs, outputs poisoned with
+// NaN first so an unwritten element shows. Skipped where no CUDA device is present.
+#include <gtest/gtest.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/ops.h"
+#include "backend/cpu/quant.h"
+#include "backend/cuda/kernels.cuh"
+#include "core/thread_pool.h"
+#include "model/router.h"
+
+namespace {
+
+using ts::DType;
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+// A device buffer holding a copy of `host` (or `bytes` of NaN poison).
+struct Dev {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit Dev(size_t n) : bytes(n) {
+    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 4)), cudaSuccess);
+    cudaMemset(p, 0xff, n);  // NaN for floats
+  }
+  template <class T>
+  explicit Dev(const std::vector<T>& host) : Dev(host.size() * sizeof(T)) {
+    cudaMemcpy(p, host.data(), bytes, cudaMemcpyHostToDevice);
+  }
+  ~Dev() { cudaFree(p); }
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+  template <class T>
+  std::vector<T> get() const {
+    std::vector<T> out(bytes / sizeof(T));
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaMemcpy(out.data(), p, bytes, cudaMemcpyDeviceToHost);
+    return out;
+  }
+};
+
+std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(rng);
+  return v;
+}
+
+// A random [rows, cols] matrix in `type` (quantized with the CPU's quantizer).
+std::vector<uint8_t> make_matrix(DType type, int64_t rows, int64_t cols, uint32_t seed) {
+  const std::vector<float> f = randn(size_t(rows * cols), seed, 0.5f);
+  const size_t rb = ts::dtype_row_bytes(type, cols);
+  std::vector<uint8_t> out(size_t(rows) * rb);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = &f[size_t(r * cols)];
+    uint8_t* dst = &out[size_t(r) * rb];
+    switch (type) {
+      case DType::kF32: std::memcpy(dst, src, rb); break;
+      case DType::kF16:
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint16_t h = ts::f32_to_f16(src[c]);
+          std::memcpy(dst + 2 * c, &h, 2);
+        }
+        break;
+      case DType::kBF16:
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint16_t h = ts::f32_to_bf16(src[c]);
+          std::memcpy(dst + 2 * c, &h, 2);
+        }
+        break;
+      default: ts::cpu::quantize_row(type, src, dst, cols);
+    }
+  }
+  return out;
+}
+
+double max_rel(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num = std::max(num, double(std::fabs(got[i] - want[i])));
+    den = std::max(den, double(std::fabs(want[i])));
+  }
+  return num / den;
+}
+
+TEST(CudaKernels, GemvMatchesCpuForEveryDtype) {
+  SKIP_WITHOUT_GPU();
+  ts::ThreadPool pool(1);
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_K}) {
+    for (int64_t cols : {256, 512, 1024}) {
+      if (t == DType::kF32 && cols == 256) continue;
+      const int64_t rows = 37;
+      const std::vector<uint8_t> w = make_matrix(t, rows, cols, 11);
+      for (int n : {1, 3, 6}) {
+        const std::vector<float> x = randn(size_t(n * cols), 5);
+        std::vector<float> want(size_t(n * rows));
+        for (int i = 0; i < n; ++i)
+          ts::cpu::matvec_rows(w.data(), t, &x[size_t(i * cols)], &want[size_t(i * rows)], cols, 0, rows);
+        Dev dw(w), dx(x), dy(want.size() * 4);
+        ts::cuda::gemv({dw.p, t, rows, cols}, dx.as<float>(), n, dy.as<float>(), false, nullptr);
+        EXPECT_LE(max_rel(dy.get<float>(), want), 1e-4)
+            << ts::dtype_name(t) << " cols " << cols << " n " << n;
+        // accumulate: y += W x
+        ts::cuda::gemv({dw.p, t, rows, cols}, dx.as<float>(), n, dy.as<float>(), true, nullptr);
+        std::vector<float> twice = want;
+        for (float& v : twice) v *= 2;
+        EXPECT_LE(max_rel(dy.get<float>(), twice), 1e-4) << ts::dtype_name(t) << " accumulate";
+      }
+    }
+  }
+}
+
+TEST(CudaKernels, GemvHandlesColumnsOffTheVectorWidth) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    const int64_t rows = 5, cols = 70;  // not a multiple of 4 / 8: the scalar path
+    const std::vector<uint8_t> w = make_matrix(t, rows, cols, 3);
+    const std::vector<float> x = randn(size_t(cols), 4);
+    std::vector<float> want(rows);
+    ts::cpu::matvec_rows(w.data(), t, x.data(), want.data(), cols, 0, rows);
+    Dev dw(w), dx(x), dy(want.size() * 4);
+    ts::cuda::gemv({dw.p, t, rows, cols}, dx.as<float>(), 1, dy.as<float>(), false, nullptr);
+    EXPECT_LE(max_rel(dy.get<float>(), want), 1e-5) << ts::dtype_name(t);
+  }
+}
+
+TEST(CudaKernels, RmsnormMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (int cols : {32, 200, 2048}) {
+    const int rows = 7;
+    const std::vector<float> x = randn(size_t(rows * cols), 1), w = randn(size_t(cols), 2);
+    std::vector<float> want(x.size());
+    ts::cpu::rmsnorm_rows(x.data(), w.data(), want.data(), rows, cols, 1e-6f);
+    Dev dx(x), dw(w), dy(x.size() * 4);
+    ts::cuda::rmsnorm(dx.as<float>(), dw.as<float>(), dy.as<float>(), rows, cols, 1e-6f, nullptr);
+    EXPECT_LE(max_rel(dy.get<float>(), want), 1e-5) << cols;
+  }
+}
+
+TEST(CudaKernels, RopeAndAttentionMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  ts::ThreadPool pool(1);
+  const int n_heads = 8, n_kv = 2, hd = 64, pos0 = 150, n = 5, n_ctx = 200;
+  const int qd = n_heads * hd, kvd = n_kv * hd;
+  std::vector<float> inv;
+  for (int i = 0; i < hd / 2; ++i) inv.push_back(1.0f / std::pow(10000.0f, float(2 * i) / hd));
+  const std::vector<float> q = randn(size_t(n * qd), 1), k = randn(size_t(n * kvd), 2),
+                           v = randn(size_t(n * kvd), 3);
+  std::vector<float> kc = randn(size_t(n_ctx * kvd), 4), vc = randn(size_t(n_ctx * kvd), 5);
+  // CPU reference: rope, append, attention.
+  std::vector<float> qr = q, kr = k, kc_ref = kc, vc_ref = vc, want(size_t(n * qd));
+  const ts::cpu::RopeTable rope{hd, inv};
+  for (int t = 0; t < n; ++t) {
+    ts::cpu::rope_apply(&qr[size_t(t * qd)], n_heads, rope, pos0 + t);
+    ts::cpu::rope_apply(&kr[size_t(t * kvd)], n_kv, rope, pos0 + t);
+    std::copy_n(&kr[size_t(t * kvd)], kvd, &kc_ref[size_t((pos0 + t) * kvd)]);
+    std::copy_n(&v[size_t(t * kvd)], kvd, &vc_ref[size_t((pos0 + t) * kvd)]);
+  }
+  ts::cpu::attention(pool, {.q = qr.data(), .k_cache = kc_ref.data(), .v_cache = vc_ref.data(),
+                            .out = want.data(), .n_tokens = n, .pos0 = pos0, .n_heads = n_heads,
+                            .n_kv_heads = n_kv, .head_dim = hd});
+  for (int splits : {1, 4, 16}) {
+    Dev dq(q), dk(k), dv(v), dkc(kc), dvc(vc), dinv(inv), dpos(std::vector<int>{pos0});
+    Dev dout(want.size() * 4), dpart(size_t(n * n_heads * splits * (hd + 2)) * 4);
+    ts::cuda::rope_kv_append({.q = dq.as<float>(), .k = dk.as<float>(), .v = dv.as<float>(),
+                              .k_cache = dkc.as<float>(), .v_cache = dvc.as<float>(),
+                              .inv_freq = dinv.as<float>(), .pos = dpos.as<int>(), .n = n,
+                              .n_heads = n_heads, .n_kv_heads = n_kv, .head_dim = hd},
+                             nullptr);
+    EXPECT_LE(max_rel(dq.get<float>(), qr), 1e-6);
+    EXPECT_LE(max_rel(dkc.get<float>(), kc_ref), 1e-6);
+    EXPECT_EQ(dvc.get<float>(), vc_ref);
+    ts::cuda::attention({.q = dq.as<float>(), .k_cache = dkc.as<float>(),
+                         .v_cache = dvc.as<float>(), .out = dout.as<float>(),
+                         .partial = dpart.as<float>(), .pos = dpos.as<int>(), .n = n,
+                         .n_heads = n_heads, .n_kv_heads = n_kv, .head_dim = hd,
+                         .n_splits = splits},
+                        nullptr);
+    EXPECT_LE(max_rel(dout.get<float>(), want), 1e-5) << "splits " << splits;
+  }
+}
+
+TEST(CudaKernels, RouteMatchesSelectExperts) {
+  SKIP_WITHOUT_GPU();
+  for (int n_experts : {8, 60, 128, 300}) {
+    for (bool renorm : {false, true}) {
+      const int n = 9, k = std::min(8, n_experts / 2);
+      std::vector<float> logits = randn(size_t(n * n_experts), uint32_t(n_experts), 2.0f);
+      logits[3] = logits[5];  // a tie: the lower id must rank first
+      std::vector<int> want_ids(size_t(n * k));
+      std::vector<float> want_w(size_t(n * k));
+      for (int t = 0; t < n; ++t)
+        ts::model::select_experts(
+            std::span<const float>(&logits[size_t(t * n_experts)], size_t(n_experts)),
+            {.renormalize = renorm},
+            {.ids = std::span<int>(&want_ids[size_t(t * k)], size_t(k)),
+             .weights = std::span<float>(&want_w[size_t(t * k)], size_t(k))});
+      Dev dl(logits), di(want_ids.size() * 4), dw(want_w.size() * 4),
+          dh(std::vector<unsigned long long>(size_t(n_experts), 0));
+      ts::cuda::route({.logits = dl.as<float>(), .ids = di.as<int>(), .weights = dw.as<float>(),
+                       .hist = dh.as<unsigned long long>(), .n = n, .n_experts = n_experts,
+                       .top_k = k, .renormalize = renorm},
+                      nullptr);
+      EXPECT_EQ(di.get<int>(), want_ids) << n_experts;
+      EXPECT_LE(max_rel(dw.get<float>(), want_w), 1e-6);
+      std::vector<unsigned long long> hist = dh.get<unsigned long long>();
+      std::vector<unsigned long long> want_h(static_cast<size_t>(n_experts));
+      for (int id : want_ids) ++want_h[size_t(id)];
+      EXPECT_EQ(hist, want_h);
+    }
+  }
+}
+
+// Both MoE phases against the CPU composition: per slot h = silu(G x) * (U x), then
+// out = sum_r w_r D_r h_r in rank order.
+TEST(CudaKernels, MoePhasesMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kBF16, DType::kQ8_0, DType::kQ4_K}) {
+    const int d = 256, de = 256, n_experts = 6, k = 3, n = 2;
+    std::vector<std::vector<uint8_t>> G, U, D;
+    std::vector<Dev*> owned;
+    std::vector<const void*> gp, up, dp;
+    for (int e = 0; e < n_experts; ++e) {
+      G.push_back(make_matrix(t, de, d, uint32_t(100 + e)));
+      U.push_back(make_matrix(t, de, d, uint32_t(200 + e)));
+      D.push_back(make_matrix(t, d, de, uint32_t(300 + e)));
+      for (auto [v, tab] : {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up},
+                             std::pair{&D.back(), &dp}}) {
+        owned.push_back(new Dev(*v));
+        tab->push_back(owned.back()->p);
+      }
+    }
+    const std::vector<int> ids = {4, 0, 2, 1, 5, 4};
+    const std::vector<float> w = {0.5f, 0.3f, 0.2f, 0.6f, 0.25f, 0.15f};
+    const std::vector<float> x = randn(size_t(n * d), 9);
+    std::vector<float> want(static_cast<size_t>(n * d), 0.0f);
+    std::vector<float> h(static_cast<size_t>(de)), g(static_cast<size_t>(de)),
+        u(static_cast<size_t>(de)), o(static_cast<size_t>(d));
+    for (int tok = 0; tok < n; ++tok)
+      for (int r = 0; r < k; ++r) {
+        const int e = ids[size_t(tok * k + r)];
+        ts::cpu::matvec_rows(G[size_t(e)].data(), t, &x[size_t(tok * d)], g.data(), d, 0, de);
+        ts::cpu::matvec_rows(U[size_t(e)].data(), t, &x[size_t(tok * d)], u.data(), d, 0, de);
+        ts::cpu::silu_mul(g.data(), u.data(), h.data(), de);
+        ts::cpu::matvec_rows(D[size_t(e)].data(), t, h.data(), o.data(), de, 0, d);
+        for (int i = 0; i < d; ++i) want[size_t(tok * d + i)] += w[size_t(tok * k + r)] * o[size_t(i)];
+      }
+    Dev dg(gp), du(up), dd(dp), di(ids), dw(w), dx(x), dh(size_t(n * k * de) * 4),
+        dout(want.size() * 4);
+    const ts::cuda::MoeArgs a{.gate = dg.as<const void*>(), .up = du.as<const void*>(),
+                              .down = dd.as<const void*>(), .gate_dtype = t, .down_dtype = t,
+                              .ids = di.as<int>(), .weights = dw.as<float>(),
+                              .xn = dx.as<float>(), .h = dh.as<float>(), .out = dout.as<float>(),
+                              .n = n, .d_model = d, .d_expert = de, .top_k = k};
+    ts::cuda::moe_gate_up(a, nullptr);
+    ts::cuda::moe_down_sum(a, nullptr);
+    EXPECT_LE(max_rel(dout.get<float>(), want), 1e-4) << ts::dtype_name(t);
+    for (Dev* p : owned) delete p;
+  }
+}
+
+TEST(CudaKernels, QuantizeQ8_0MatchesCpuBytes) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 32 * 100;
+  std::vector<float> x = randn(size_t(n), 12);
+  for (int i = 0; i < 32; ++i) x[size_t(32 + i)] = 0.0f;  // an all-zero block
+  std::vector<uint8_t> want(size_t(ts::dtype_row_bytes(DType::kQ8_0, n)));
+  ts::cpu::quantize_row(DType::kQ8_0, x.data(), want.data(), n);
+  Dev dx(x), dq(want.size());
+  ts::cuda::quantize_q8_0(dx.as<float>(), dq.p, n, nullptr);
+  const std::vector<uint8_t> got = dq.get<uint8_t>();
+  for (size_t b = 0; b < want.size() / 34; ++b)
+    for (size_t i = 0; i < 34; ++i)
+      ASSERT_EQ(int(got[b * 34 + i]), int(want[b * 34 + i]))
+          << "block " << b << " byte " << i << "; d got " << std::hex
+          << (got[b * 34] | got[b * 34 + 1] << 8) << " want " << (want[b * 34] | want[b * 34 + 1] << 8);
+}
+
+TEST(CudaKernels, DequantizeMatchesCpuReference) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kQ8_0, DType::kQ4_K, DType::kF16}) {
+    const int64_t rows = 3, cols = 512;
+    const std::vector<uint8_t> w = make_matrix(t, rows, cols, 21);
+    std::vector<float> want(size_t(rows * cols));
+    const size_t rb = ts::dtype_row_bytes(t, cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t == DType::kF16) {
+        for (int64_t c = 0; c < cols; ++c) {
+          uint16_t h;
+          std::memcpy(&h, &w[size_t(r) * rb + size_t(2 * c)], 2);
+          want[size_t(r * cols + c)] = ts::f16_to_f32(h);
+        }
+      } else {
+        ts::cpu::dequantize_row(t, &w[size_t(r) * rb], &want[size_t(r * cols)], cols);
+      }
+    }
+    Dev dw(w), df(want.size() * 4), db(want.size() * 2);
+    ts::cuda::to_f32({dw.p, t, rows, cols}, df.as<float>(), nullptr);
+    // (d * sc) * q - dmin * m may be contracted to one FMA on the GPU: a rounding apart.
+    EXPECT_LE(max_rel(df.get<float>(), want), 1e-6) << ts::dtype_name(t);
+    ts::cuda::dequantize_bf16({dw.p, t, rows, cols}, db.p, nullptr);
+    const std::vector<uint16_t> b = db.get<uint16_t>();
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_LE(std::abs(int(b[i]) - int(ts::f32_to_bf16(want[i]))), 1)
+          << ts::dtype_name(t) << " element " << i;
+  }
+}
+
+TEST(CudaKernels, GatherAndSlotSumMatchReference) {
+  SKIP_WITHOUT_GPU();
+  const int n = 4, k = 2, d = 300;
+  const std::vector<float> src = randn(size_t(n * d), 31);
+  const std::vector<int> rows = {3, 0, 2, 2, 1, 0, 3, 1};
+  Dev ds(src), dr(rows), dg(rows.size() * size_t(d) * 4);
+  ts::cuda::gather_rows(ds.as<float>(), dr.as<int>(), int(rows.size()), d, dg.p, DType::kF32, nullptr);
+  const std::vector<float> g = dg.get<float>();
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int c = 0; c < d; ++c) ASSERT_EQ(g[i * d + size_t(c)], src[size_t(rows[i] * d + c)]);
+  const std::vector<float> w = {0.7f, 0.3f, 0.6f, 0.4f, 0.5f, 0.5f, 0.9f, 0.1f};
+  Dev dw(w), dout(size_t(n * d) * 4);
+  ts::cuda::slot_sum(dg.as<float>(), dr.as<int>(), dw.as<float>(), n, k, d, dout.as<float>(), nullptr);
+  const std::vector<float> out = dout.get<float>();
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) {
+      float want = 0;
+      for (int r = 0; r < k; ++r) want += w[size_t(t * k + r)] * g[size_t(rows[size_t(t * k + r)] * d + c)];
+      ASSERT_NEAR(out[size_t(t * d + c)], want, 1e-6f * (1.0f + std::fabs(want)));
+    }
+}
+
+}  // namespace
