@@ -33,10 +33,14 @@ std::string StopFilter::feed(const std::string& text, bool* stopped) {
 
 const char* stop_reason_name(StopReason r) {
   switch (r) {
-    case StopReason::kLength: return "length";
-    case StopReason::kEos: return "eos";
-    case StopReason::kStop: return "stop";
-    case StopReason::kCancelled: return "cancelled";
+    case StopReason::kLength:
+      return "length";
+    case StopReason::kEos:
+      return "eos";
+    case StopReason::kStop:
+      return "stop";
+    case StopReason::kCancelled:
+      return "cancelled";
   }
   return "?";
 }
@@ -44,8 +48,8 @@ const char* stop_reason_name(StopReason r) {
 namespace {
 
 Result<Generation> generate_on_cache(Session& session, std::vector<int>& cached,
-                                     std::span<const int> prompt,
-                                     const tokenizer::Tokenizer& tok, const GenerateParams& g) {
+                                     std::span<const int> prompt, const tokenizer::Tokenizer& tok,
+                                     const GenerateParams& g) {
   Generation r;
   size_t common = 0;
   while (common < cached.size() && common < prompt.size() && cached[common] == prompt[common])
@@ -107,9 +111,8 @@ Result<Generation> generate_on_cache(Session& session, std::vector<int>& cached,
 
 }  // namespace
 
-Result<Generation> generate(Session& session, std::vector<int>& cached,
-                            std::span<const int> prompt, const tokenizer::Tokenizer& tok,
-                            const GenerateParams& params) {
+Result<Generation> generate(Session& session, std::vector<int>& cached, std::span<const int> prompt,
+                            const tokenizer::Tokenizer& tok, const GenerateParams& params) {
   auto r = generate_on_cache(session, cached, prompt, tok, params);
   if (!r.ok()) {
     // The session may hold rows that `cached` does not describe: start afresh next time.

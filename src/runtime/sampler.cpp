@@ -33,7 +33,8 @@ int Sampler::pick(std::span<const float> logits) {
   std::vector<int> idx(logits.size());
   std::iota(idx.begin(), idx.end(), 0);
   auto by_logit = [&](int a, int b) {
-    return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    return logits[size_t(a)] > logits[size_t(b)] ||
+           (logits[size_t(a)] == logits[size_t(b)] && a < b);
   };
   size_t keep = idx.size();
   if (opt_.top_k > 0 && size_t(opt_.top_k) < keep) keep = size_t(opt_.top_k);

@@ -14,9 +14,9 @@ namespace ts::runtime {
 
 struct SamplerOptions {
   float temperature = 0.0f;
-  int top_k = 0;        // 0 = all
-  float top_p = 1.0f;   // 1 = all
-  float min_p = 0.0f;   // drop tokens below min_p * (the most likely token's probability)
+  int top_k = 0;       // 0 = all
+  float top_p = 1.0f;  // 1 = all
+  float min_p = 0.0f;  // drop tokens below min_p * (the most likely token's probability)
   // logit[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t], where
   // count[t] is how often this sampler has returned t (OpenAI's definition).
   float presence_penalty = 0.0f;

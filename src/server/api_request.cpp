@@ -123,14 +123,19 @@ void read_max_tokens(Fields& f, GenRequest& r, bool chat) {
 std::optional<ApiError> flatten_content(json& msg, const std::string& where) {
   auto it = msg.find("content");
   if (it == msg.end() || it->is_null() || it->is_string()) return std::nullopt;
-  if (!it->is_array()) return bad(where + ".content", "'" + where + ".content' must be a string, null or an array of text parts");
+  if (!it->is_array())
+    return bad(where + ".content",
+               "'" + where + ".content' must be a string, null or an array of text parts");
   std::string text;
   for (size_t i = 0; i < it->size(); ++i) {
     const json& part = (*it)[i];
     const std::string at = where + ".content[" + std::to_string(i) + "]";
     if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
         !part["text"].is_string())
-      return bad(at, "'" + at + "' must be a {\"type\": \"text\", \"text\": string} part (only text is supported)");
+      return bad(
+          at,
+          "'" + at +
+              "' must be a {\"type\": \"text\", \"text\": string} part (only text is supported)");
     if (!text.empty()) text += "\n";
     text += part["text"].get<std::string>();
   }
@@ -146,7 +151,9 @@ std::optional<ApiError> check_openai_tools(const json& tools) {
     if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
         !t["function"].is_object() || !t["function"].contains("name") ||
         !t["function"]["name"].is_string())
-      return bad(at, "'" + at + "' must be {\"type\": \"function\", \"function\": {\"name\": string, ...}}");
+      return bad(
+          at,
+          "'" + at + "' must be {\"type\": \"function\", \"function\": {\"name\": string, ...}}");
   }
   return std::nullopt;
 }
@@ -169,8 +176,10 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
   GenRequest r{.api = Api::kChat};
   r.stream = f.boolean("stream").value_or(false);
   if (const json* so = f.get("stream_options")) {
-    if (!so->is_object()) f.fail("stream_options", "must be an object");
-    else r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
+    if (!so->is_object())
+      f.fail("stream_options", "must be an object");
+    else
+      r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
   }
   read_sampling(f, r, 2.0);
   if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
@@ -195,7 +204,8 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
     std::string role = m["role"].get<std::string>();
     if (role == "developer") m["role"] = role = "system";  // templates know "system"
     if (role != "system" && role != "user" && role != "assistant" && role != "tool")
-      return bad(at + ".role", "'" + at + ".role' must be system, developer, user, assistant or tool");
+      return bad(at + ".role",
+                 "'" + at + ".role' must be system, developer, user, assistant or tool");
     if (auto e = flatten_content(m, at)) return *e;
     const bool has_calls = m.contains("tool_calls") && !m["tool_calls"].is_null();
     if (!m.contains("content") || m["content"].is_null()) {
@@ -203,7 +213,8 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
         return bad(at + ".content", "'" + at + ".content' is required");
     }
     if (has_calls && (role != "assistant" || !m["tool_calls"].is_array()))
-      return bad(at + ".tool_calls", "'" + at + ".tool_calls' must be an array on an assistant message");
+      return bad(at + ".tool_calls",
+                 "'" + at + ".tool_calls' must be an array on an assistant message");
     messages.push_back(std::move(m));
   }
   json tools = nullptr;
@@ -216,7 +227,8 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
   r.parse_tools = !tools.is_null();
   json kwargs = nullptr;
   if (const json* k = f.get("chat_template_kwargs")) {
-    if (!k->is_object()) return bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    if (!k->is_object())
+      return bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
     kwargs = *k;
   }
   auto text = render(tmpl, messages, tools, kwargs);
@@ -232,8 +244,10 @@ Parsed<GenRequest> parse_completion_request(const json& body, const std::string&
   GenRequest r{.api = Api::kCompletion, .add_special = true};
   r.stream = f.boolean("stream").value_or(false);
   if (const json* so = f.get("stream_options")) {
-    if (!so->is_object()) f.fail("stream_options", "must be an object");
-    else r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
+    if (!so->is_object())
+      f.fail("stream_options", "must be an object");
+    else
+      r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
   }
   read_sampling(f, r, 2.0);
   if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
@@ -261,8 +275,9 @@ Parsed<GenRequest> parse_completion_request(const json& body, const std::string&
       r.prompt_ids.push_back(int(id.get<int64_t>()));
     }
   } else {
-    return bad("prompt", "'prompt' must be a string, an array of one string, or token ids "
-                         "(one prompt per request)");
+    return bad("prompt",
+               "'prompt' must be a string, an array of one string, or token ids "
+               "(one prompt per request)");
   }
   return r;
 }
@@ -276,7 +291,8 @@ Parsed<std::string> anthropic_text(const json& v, const std::string& at) {
   std::string text;
   for (size_t i = 0; i < v.size(); ++i) {
     const json& b = v[i];
-    if (!b.is_object() || b.value("type", "") != "text" || !b.contains("text") || !b["text"].is_string())
+    if (!b.is_object() || b.value("type", "") != "text" || !b.contains("text") ||
+        !b["text"].is_string())
       return bad(at, "'" + at + "[" + std::to_string(i) + "]' must be a text block");
     if (!text.empty()) text += "\n";
     text += b["text"].get<std::string>();
@@ -288,7 +304,8 @@ Parsed<std::string> anthropic_text(const json& v, const std::string& at) {
 // messages, tool_use blocks the assistant's tool_calls, thinking blocks reasoning_content.
 std::optional<ApiError> convert_anthropic_message(const json& m, const std::string& at, json& out) {
   if (!m.is_object()) return bad(at, "'" + at + "' must be an object");
-  const std::string role = m.contains("role") && m["role"].is_string() ? m["role"].get<std::string>() : "";
+  const std::string role =
+      m.contains("role") && m["role"].is_string() ? m["role"].get<std::string>() : "";
   if (role != "user" && role != "assistant")
     return bad(at + ".role", "'" + at + ".role' must be user or assistant");
   if (!m.contains("content")) return bad(at + ".content", "'" + at + ".content' is required");
@@ -311,7 +328,8 @@ std::optional<ApiError> convert_anthropic_message(const json& m, const std::stri
     } else if (type == "thinking" && role == "assistant") {
       thinking += b.value("thinking", "");
     } else if (type == "tool_use" && role == "assistant") {
-      if (!b.contains("name") || !b["name"].is_string() || !b.contains("input") || !b["input"].is_object())
+      if (!b.contains("name") || !b["name"].is_string() || !b.contains("input") ||
+          !b["input"].is_object())
         return bad(bat, "'" + bat + "' (tool_use) needs a string name and an object input");
       calls.push_back({{"id", b.value("id", "")},
                        {"type", "function"},
@@ -323,13 +341,16 @@ std::optional<ApiError> convert_anthropic_message(const json& m, const std::stri
         if (auto* e = std::get_if<ApiError>(&r)) return *e;
         result = std::get<std::string>(r);
       }
-      out.push_back({{"role", "tool"}, {"tool_call_id", b.value("tool_use_id", "")}, {"content", result}});
+      out.push_back(
+          {{"role", "tool"}, {"tool_call_id", b.value("tool_use_id", "")}, {"content", result}});
     } else {
-      return bad(bat, "'" + bat + "' has an unsupported block type '" + type +
-                          "' (text, tool_use and thinking from the assistant, tool_result from the user)");
+      return bad(
+          bat, "'" + bat + "' has an unsupported block type '" + type +
+                   "' (text, tool_use and thinking from the assistant, tool_result from the user)");
     }
   }
-  if (role == "user" && text.empty() && !out.empty() && out.back()["role"] == "tool") return std::nullopt;
+  if (role == "user" && text.empty() && !out.empty() && out.back()["role"] == "tool")
+    return std::nullopt;
   json msg = {{"role", role}, {"content", text}};
   if (!thinking.empty()) msg["reasoning_content"] = thinking;
   if (!calls.empty()) msg["tool_calls"] = calls;
@@ -363,7 +384,8 @@ Parsed<GenRequest> parse_messages_request(const json& body, const tokenizer::Cha
   if (!msgs->is_array()) return bad("messages", "'messages' must be an array");
   if (msgs->empty()) return bad("messages", "'messages' must not be empty");
   for (size_t i = 0; i < msgs->size(); ++i)
-    if (auto e = convert_anthropic_message((*msgs)[i], "messages[" + std::to_string(i) + "]", messages))
+    if (auto e =
+            convert_anthropic_message((*msgs)[i], "messages[" + std::to_string(i) + "]", messages))
       return *e;
   json tools = nullptr;
   if (const json* t = f.get("tools")) {
@@ -403,10 +425,14 @@ json anthropic_error_body(const ApiError& e) {
   // Anthropic's types by status: invalid_request_error, authentication_error, not_found_error,
   // request_too_large, overloaded_error, api_error.
   std::string type = e.type;
-  if (e.status == 401) type = "authentication_error";
-  else if (e.status == 404) type = "not_found_error";
-  else if (e.status == 413) type = "request_too_large";
-  else if (e.status == 503) type = "overloaded_error";
+  if (e.status == 401)
+    type = "authentication_error";
+  else if (e.status == 404)
+    type = "not_found_error";
+  else if (e.status == 413)
+    type = "request_too_large";
+  else if (e.status == 503)
+    type = "overloaded_error";
   return {{"type", "error"}, {"error", {{"type", type}, {"message", e.message}}}};
 }
 

@@ -30,7 +30,9 @@ json openai_usage(const runtime::Generation& gen) {
 }
 
 json tool_call_json(const ToolCall& c, const std::string& id) {
-  return {{"id", id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}};
+  return {{"id", id},
+          {"type", "function"},
+          {"function", {{"name", c.name}, {"arguments", c.arguments}}}};
 }
 
 json parse_object(const std::string& text) {
@@ -56,19 +58,25 @@ ReplyParts split_reply(const std::string& text, bool parse_tools, bool starts_in
   ReplyParts r;
   for (OutputEvent& e : events) {
     switch (e.kind) {
-      case OutputEvent::Kind::kReasoning: r.reasoning += e.text; break;
-      case OutputEvent::Kind::kContent: r.content += e.text; break;
-      case OutputEvent::Kind::kToolCall: r.calls.push_back(std::move(e.call)); break;
+      case OutputEvent::Kind::kReasoning:
+        r.reasoning += e.text;
+        break;
+      case OutputEvent::Kind::kContent:
+        r.content += e.text;
+        break;
+      case OutputEvent::Kind::kToolCall:
+        r.calls.push_back(std::move(e.call));
+        break;
     }
   }
   return r;
 }
 
 json chat_response(const ResponseInfo& info, const runtime::Generation& gen,
-                    const ReplyParts& reply) {
+                   const ReplyParts& reply) {
   json message = {{"role", "assistant"},
                   {"content", reply.content.empty() && !reply.calls.empty() ? json(nullptr)
-                                                                             : json(reply.content)}};
+                                                                            : json(reply.content)}};
   if (!reply.reasoning.empty()) message["reasoning_content"] = reply.reasoning;
   if (!reply.calls.empty()) {
     json calls = json::array();
@@ -126,8 +134,13 @@ namespace {
 // OpenAI chat.completion.chunk frames.
 class ChatSse final : public SseWriter {
  public:
-  explicit ChatSse(StreamSpec spec) : spec_(std::move(spec)), parser_({.starts_in_reasoning = spec_.starts_in_reasoning, .parse_tools = spec_.parse_tools}) {}
-  std::string begin(int64_t) override { return chunk({{"role", "assistant"}, {"content", ""}}, nullptr); }
+  explicit ChatSse(StreamSpec spec)
+      : spec_(std::move(spec)),
+        parser_(
+            {.starts_in_reasoning = spec_.starts_in_reasoning, .parse_tools = spec_.parse_tools}) {}
+  std::string begin(int64_t) override {
+    return chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
+  }
   std::string text(std::string_view piece) override { return frames(parser_.feed(piece)); }
   std::string end(const runtime::Generation& gen) override {
     std::string out = frames(parser_.finish());
@@ -150,7 +163,8 @@ class ChatSse final : public SseWriter {
   }
   std::string chunk(const json& delta, const json& finish) const {
     json j = base();
-    j["choices"] = json::array({{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+    j["choices"] = json::array(
+        {{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish}}});
     return data_frame(j);
   }
   std::string frames(const std::vector<OutputEvent>& events) {
@@ -201,7 +215,8 @@ class CompletionSse final : public SseWriter {
   }
   std::string chunk(const std::string& text, const json& finish) const {
     json j = base();
-    j["choices"] = json::array({{{"index", 0}, {"text", text}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+    j["choices"] = json::array(
+        {{{"index", 0}, {"text", text}, {"logprobs", nullptr}, {"finish_reason", finish}}});
     return data_frame(j);
   }
   StreamSpec spec_;
@@ -212,7 +227,10 @@ class CompletionSse final : public SseWriter {
 // tokens) and message_stop.
 class MessagesSse final : public SseWriter {
  public:
-  explicit MessagesSse(StreamSpec spec) : spec_(std::move(spec)), parser_({.starts_in_reasoning = spec_.starts_in_reasoning, .parse_tools = spec_.parse_tools}) {}
+  explicit MessagesSse(StreamSpec spec)
+      : spec_(std::move(spec)),
+        parser_(
+            {.starts_in_reasoning = spec_.starts_in_reasoning, .parse_tools = spec_.parse_tools}) {}
   std::string begin(int64_t prompt_tokens) override {
     json message = {{"id", spec_.info.id},
                     {"type", "message"},
@@ -244,16 +262,19 @@ class MessagesSse final : public SseWriter {
     if (open_ == Block::kNone) return {};
     std::string out;
     if (open_ == Block::kThinking)
-      out += event_frame("content_block_delta", {{"type", "content_block_delta"}, {"index", index_},
-                                                 {"delta", {{"type", "signature_delta"}, {"signature", ""}}}});
+      out += event_frame("content_block_delta",
+                         {{"type", "content_block_delta"},
+                          {"index", index_},
+                          {"delta", {{"type", "signature_delta"}, {"signature", ""}}}});
     out += event_frame("content_block_stop", {{"type", "content_block_stop"}, {"index", index_}});
     open_ = Block::kNone;
     ++index_;
     return out;
   }
   std::string open_block(const json& block) {
-    return event_frame("content_block_start",
-                       {{"type", "content_block_start"}, {"index", index_}, {"content_block", block}});
+    return event_frame(
+        "content_block_start",
+        {{"type", "content_block_start"}, {"index", index_}, {"content_block", block}});
   }
   std::string frames(const std::vector<OutputEvent>& events) {
     std::string out;
@@ -261,10 +282,17 @@ class MessagesSse final : public SseWriter {
       if (e.kind == OutputEvent::Kind::kToolCall) {
         out += close_block();
         has_calls_ = true;
-        out += open_block({{"type", "tool_use"}, {"id", make_id("toolu_")}, {"name", e.call.name}, {"input", json::object()}});
-        out += event_frame("content_block_delta", {{"type", "content_block_delta"}, {"index", index_},
-                                                   {"delta", {{"type", "input_json_delta"}, {"partial_json", e.call.arguments}}}});
-        out += event_frame("content_block_stop", {{"type", "content_block_stop"}, {"index", index_}});
+        out += open_block({{"type", "tool_use"},
+                           {"id", make_id("toolu_")},
+                           {"name", e.call.name},
+                           {"input", json::object()}});
+        out += event_frame(
+            "content_block_delta",
+            {{"type", "content_block_delta"},
+             {"index", index_},
+             {"delta", {{"type", "input_json_delta"}, {"partial_json", e.call.arguments}}}});
+        out +=
+            event_frame("content_block_stop", {{"type", "content_block_stop"}, {"index", index_}});
         ++index_;
         continue;
       }
@@ -279,7 +307,8 @@ class MessagesSse final : public SseWriter {
       }
       json delta = thinking ? json{{"type", "thinking_delta"}, {"thinking", text}}
                             : json{{"type", "text_delta"}, {"text", text}};
-      out += event_frame("content_block_delta", {{"type", "content_block_delta"}, {"index", index_}, {"delta", delta}});
+      out += event_frame("content_block_delta",
+                         {{"type", "content_block_delta"}, {"index", index_}, {"delta", delta}});
     }
     return out;
   }
@@ -294,9 +323,12 @@ class MessagesSse final : public SseWriter {
 
 std::unique_ptr<SseWriter> make_sse_writer(Api api, const StreamSpec& spec) {
   switch (api) {
-    case Api::kChat: return std::make_unique<ChatSse>(spec);
-    case Api::kCompletion: return std::make_unique<CompletionSse>(spec);
-    case Api::kMessages: return std::make_unique<MessagesSse>(spec);
+    case Api::kChat:
+      return std::make_unique<ChatSse>(spec);
+    case Api::kCompletion:
+      return std::make_unique<CompletionSse>(spec);
+    case Api::kMessages:
+      return std::make_unique<MessagesSse>(spec);
   }
   return nullptr;
 }

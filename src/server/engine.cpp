@@ -60,7 +60,8 @@ void Engine::run() {
       current_ = job;
       running_ = true;
     }
-    Result<runtime::Generation> r = runtime::Generation{.stop_reason = runtime::StopReason::kCancelled};
+    Result<runtime::Generation> r =
+        runtime::Generation{.stop_reason = runtime::StopReason::kCancelled};
     if (!job->cancelled) {
       // One request's failure (a bad allocation, a storage read error) fails that request only.
       try {
@@ -71,8 +72,10 @@ void Engine::run() {
         r = make_error(std::string("internal error: ") + e.what());
       }
     }
-    if (r.ok()) metrics_.record_generation(*r, opt_.model->experts().stats());
-    else metrics_.count_failure();
+    if (r.ok())
+      metrics_.record_generation(*r, opt_.model->experts().stats());
+    else
+      metrics_.count_failure();
     if (opt_.log_stats && r.ok())
       std::fprintf(stderr,
                    "serve: prompt %lld tokens (%lld reused) in %.3f s, generated %lld in %.3f s "

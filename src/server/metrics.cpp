@@ -41,10 +41,12 @@ std::string Metrics::prometheus(int queue_depth, int running) const {
                   type, name, value);
     out += line;
   };
-  out += "# HELP turbospark_http_responses_total HTTP responses by route and status.\n"
-         "# TYPE turbospark_http_responses_total counter\n";
+  out +=
+      "# HELP turbospark_http_responses_total HTTP responses by route and status.\n"
+      "# TYPE turbospark_http_responses_total counter\n";
   for (const auto& [key, n] : responses_) {
-    std::snprintf(line, sizeof line, "turbospark_http_responses_total{route=\"%s\",status=\"%d\"} %llu\n",
+    std::snprintf(line, sizeof line,
+                  "turbospark_http_responses_total{route=\"%s\",status=\"%d\"} %llu\n",
                   key.first.c_str(), key.second, (unsigned long long)n);
     out += line;
   }
@@ -60,7 +62,8 @@ std::string Metrics::prometheus(int queue_depth, int running) const {
          double(failures_));
   metric("turbospark_prompt_tokens_total", "counter", "Prompt tokens.", double(prompt_tokens_));
   metric("turbospark_prompt_tokens_reused_total", "counter",
-         "Prompt tokens whose KV cache was reused from the previous request.", double(reused_tokens_));
+         "Prompt tokens whose KV cache was reused from the previous request.",
+         double(reused_tokens_));
   metric("turbospark_completion_tokens_total", "counter", "Generated tokens.",
          double(completion_tokens_));
   metric("turbospark_prefill_seconds_total", "counter", "Time in prefill.", prefill_s_);

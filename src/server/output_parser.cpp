@@ -37,7 +37,8 @@ std::optional<std::string> arguments_text(const json& args) {
 }
 
 // Length of the longest suffix of `text` that is a proper prefix of one of `markers`.
-size_t partial_marker_suffix(std::string_view text, std::initializer_list<std::string_view> markers) {
+size_t partial_marker_suffix(std::string_view text,
+                             std::initializer_list<std::string_view> markers) {
   size_t keep = 0;
   for (std::string_view m : markers)
     for (size_t n = std::min(m.size() - 1, text.size()); n > keep; --n)
@@ -73,8 +74,8 @@ std::optional<std::vector<ToolCall>> parse_deepseek_tool_calls(std::string_view 
     if (!trim(body.substr(pos, open - pos)).empty()) return std::nullopt;  // stray text
     size_t start = open + kDsCallOpen.size();
     size_t close = body.find(kDsCallClose, start);
-    std::string_view inner = body.substr(start, close == std::string_view::npos ? body.npos
-                                                                                : close - start);
+    std::string_view inner =
+        body.substr(start, close == std::string_view::npos ? body.npos : close - start);
     pos = close == std::string_view::npos ? body.size() : close + kDsCallClose.size();
     size_t sep = inner.find(kDsSep);
     if (sep == std::string_view::npos) return std::nullopt;
@@ -128,10 +129,12 @@ std::vector<OutputEvent> OutputParser::finish() {
 
 void OutputParser::emit_text(std::vector<OutputEvent>& out, std::string text) {
   if (text.empty()) return;
-  const auto kind = state_ == State::kReasoning ? OutputEvent::Kind::kReasoning
-                                                : OutputEvent::Kind::kContent;
-  if (!out.empty() && out.back().kind == kind) out.back().text += text;
-  else out.push_back({.kind = kind, .text = std::move(text)});
+  const auto kind =
+      state_ == State::kReasoning ? OutputEvent::Kind::kReasoning : OutputEvent::Kind::kContent;
+  if (!out.empty() && out.back().kind == kind)
+    out.back().text += text;
+  else
+    out.push_back({.kind = kind, .text = std::move(text)});
 }
 
 bool OutputParser::close_block(std::vector<OutputEvent>& out, const std::string& body,
@@ -151,7 +154,8 @@ bool OutputParser::close_block(std::vector<OutputEvent>& out, const std::string&
     emit_text(out, std::move(raw));
     return false;
   }
-  for (ToolCall& c : calls) out.push_back({.kind = OutputEvent::Kind::kToolCall, .call = std::move(c)});
+  for (ToolCall& c : calls)
+    out.push_back({.kind = OutputEvent::Kind::kToolCall, .call = std::move(c)});
   return true;
 }
 

@@ -4,8 +4,8 @@
 
 #include <condition_variable>
 #include <ctime>
-#include <future>
 #include <deque>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -74,47 +74,54 @@ void Server::Impl::setup() {
   http.set_keep_alive_max_count(1000);
 
   http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (opt.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+    if (opt.api_key.empty() || req.path == "/health")
+      return httplib::Server::HandlerResponse::Unhandled;
     const std::string bearer = req.get_header_value("Authorization");
-    const bool ok = (bearer.rfind("Bearer ", 0) == 0 && same_secret(bearer.substr(7), opt.api_key)) ||
-                    (req.has_header("x-api-key") && same_secret(req.get_header_value("x-api-key"), opt.api_key));
+    const bool ok =
+        (bearer.rfind("Bearer ", 0) == 0 && same_secret(bearer.substr(7), opt.api_key)) ||
+        (req.has_header("x-api-key") &&
+         same_secret(req.get_header_value("x-api-key"), opt.api_key));
     if (ok) return httplib::Server::HandlerResponse::Unhandled;
-    send_error(req, res,
-               {.status = 401,
-                .message = "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                .code = "invalid_api_key"});
+    send_error(
+        req, res,
+        {.status = 401,
+         .message =
+             "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+         .code = "invalid_api_key"});
     return httplib::Server::HandlerResponse::Handled;
   });
 
   // Errors httplib produces itself (no route, body over the limit) get JSON bodies too.
-  http.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req,
-                                                                     httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    ApiError e{.status = res.status, .message = "HTTP error " + std::to_string(res.status)};
-    if (res.status == 404) {
-      e.message = "no route " + req.method + " " + req.path;
-      e.code = "not_found";
-    } else if (res.status == 413) {
-      e.message = "the request body is larger than " + std::to_string(opt.max_body_bytes) +
-                  " bytes (--max-body-bytes)";
-      e.code = "request_too_large";
-    } else if (res.status >= 500) {
-      e.type = "server_error";
-    }
-    send_error(req, res, e);
-    return httplib::Server::HandlerResponse::Handled;
-  }));
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [this](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        ApiError e{.status = res.status, .message = "HTTP error " + std::to_string(res.status)};
+        if (res.status == 404) {
+          e.message = "no route " + req.method + " " + req.path;
+          e.code = "not_found";
+        } else if (res.status == 413) {
+          e.message = "the request body is larger than " + std::to_string(opt.max_body_bytes) +
+                      " bytes (--max-body-bytes)";
+          e.code = "request_too_large";
+        } else if (res.status >= 500) {
+          e.type = "server_error";
+        }
+        send_error(req, res, e);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
 
-  http.set_exception_handler([](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
-    std::string what = "unknown exception";
-    try {
-      std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    send_error(req, res, {.status = 500, .message = "internal error: " + what, .type = "server_error"});
-  });
+  http.set_exception_handler(
+      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        send_error(req, res,
+                   {.status = 500, .message = "internal error: " + what, .type = "server_error"});
+      });
 
   http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
     engine.metrics().count_response(route_label(req.path), res.status);
@@ -128,15 +135,22 @@ void Server::Impl::setup() {
                     "text/plain; version=0.0.4");
   });
   auto model_json = [this] {
-    return json{{"id", opt.model_id}, {"object", "model"}, {"created", started}, {"owned_by", "turbospark"}};
+    return json{{"id", opt.model_id},
+                {"object", "model"},
+                {"created", started},
+                {"owned_by", "turbospark"}};
   };
   http.Get("/v1/models", [model_json](const httplib::Request&, httplib::Response& res) {
     send_json(res, 200, {{"object", "list"}, {"data", json::array({model_json()})}});
   });
-  http.Get(R"(/v1/models/(.+))", [this, model_json](const httplib::Request& req, httplib::Response& res) {
+  http.Get(R"(/v1/models/(.+))", [this, model_json](const httplib::Request& req,
+                                                    httplib::Response& res) {
     if (req.matches[1] != opt.model_id)
-      return send_error(req, res, {.status = 404, .message = "The model '" + req.matches[1].str() + "' does not exist",
-                                   .param = "model", .code = "model_not_found"});
+      return send_error(req, res,
+                        {.status = 404,
+                         .message = "The model '" + req.matches[1].str() + "' does not exist",
+                         .param = "model",
+                         .code = "model_not_found"});
     send_json(res, 200, model_json());
   });
   http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
@@ -167,9 +181,9 @@ Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
                     .param = param,
                     .code = "context_length_exceeded"};
   if (r.max_tokens && int64_t(ids.size()) + *r.max_tokens > n_ctx)
-    return ApiError{.message = "the prompt (" + std::to_string(ids.size()) + " tokens) + max_tokens (" +
-                               std::to_string(*r.max_tokens) + ") exceed the context of " +
-                               std::to_string(n_ctx) + " tokens",
+    return ApiError{.message = "the prompt (" + std::to_string(ids.size()) +
+                               " tokens) + max_tokens (" + std::to_string(*r.max_tokens) +
+                               ") exceed the context of " + std::to_string(n_ctx) + " tokens",
                     .param = "max_tokens",
                     .code = "context_length_exceeded"};
   return ids;
@@ -179,9 +193,10 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   json body = json::parse(req.body, nullptr, false);
   if (body.is_discarded())
     return send_error(req, res, {.message = "the request body is not valid JSON"});
-  Parsed<GenRequest> parsed = api == Api::kChat         ? parse_chat_request(body, tmpl, opt.model_id)
-                              : api == Api::kCompletion ? parse_completion_request(body, opt.model_id)
-                                                        : parse_messages_request(body, tmpl, opt.model_id);
+  Parsed<GenRequest> parsed = api == Api::kChat ? parse_chat_request(body, tmpl, opt.model_id)
+                              : api == Api::kCompletion
+                                  ? parse_completion_request(body, opt.model_id)
+                                  : parse_messages_request(body, tmpl, opt.model_id);
   if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(req, res, *e);
   GenRequest& r = std::get<GenRequest>(parsed);
   Parsed<std::vector<int>> ids = tokenize(r, api);
@@ -195,7 +210,8 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   if (!r.seed_given) job->sampling.seed = std::random_device{}();
   const int64_t prompt_tokens = int64_t(job->prompt.size());
   const char* prefix = api == Api::kChat ? "chatcmpl-" : api == Api::kCompletion ? "cmpl-" : "msg_";
-  const ResponseInfo info{.id = make_id(prefix), .model = opt.model_id, .created = std::time(nullptr)};
+  const ResponseInfo info{
+      .id = make_id(prefix), .model = opt.model_id, .created = std::time(nullptr)};
   const bool in_reasoning = api != Api::kCompletion && prompt_opens_reasoning(r.prompt_text);
   const ApiError busy{.status = 503, .code = "queue_full", .type = "server_error"};
 
@@ -210,12 +226,15 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
     }
     Result<runtime::Generation> gen = result.get();
     if (!gen.ok())
-      return send_error(req, res, {.status = 500, .message = "generation failed: " + gen.error().message,
-                                   .type = "server_error"});
+      return send_error(req, res,
+                        {.status = 500,
+                         .message = "generation failed: " + gen.error().message,
+                         .type = "server_error"});
     if (api == Api::kCompletion) return send_json(res, 200, completion_response(info, *gen));
     ReplyParts reply = split_reply(gen->text, r.parse_tools, in_reasoning);
-    return send_json(res, 200, api == Api::kChat ? chat_response(info, *gen, reply)
-                                                 : messages_response(info, *gen, reply, r.stops));
+    return send_json(res, 200,
+                     api == Api::kChat ? chat_response(info, *gen, reply)
+                                       : messages_response(info, *gen, reply, r.stops));
   }
 
   auto channel = std::make_shared<StreamChannel>();
@@ -240,9 +259,11 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
     e.message = st.error().message;
     return send_error(req, res, e);
   }
-  std::shared_ptr<SseWriter> writer = make_sse_writer(
-      api, {.info = info, .include_usage = r.include_usage, .parse_tools = r.parse_tools,
-            .starts_in_reasoning = in_reasoning, .stops = r.stops});
+  std::shared_ptr<SseWriter> writer = make_sse_writer(api, {.info = info,
+                                                            .include_usage = r.include_usage,
+                                                            .parse_tools = r.parse_tools,
+                                                            .starts_in_reasoning = in_reasoning,
+                                                            .stops = r.stops});
   const bool anthropic = api == Api::kMessages;
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
@@ -274,7 +295,9 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
         Result<runtime::Generation>& gen = *channel->result;
         if (!gen.ok()) {
           // Headers are gone already: the failure is reported in the stream.
-          ApiError e{.status = 500, .message = "generation failed: " + gen.error().message, .type = "server_error"};
+          ApiError e{.status = 500,
+                     .message = "generation failed: " + gen.error().message,
+                     .type = "server_error"};
           if (!send(anthropic ? "event: error\ndata: " + dump_json(anthropic_error_body(e)) + "\n\n"
                               : "data: " + dump_json(openai_error_body(e)) + "\n\n"))
             return false;

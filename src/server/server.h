@@ -25,7 +25,7 @@ class Engine;
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
-  int port = 8080;  // 0 = any free port
+  int port = 8080;      // 0 = any free port
   std::string api_key;  // empty = no key needed
   std::string model_id;
   size_t max_body_bytes = 8 << 20;

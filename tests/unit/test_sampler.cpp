@@ -74,8 +74,13 @@ TEST(Sampler, MinPOneIsGreedy) {
 TEST(Sampler, SeedReproducesWithPenalties) {
   std::mt19937 rng(std::random_device{}());
   const std::vector<float> logits = random_logits(rng, 64);
-  const SamplerOptions opt{.temperature = 0.8f, .top_k = 20, .top_p = 0.9f, .min_p = 0.05f,
-                           .presence_penalty = 0.5f, .frequency_penalty = 0.3f, .seed = rng()};
+  const SamplerOptions opt{.temperature = 0.8f,
+                           .top_k = 20,
+                           .top_p = 0.9f,
+                           .min_p = 0.05f,
+                           .presence_penalty = 0.5f,
+                           .frequency_penalty = 0.3f,
+                           .seed = rng()};
   Sampler a(opt), b(opt);
   std::vector<int> sa, sb;
   for (int i = 0; i < 100; ++i) sa.push_back(a.sample(logits)), sb.push_back(b.sample(logits));

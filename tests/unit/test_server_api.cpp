@@ -62,10 +62,14 @@ TEST(ServerApi, ChatErrorsNameTheField) {
       {{{"messages", kUser}, {"n", 2}}, 400, "n"},
       {{{"messages", kUser}, {"presence_penalty", 5}}, 400, "presence_penalty"},
       {{{"messages", json::array({{{"content", "x"}}})}}, 400, "messages[0].role"},
-      {{{"messages", json::array({{{"role", "robot"}, {"content", "x"}}})}}, 400, "messages[0].role"},
+      {{{"messages", json::array({{{"role", "robot"}, {"content", "x"}}})}},
+       400,
+       "messages[0].role"},
       {{{"messages", json::array({{{"role", "user"}}})}}, 400, "messages[0].content"},
-      {{{"messages", json::array({{{"role", "user"}, {"content", json::array({{{"type", "image_url"}}})}}})}},
-       400, "messages[0].content[0]"},
+      {{{"messages",
+         json::array({{{"role", "user"}, {"content", json::array({{{"type", "image_url"}}})}}})}},
+       400,
+       "messages[0].content[0]"},
       {{{"messages", kUser}, {"tools", json::array({{{"type", "function"}}})}}, 400, "tools[0]"},
   };
   for (const Case& c : cases) {
@@ -80,23 +84,24 @@ TEST(ServerApi, ChatErrorsNameTheField) {
 }
 
 TEST(ServerApi, ChatFieldsAndRendering) {
-  GenRequest r = chat_ok({{"model", "tiny"},
-                          {"messages", json::array({{{"role", "developer"}, {"content", "be brief"}},
-                                                    {{"role", "user"},
-                                                     {"content", json::array({{{"type", "text"}, {"text", "a"}},
-                                                                              {{"type", "text"}, {"text", "b"}}})}}})},
-                          {"temperature", 0.7},
-                          {"top_p", 0.9},
-                          {"top_k", 40},
-                          {"min_p", 0.1},
-                          {"seed", 42},
-                          {"presence_penalty", 0.5},
-                          {"frequency_penalty", -0.25},
-                          {"max_completion_tokens", 17},
-                          {"stop", "END"},
-                          {"stream", true},
-                          {"stream_options", {{"include_usage", true}}},
-                          {"chat_template_kwargs", {{"enable_thinking", false}}}});
+  GenRequest r = chat_ok(
+      {{"model", "tiny"},
+       {"messages", json::array({{{"role", "developer"}, {"content", "be brief"}},
+                                 {{"role", "user"},
+                                  {"content", json::array({{{"type", "text"}, {"text", "a"}},
+                                                           {{"type", "text"}, {"text", "b"}}})}}})},
+       {"temperature", 0.7},
+       {"top_p", 0.9},
+       {"top_k", 40},
+       {"min_p", 0.1},
+       {"seed", 42},
+       {"presence_penalty", 0.5},
+       {"frequency_penalty", -0.25},
+       {"max_completion_tokens", 17},
+       {"stop", "END"},
+       {"stream", true},
+       {"stream_options", {{"include_usage", true}}},
+       {"chat_template_kwargs", {{"enable_thinking", false}}}});
   EXPECT_EQ(r.prompt_text, "[system|be brief][user|a\nb]think=False");
   EXPECT_FLOAT_EQ(r.sampling.temperature, 0.7f);
   EXPECT_FLOAT_EQ(r.sampling.top_p, 0.9f);
@@ -114,28 +119,38 @@ TEST(ServerApi, ChatFieldsAndRendering) {
   // Tools reach the template and switch on tool-call parsing; an assistant turn with
   // tool_calls and null content, then the tool's answer.
   const json tools = json::array({{{"type", "function"}, {"function", {{"name", "get_weather"}}}}});
-  r = chat_ok({{"messages", json::array({{{"role", "user"}, {"content", "w?"}},
-                                         {{"role", "assistant"}, {"content", nullptr},
-                                          {"tool_calls", json::array({{{"id", "c1"}, {"type", "function"},
-                                                                       {"function", {{"name", "get_weather"}, {"arguments", "{}"}}}}})}},
-                                         {{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "sunny"}}})},
-               {"tools", tools}});
+  r = chat_ok(
+      {{"messages",
+        json::array(
+            {{{"role", "user"}, {"content", "w?"}},
+             {{"role", "assistant"},
+              {"content", nullptr},
+              {"tool_calls",
+               json::array({{{"id", "c1"},
+                             {"type", "function"},
+                             {"function", {{"name", "get_weather"}, {"arguments", "{}"}}}}})}},
+             {{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "sunny"}}})},
+       {"tools", tools}});
   EXPECT_TRUE(r.parse_tools);
-  EXPECT_NE(r.prompt_text.find("[assistant|None|calls=[{\"id\": \"c1\""), std::string::npos) << r.prompt_text;
+  EXPECT_NE(r.prompt_text.find("[assistant|None|calls=[{\"id\": \"c1\""), std::string::npos)
+      << r.prompt_text;
   EXPECT_NE(r.prompt_text.find("[tool|sunny|id=c1]"), std::string::npos) << r.prompt_text;
-  EXPECT_NE(r.prompt_text.find("tools=[{\"type\": \"function\""), std::string::npos) << r.prompt_text;
+  EXPECT_NE(r.prompt_text.find("tools=[{\"type\": \"function\""), std::string::npos)
+      << r.prompt_text;
   // tool_choice "none" keeps them out.
   r = chat_ok({{"messages", kUser}, {"tools", tools}, {"tool_choice", "none"}});
   EXPECT_FALSE(r.parse_tools);
   EXPECT_EQ(r.prompt_text.find("tools="), std::string::npos);
   // Explicit nulls are absent fields.
-  r = chat_ok({{"messages", kUser}, {"temperature", nullptr}, {"max_tokens", nullptr}, {"stop", nullptr}});
+  r = chat_ok(
+      {{"messages", kUser}, {"temperature", nullptr}, {"max_tokens", nullptr}, {"stop", nullptr}});
   EXPECT_EQ(r.sampling.temperature, 0.0f);
   EXPECT_FALSE(r.max_tokens.has_value());
 }
 
 TEST(ServerApi, TemplateErrorIsA400OnMessages) {
-  auto t = ts::tokenizer::ChatTemplate::from_source("{{ raise_exception('roles must alternate') }}", {});
+  auto t =
+      ts::tokenizer::ChatTemplate::from_source("{{ raise_exception('roles must alternate') }}", {});
   ASSERT_TRUE(t.ok());
   auto r = ts::server::parse_chat_request({{"messages", kUser}}, t.value(), "tiny");
   ASSERT_TRUE(std::holds_alternative<ApiError>(r));
@@ -153,8 +168,9 @@ TEST(ServerApi, CompletionPrompts) {
   EXPECT_TRUE(ok({{"prompt", "abc"}}).add_special);
   EXPECT_EQ(ok({{"prompt", json::array({"xyz"})}}).prompt_text, "xyz");
   EXPECT_EQ(ok({{"prompt", json::array({5, 6, 7})}}).prompt_ids, (std::vector<int>{5, 6, 7}));
-  for (const json& bad : {json{{"model", "tiny"}}, json{{"prompt", 3}}, json{{"prompt", json::array({"a", "b"})}},
-                          json{{"prompt", json::array({1, -2})}}, json{{"prompt", "x"}, {"echo", true}}}) {
+  for (const json& bad :
+       {json{{"model", "tiny"}}, json{{"prompt", 3}}, json{{"prompt", json::array({"a", "b"})}},
+        json{{"prompt", json::array({1, -2})}}, json{{"prompt", "x"}, {"echo", true}}}) {
     auto r = ts::server::parse_completion_request(bad, "tiny");
     ASSERT_TRUE(std::holds_alternative<ApiError>(r)) << bad.dump();
     EXPECT_EQ(std::get<ApiError>(r).status, 400);
@@ -169,31 +185,41 @@ TEST(ServerApi, AnthropicConversion) {
       {"system", json::array({{{"type", "text"}, {"text", "sys"}}})},
       {"stop_sequences", json::array({"###"})},
       {"temperature", 0.5},
-      {"tools", json::array({{{"name", "get_weather"}, {"description", "d"},
+      {"tools", json::array({{{"name", "get_weather"},
+                              {"description", "d"},
                               {"input_schema", {{"type", "object"}}}}})},
-      {"messages",
-       json::array({{{"role", "user"}, {"content", "weather?"}},
-                    {{"role", "assistant"},
-                     {"content", json::array({{{"type", "text"}, {"text", "calling"}},
-                                              {{"type", "tool_use"}, {"id", "tu1"}, {"name", "get_weather"},
-                                               {"input", {{"city", "Oslo"}}}}})}},
-                    {{"role", "user"},
-                     {"content", json::array({{{"type", "tool_result"}, {"tool_use_id", "tu1"}, {"content", "cold"}}})}}})}};
+      {"messages", json::array({{{"role", "user"}, {"content", "weather?"}},
+                                {{"role", "assistant"},
+                                 {"content", json::array({{{"type", "text"}, {"text", "calling"}},
+                                                          {{"type", "tool_use"},
+                                                           {"id", "tu1"},
+                                                           {"name", "get_weather"},
+                                                           {"input", {{"city", "Oslo"}}}}})}},
+                                {{"role", "user"},
+                                 {"content", json::array({{{"type", "tool_result"},
+                                                           {"tool_use_id", "tu1"},
+                                                           {"content", "cold"}}})}}})}};
   auto r = ts::server::parse_messages_request(body, echo_template(), "tiny");
   ASSERT_TRUE(std::holds_alternative<GenRequest>(r)) << std::get<ApiError>(r).message;
   const GenRequest& g = std::get<GenRequest>(r);
   EXPECT_EQ(g.max_tokens, 30);
   EXPECT_EQ(g.stops, std::vector<std::string>{"###"});
   EXPECT_TRUE(g.parse_tools);
-  EXPECT_NE(g.prompt_text.find("[system|sys][user|weather?][assistant|calling|calls="), std::string::npos) << g.prompt_text;
-  EXPECT_NE(g.prompt_text.find("\"arguments\": \"{\\\"city\\\":\\\"Oslo\\\"}\""), std::string::npos) << g.prompt_text;
+  EXPECT_NE(g.prompt_text.find("[system|sys][user|weather?][assistant|calling|calls="),
+            std::string::npos)
+      << g.prompt_text;
+  EXPECT_NE(g.prompt_text.find("\"arguments\": \"{\\\"city\\\":\\\"Oslo\\\"}\""), std::string::npos)
+      << g.prompt_text;
   EXPECT_NE(g.prompt_text.find("[tool|cold|id=tu1]"), std::string::npos) << g.prompt_text;
-  EXPECT_NE(g.prompt_text.find("\"parameters\": {\"type\": \"object\"}"), std::string::npos) << g.prompt_text;
+  EXPECT_NE(g.prompt_text.find("\"parameters\": {\"type\": \"object\"}"), std::string::npos)
+      << g.prompt_text;
 
   // max_tokens is required on this route; temperature tops out at 1.
-  for (auto [patch, param] : std::vector<std::pair<json, std::string>>{
-           {{{"max_tokens", nullptr}}, "max_tokens"}, {{{"temperature", 1.5}}, "temperature"},
-           {{{"messages", json::array()}}, "messages"}, {{{"stop_sequences", "x"}}, "stop_sequences"}}) {
+  for (auto [patch, param] :
+       std::vector<std::pair<json, std::string>>{{{{"max_tokens", nullptr}}, "max_tokens"},
+                                                 {{{"temperature", 1.5}}, "temperature"},
+                                                 {{{"messages", json::array()}}, "messages"},
+                                                 {{{"stop_sequences", "x"}}, "stop_sequences"}}) {
     json b = body;
     b.update(patch);
     if (patch.contains("max_tokens")) b.erase("max_tokens");
@@ -204,11 +230,16 @@ TEST(ServerApi, AnthropicConversion) {
 }
 
 TEST(ServerApi, ErrorBodies) {
-  ApiError e{.status = 404, .message = "no such model", .param = "model", .code = "model_not_found"};
-  EXPECT_EQ(ts::server::openai_error_body(e),
-            json::parse(R"({"error":{"message":"no such model","type":"invalid_request_error","param":"model","code":"model_not_found"}})"));
-  EXPECT_EQ(ts::server::anthropic_error_body(e),
-            json::parse(R"({"type":"error","error":{"type":"not_found_error","message":"no such model"}})"));
+  ApiError e{
+      .status = 404, .message = "no such model", .param = "model", .code = "model_not_found"};
+  EXPECT_EQ(
+      ts::server::openai_error_body(e),
+      json::parse(
+          R"({"error":{"message":"no such model","type":"invalid_request_error","param":"model","code":"model_not_found"}})"));
+  EXPECT_EQ(
+      ts::server::anthropic_error_body(e),
+      json::parse(
+          R"({"type":"error","error":{"type":"not_found_error","message":"no such model"}})"));
 }
 
 ts::runtime::Generation gen(ts::runtime::StopReason why, int64_t generated) {
@@ -224,18 +255,22 @@ std::vector<std::string> event_names(const std::string& sse) {
 }
 
 TEST(ServerApi, AnthropicStreamSequence) {
-  auto w = ts::server::make_sse_writer(ts::server::Api::kMessages,
-                                       {.info = {.id = "msg_1", .model = "tiny"}, .parse_tools = true});
+  auto w = ts::server::make_sse_writer(
+      ts::server::Api::kMessages, {.info = {.id = "msg_1", .model = "tiny"}, .parse_tools = true});
   std::string sse = w->begin(9);
-  for (const char* piece : {"<thi", "nk>why</think>Hi", " there<tool_call>{\"name\": \"f\", ", "\"arguments\": {\"x\": 1}}</tool_call>"})
+  for (const char* piece : {"<thi", "nk>why</think>Hi", " there<tool_call>{\"name\": \"f\", ",
+                            "\"arguments\": {\"x\": 1}}</tool_call>"})
     sse += w->text(piece);
   sse += w->end(gen(ts::runtime::StopReason::kEos, 12));
   const std::vector<std::string> want = {
-      "message_start", "ping",
-      "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",  // thinking (+ signature)
-      "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",  // text
-      "content_block_start", "content_block_delta", "content_block_stop",                         // tool_use
-      "message_delta", "message_stop"};
+      "message_start",       "ping",
+      "content_block_start", "content_block_delta",
+      "content_block_delta", "content_block_stop",  // thinking (+ signature)
+      "content_block_start", "content_block_delta",
+      "content_block_delta", "content_block_stop",  // text
+      "content_block_start", "content_block_delta",
+      "content_block_stop",  // tool_use
+      "message_delta",       "message_stop"};
   EXPECT_EQ(event_names(sse), want) << sse;
   EXPECT_NE(sse.find(R"("stop_reason":"tool_use")"), std::string::npos);
   EXPECT_NE(sse.find(R"("usage":{"output_tokens":12})"), std::string::npos);
@@ -244,8 +279,9 @@ TEST(ServerApi, AnthropicStreamSequence) {
 }
 
 TEST(ServerApi, OpenAiChatStream) {
-  auto w = ts::server::make_sse_writer(ts::server::Api::kChat,
-                                       {.info = {.id = "c", .model = "tiny"}, .include_usage = true, .parse_tools = true});
+  auto w = ts::server::make_sse_writer(
+      ts::server::Api::kChat,
+      {.info = {.id = "c", .model = "tiny"}, .include_usage = true, .parse_tools = true});
   std::string sse = w->begin(9);  // one statement each: the order of + operands is unspecified
   sse += w->text("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>");
   sse += w->end(gen(ts::runtime::StopReason::kEos, 5));
@@ -271,14 +307,16 @@ TEST(ServerApi, OpenAiChatStream) {
 
 TEST(ServerApi, NonStreamResponses) {
   ts::server::ReplyParts parts = ts::server::split_reply("<think>r</think>text", true, false);
-  json chat = ts::server::chat_response({.id = "c", .model = "tiny"}, gen(ts::runtime::StopReason::kLength, 3), parts);
+  json chat = ts::server::chat_response({.id = "c", .model = "tiny"},
+                                        gen(ts::runtime::StopReason::kLength, 3), parts);
   EXPECT_EQ(chat["choices"][0]["message"]["content"], "text");
   EXPECT_EQ(chat["choices"][0]["message"]["reasoning_content"], "r");
   EXPECT_EQ(chat["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(chat["usage"]["completion_tokens"], 3);
   auto stopped = gen(ts::runtime::StopReason::kStop, 2);
   stopped.stop_index = 1;
-  json msg = ts::server::messages_response({.id = "m", .model = "tiny"}, stopped, parts, {"a", "b"});
+  json msg =
+      ts::server::messages_response({.id = "m", .model = "tiny"}, stopped, parts, {"a", "b"});
   EXPECT_EQ(msg["stop_reason"], "stop_sequence");
   EXPECT_EQ(msg["stop_sequence"], "b");
   EXPECT_EQ(msg["content"][0]["type"], "thinking");

@@ -17,13 +17,16 @@ using Kind = OutputEvent::Kind;
 std::vector<OutputEvent> merged(std::vector<OutputEvent> events) {
   std::vector<OutputEvent> out;
   for (OutputEvent& e : events) {
-    if (!out.empty() && e.kind != Kind::kToolCall && out.back().kind == e.kind) out.back().text += e.text;
-    else out.push_back(std::move(e));
+    if (!out.empty() && e.kind != Kind::kToolCall && out.back().kind == e.kind)
+      out.back().text += e.text;
+    else
+      out.push_back(std::move(e));
   }
   return out;
 }
 
-std::vector<OutputEvent> parse_pieces(const std::vector<std::string>& pieces, OutputParser::Options opt = {}) {
+std::vector<OutputEvent> parse_pieces(const std::vector<std::string>& pieces,
+                                      OutputParser::Options opt = {}) {
   OutputParser p(opt);
   std::vector<OutputEvent> all;
   for (const std::string& s : pieces)
@@ -47,19 +50,22 @@ void expect_events_equal(const std::vector<OutputEvent>& a, const std::vector<Ou
 }
 
 TEST(ServerParser, QwenToolCall) {
-  auto ev = parse("Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-                  "{\"city\": \"Paris\", \"days\": 2}}\n</tool_call>");
+  auto ev = parse(
+      "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+      "{\"city\": \"Paris\", \"days\": 2}}\n</tool_call>");
   ASSERT_EQ(ev.size(), 2u);
   EXPECT_EQ(ev[0].kind, Kind::kContent);
   EXPECT_EQ(ev[0].text, "Let me check.\n");
   EXPECT_EQ(ev[1].kind, Kind::kToolCall);
   EXPECT_EQ(ev[1].call.name, "get_weather");
-  EXPECT_EQ(nlohmann::json::parse(ev[1].call.arguments), (nlohmann::json{{"city", "Paris"}, {"days", 2}}));
+  EXPECT_EQ(nlohmann::json::parse(ev[1].call.arguments),
+            (nlohmann::json{{"city", "Paris"}, {"days", 2}}));
 }
 
 TEST(ServerParser, QwenTwoCallsAndStringArguments) {
-  auto ev = parse("<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n"
-                  "<tool_call>\n{\"name\": \"b\", \"arguments\": \"{\\\"x\\\": 1}\"}\n</tool_call>");
+  auto ev = parse(
+      "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"b\", \"arguments\": \"{\\\"x\\\": 1}\"}\n</tool_call>");
   ASSERT_EQ(ev.size(), 2u);
   EXPECT_EQ(ev[0].call.name, "a");
   EXPECT_EQ(ev[0].call.arguments, "{}");
@@ -172,7 +178,8 @@ TEST(ServerParser, AnySplitGivesTheSameEvents) {
 
 TEST(ServerParser, PromptOpensReasoning) {
   EXPECT_TRUE(ts::server::prompt_opens_reasoning("<|im_start|>assistant\n<think>\n"));
-  EXPECT_FALSE(ts::server::prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+  EXPECT_FALSE(
+      ts::server::prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
   EXPECT_FALSE(ts::server::prompt_opens_reasoning("<|im_start|>assistant\n"));
 }
 

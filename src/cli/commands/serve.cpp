@@ -55,8 +55,9 @@ Status cmd_serve(const Args& args) {
   opt.http_threads = int(max_queue) + 16;
   TS_TRY(args.check_all_used());
   if (!flags.capture_layers.empty() || !flags.router_hist.empty() || !flags.router_trace.empty())
-    return make_error("--capture-residual, --router-hist and --router-trace are not available in "
-                      "serve (they grow with every request)");
+    return make_error(
+        "--capture-residual, --router-hist and --router-trace are not available in "
+        "serve (they grow with every request)");
   if (opt.model_id.empty()) return make_error("--model-name: the model id must not be empty");
 
   TS_ASSIGN(std::unique_ptr<tokenizer::Tokenizer> tok, tokenizer::Tokenizer::load(flags.dir));
