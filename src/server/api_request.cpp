@@ -161,8 +161,20 @@ std::optional<ApiError> check_openai_tools(const json& tools) {
 Parsed<std::string> render(const tokenizer::ChatTemplate& tmpl, const json& messages,
                            const json& tools, const json& kwargs) {
   auto text = tmpl.render(messages, tools, /*add_generation_prompt=*/true, kwargs);
-  if (!text.ok())
+  if (!text.ok()) {
+    // Templates disagree on an assistant turn with tool calls and no text: DeepSeek-V3's
+    // renders the calls only when content is null, Qwen3's fails on null (`'</think>' in
+    // content`). Null as sent first, then "" in its place.
+    json blank = messages;
+    bool changed = false;
+    for (json& m : blank)
+      if (m["content"].is_null()) m["content"] = "", changed = true;
+    if (changed) {
+      auto again = tmpl.render(blank, tools, /*add_generation_prompt=*/true, kwargs);
+      if (again.ok()) return std::move(again.value());
+    }
     return bad("messages", "the chat template rejected the conversation: " + text.error().message);
+  }
   return std::move(text.value());
 }
 
@@ -212,6 +224,7 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
       if (!(role == "assistant" && has_calls))
         return bad(at + ".content", "'" + at + ".content' is required");
     }
+    if (!m.contains("content")) m["content"] = nullptr;
     if (has_calls && (role != "assistant" || !m["tool_calls"].is_array()))
       return bad(at + ".tool_calls",
                  "'" + at + ".tool_calls' must be an array on an assistant message");
@@ -351,7 +364,8 @@ std::optional<ApiError> convert_anthropic_message(const json& m, const std::stri
   }
   if (role == "user" && text.empty() && !out.empty() && out.back()["role"] == "tool")
     return std::nullopt;
-  json msg = {{"role", role}, {"content", text}};
+  json msg = {{"role", role},
+              {"content", text.empty() && !calls.empty() ? json(nullptr) : json(text)}};
   if (!thinking.empty()) msg["reasoning_content"] = thinking;
   if (!calls.empty()) msg["tool_calls"] = calls;
   out.push_back(std::move(msg));

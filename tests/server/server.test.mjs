@@ -317,7 +317,7 @@ test('tool calls and reasoning (fixed reply)', async () => {
     // The conversation goes on with the tool's answer.
     const next = await client.chat.completions.create({
       model: MODEL, tools,
-      messages: [...messages, { role: 'assistant', content: '', tool_calls: msg.tool_calls },
+      messages: [...messages, { role: 'assistant', content: null, tool_calls: msg.tool_calls },
                  { role: 'tool', tool_call_id: msg.tool_calls[0].id, content: '21 C' }],
     });
     assert.equal(next.choices[0].message.tool_calls.length, 1);

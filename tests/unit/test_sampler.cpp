@@ -24,7 +24,9 @@ TEST(Sampler, GreedyPenaltiesMatchReference) {
   std::mt19937 rng(std::random_device{}());
   for (int trial = 0; trial < 20; ++trial) {
     const std::vector<float> logits = random_logits(rng, 50);
-    std::uniform_real_distribution<float> pen(0.0f, 2.0f);
+    // Large enough that 40 steps always move greedy off the best token (the gap between the
+    // two best of 50 normal(0, 2) logits is far below presence + 40 * 0.2).
+    std::uniform_real_distribution<float> pen(0.2f, 2.0f);
     const float presence = pen(rng), frequency = pen(rng);
     Sampler s({.presence_penalty = presence, .frequency_penalty = frequency});
     std::map<int, int> counts;

@@ -2,6 +2,9 @@
 // OpenAI and Anthropic conversations for the chat template, responses and SSE sequences.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <filesystem>
+
 #include "server/api.h"
 #include "tokenizer/chat_template.h"
 
@@ -322,6 +325,77 @@ TEST(ServerApi, NonStreamResponses) {
   EXPECT_EQ(msg["content"][0]["type"], "thinking");
   EXPECT_EQ(msg["content"][1]["text"], "text");
   EXPECT_EQ(msg["usage"], (json{{"input_tokens", 9}, {"output_tokens", 2}}));
+}
+
+}  // namespace
+
+// The real Qwen3 and DeepSeek-V3 templates accept the converted conversations: tools, an
+// assistant turn with tool_calls and null content, and the tool's answer.
+namespace {
+
+void expect_real_template_renders(const std::string& name,
+                                  const std::vector<std::string>& needles) {
+  const char* env = std::getenv("TS_TOKENIZER_DATA");
+  const std::filesystem::path dir =
+      (env ? std::filesystem::path(env)
+           : std::filesystem::path(TS_TEST_DATA_DIR).parent_path() / "build-data" / "tokenizers") /
+      name;
+  if (!std::filesystem::exists(dir / "tokenizer_config.json"))
+    GTEST_SKIP() << "no " << dir.string() << ": run scripts/fetch_tokenizer_data.sh";
+  auto tmpl = ts::tokenizer::ChatTemplate::load(dir.string());
+  ASSERT_TRUE(tmpl.ok()) << tmpl.error().message;
+  const json tools = json::array({{{"type", "function"},
+                                   {"function",
+                                    {{"name", "get_weather"},
+                                     {"description", "Weather"},
+                                     {"parameters", {{"type", "object"}}}}}}});
+  const json body = {
+      {"tools", tools},
+      {"messages",
+       json::array({{{"role", "user"}, {"content", "Weather in Paris?"}},
+                    {{"role", "assistant"},
+                     {"content", nullptr},
+                     {"tool_calls", json::array({{{"id", "call_1"},
+                                                  {"type", "function"},
+                                                  {"function",
+                                                   {{"name", "get_weather"},
+                                                    {"arguments", "{\"city\": \"Paris\"}"}}}}})}},
+                    {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "21 C"}}})}};
+  auto r = ts::server::parse_chat_request(body, tmpl.value(), "m");
+  ASSERT_TRUE(std::holds_alternative<GenRequest>(r)) << std::get<ApiError>(r).message;
+  const std::string& text = std::get<GenRequest>(r).prompt_text;
+  for (const std::string& n : needles)
+    EXPECT_NE(text.find(n), std::string::npos) << n << "\n" << text;
+  // The same through the Anthropic route.
+  const json ant = {
+      {"max_tokens", 10},
+      {"tools", json::array({{{"name", "get_weather"}, {"input_schema", {{"type", "object"}}}}})},
+      {"messages", json::array({{{"role", "user"}, {"content", "Weather in Paris?"}},
+                                {{"role", "assistant"},
+                                 {"content", json::array({{{"type", "tool_use"},
+                                                           {"id", "call_1"},
+                                                           {"name", "get_weather"},
+                                                           {"input", {{"city", "Paris"}}}}})}},
+                                {{"role", "user"},
+                                 {"content", json::array({{{"type", "tool_result"},
+                                                           {"tool_use_id", "call_1"},
+                                                           {"content", "21 C"}}})}}})}};
+  auto a = ts::server::parse_messages_request(ant, tmpl.value(), "m");
+  ASSERT_TRUE(std::holds_alternative<GenRequest>(a)) << std::get<ApiError>(a).message;
+  EXPECT_NE(std::get<GenRequest>(a).prompt_text.find("21 C"), std::string::npos);
+}
+
+TEST(ServerApi, RealQwen3Template) {
+  expect_real_template_renders("qwen3", {"<tools>", "\"name\": \"get_weather\"",
+                                         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                                         "{\"city\": \"Paris\"}}\n</tool_call>",
+                                         "<tool_response>\n21 C\n</tool_response>"});
+}
+
+TEST(ServerApi, RealDeepSeekV3Template) {
+  expect_real_template_renders("deepseek_v3",
+                               {"<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather",
+                                "{\"city\": \"Paris\"}", "<｜tool▁output▁begin｜>21 C"});
 }
 
 }  // namespace

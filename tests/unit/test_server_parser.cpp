@@ -2,10 +2,13 @@
 // that any split of the text into stream pieces gives the same result as one piece.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
 
 #include "server/output_parser.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 
@@ -181,6 +184,54 @@ TEST(ServerParser, PromptOpensReasoning) {
   EXPECT_FALSE(
       ts::server::prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
   EXPECT_FALSE(ts::server::prompt_opens_reasoning("<|im_start|>assistant\n"));
+}
+
+}  // namespace
+
+// With the real Qwen3 and DeepSeek-V3 tokenizers: a reply encoded to ids, detokenized one id
+// at a time as the server does (special tokens skipped), parses into the same tool call. This
+// holds only because the tool-call markers are non-special added tokens in both.
+namespace {
+
+std::filesystem::path tokenizer_data_dir() {
+  if (const char* env = std::getenv("TS_TOKENIZER_DATA")) return env;
+  return std::filesystem::path(TS_TEST_DATA_DIR).parent_path() / "build-data" / "tokenizers";
+}
+
+void expect_streamed_call(const std::string& name, const std::string& reply) {
+  const auto dir = tokenizer_data_dir() / name;
+  if (!std::filesystem::exists(dir / "tokenizer.json"))
+    GTEST_SKIP() << "no " << dir.string() << ": run scripts/fetch_tokenizer_data.sh";
+  auto tok = ts::tokenizer::Tokenizer::load(dir.string());
+  ASSERT_TRUE(tok.ok()) << tok.error().message;
+  ts::tokenizer::StreamDecoder stream(**tok, /*skip_special=*/true);
+  OutputParser parser({});
+  std::vector<OutputEvent> events;
+  for (int id : (*tok)->encode(reply, false))
+    for (OutputEvent& e : parser.feed(stream.push(id))) events.push_back(std::move(e));
+  for (OutputEvent& e : parser.feed(stream.flush())) events.push_back(std::move(e));
+  for (OutputEvent& e : parser.finish()) events.push_back(std::move(e));
+  events = merged(std::move(events));
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].kind, Kind::kReasoning);
+  EXPECT_EQ(events[0].text, "Paris is in France.\n");
+  EXPECT_EQ(events[1].text, "Checking.");
+  EXPECT_EQ(events[2].call.name, "get_weather");
+  EXPECT_EQ(events[2].call.arguments, "{\"city\":\"Paris\"}");
+}
+
+TEST(ServerParser, Qwen3TokenizerRoundTrip) {
+  expect_streamed_call("qwen3",
+                       "<think>\nParis is in France.\n</think>\n\nChecking.<tool_call>\n{\"name\": "
+                       "\"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>");
+}
+
+TEST(ServerParser, DeepSeekV3TokenizerRoundTrip) {
+  expect_streamed_call(
+      "deepseek_v3",
+      "<think>Paris is in France.\n</think>Checking.<｜tool▁calls▁begin｜><｜tool▁call▁"
+      "begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜"
+      "tool▁call▁end｜><｜tool▁calls▁end｜>");
 }
 
 }  // namespace

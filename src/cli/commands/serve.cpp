@@ -45,7 +45,7 @@ Status cmd_serve(const Args& args) {
   opt.port = int(port);
   const char* env_key = std::getenv("TURBOSPARK_API_KEY");
   opt.api_key = args.str_or("api-key", env_key ? env_key : "");
-  TS_ASSIGN(int64_t max_queue, args.integer_or("max-queue", 64, 0, 1 << 16));
+  TS_ASSIGN(int64_t max_queue, args.integer_or("max-queue", 64, 1, 1 << 16));
   TS_ASSIGN(int64_t n_ctx, args.integer_or("n-ctx", 4096, 16, 1 << 24));
   TS_ASSIGN(int64_t max_body, args.integer_or("max-body-bytes", 8 << 20, 1024, int64_t(1) << 32));
   opt.max_body_bytes = size_t(max_body);
