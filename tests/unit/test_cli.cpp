@@ -261,3 +261,14 @@ TEST_F(Cli, ChatKeepsHistoryAndResets) {
 }
 
 }  // namespace
+
+TEST_F(Cli, ServeBadFlagsAreOneLineErrors) {
+  expect_error(run("serve --model " + model_ + " --port 70000"), "--port");
+  expect_error(run("serve --model " + model_ + " --max-queue -1"), "--max-queue");
+  expect_error(run("serve --model " + model_ + " --bogus 1"), "bogus");
+  expect_error(run("serve --model " + model_ + " --capture-residual 0 --capture-out " +
+                   (tmp_ / "c.npy").string()),
+               "not available in serve");
+  // 203.0.113.0/24 is TEST-NET-3: never an address of this machine.
+  expect_error(run("serve --model " + model_ + " --host 203.0.113.7 --port 8089"), "cannot bind");
+}

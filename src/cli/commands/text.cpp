@@ -12,6 +12,7 @@
 
 #include "cli/commands/commands.h"
 #include "cli/commands/common.h"
+#include "runtime/generate.h"
 #include "runtime/sampler.h"
 #include "runtime/session.h"
 #include "tokenizer/chat_template.h"
@@ -53,40 +54,6 @@ Result<ojson> read_json_file(const std::string& path, const char* what) {
   return j;
 }
 
-// Holds back text that might be the start of a stop string; reports a completed stop.
-class StopFilter {
- public:
-  explicit StopFilter(std::vector<std::string> stops) : stops_(std::move(stops)) {}
-  // Returns the text that is safe to show; sets *stopped when a stop string completed.
-  std::string feed(const std::string& text, bool* stopped) {
-    held_ += text;
-    for (const std::string& s : stops_) {
-      size_t at = held_.find(s);
-      if (at != std::string::npos) {
-        *stopped = true;
-        std::string out = held_.substr(0, at);
-        held_.clear();
-        return out;
-      }
-    }
-    size_t keep = 0;  // longest suffix of held_ that is a proper prefix of a stop string
-    for (const std::string& s : stops_)
-      for (size_t n = std::min(s.size() - 1, held_.size()); n > keep; --n)
-        if (held_.compare(held_.size() - n, n, s, 0, n) == 0) {
-          keep = n;
-          break;
-        }
-    std::string out = held_.substr(0, held_.size() - keep);
-    held_.erase(0, held_.size() - keep);
-    return out;
-  }
-  std::string flush() { return std::exchange(held_, {}); }
-
- private:
-  std::vector<std::string> stops_;
-  std::string held_;
-};
-
 struct TurnResult {
   std::string text;
   int64_t prompt_tokens = 0, generated = 0;
@@ -98,56 +65,28 @@ struct TurnResult {
 Result<TurnResult> generate_text(runtime::Engine& session, std::vector<int>& cached,
                                  const std::vector<int>& prompt, const tokenizer::Tokenizer& tok,
                                  const GenFlags& g, runtime::Sampler& sampler) {
-  TurnResult r;
-  size_t common = 0;
-  while (common < cached.size() && common < prompt.size() && cached[common] == prompt[common])
-    ++common;
-  if (common == prompt.size() && common > 0) --common;  // recompute the last token's logits
-  session.truncate(int(common));
-  cached.resize(common);
   if (int64_t(prompt.size()) + g.max_tokens > session.n_ctx())
     return make_error("prompt of " + std::to_string(prompt.size()) + " tokens + " +
                       std::to_string(g.max_tokens) + " new tokens exceed the context of " +
                       std::to_string(session.n_ctx()) + " (use -n or --n-ctx)");
-  using Clock = std::chrono::steady_clock;
-  auto t0 = Clock::now();
-  std::span<const int> fresh(prompt.data() + common, prompt.size() - common);
-  TS_TRY(session.forward(fresh, nullptr));
-  cached = prompt;
-  r.prompt_tokens = int64_t(prompt.size());
-  r.prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  t0 = Clock::now();
-  tokenizer::StreamDecoder stream(tok, /*skip_special=*/true);
-  StopFilter stops(g.stops);
-  bool stopped = false;
-  r.stop_reason = "length";
-  for (int64_t i = 0; i < g.max_tokens; ++i) {
-    const int next = sampler.sample(session.last_logits());
-    if (std::find(tok.eos_ids().begin(), tok.eos_ids().end(), next) != tok.eos_ids().end()) {
-      r.stop_reason = "eos";
-      break;
-    }
-    ++r.generated;
-    std::string piece = stops.feed(stream.push(next), &stopped);
-    std::fwrite(piece.data(), 1, piece.size(), stdout);
-    std::fflush(stdout);
-    r.text += piece;
-    if (stopped) {
-      r.stop_reason = "stop";
-      break;
-    }
-    TS_TRY(session.forward(std::span<const int>(&next, 1), nullptr));
-    cached.push_back(next);
-  }
-  if (!stopped) {
-    std::string tail = stops.feed(stream.flush(), &stopped);
-    if (!stopped) tail += stops.flush();
-    std::fwrite(tail.data(), 1, tail.size(), stdout);
-    r.text += tail;
-  }
-  std::fflush(stdout);
-  r.decode_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  return r;
+  runtime::GenerateParams params{
+      .max_tokens = g.max_tokens,
+      .stops = g.stops,
+      .next_token = [&](std::span<const float> logits) { return sampler.sample(logits); },
+      .on_text =
+          [](std::string_view piece) {
+            std::fwrite(piece.data(), 1, piece.size(), stdout);
+            std::fflush(stdout);
+            return true;
+          },
+  };
+  TS_ASSIGN(runtime::Generation gen, runtime::generate(session, cached, prompt, tok, params));
+  return TurnResult{.text = std::move(gen.text),
+                    .prompt_tokens = gen.prompt_tokens,
+                    .generated = gen.generated,
+                    .prefill_s = gen.prefill_s,
+                    .decode_s = gen.decode_s,
+                    .stop_reason = runtime::stop_reason_name(gen.stop_reason)};
 }
 
 void print_turn_stats(const TurnResult& r) {

@@ -1,0 +1,125 @@
+#include "runtime/generate.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "tokenizer/tokenizer.h"
+
+namespace ts::runtime {
+
+std::string StopFilter::feed(const std::string& text, bool* stopped) {
+  held_ += text;
+  for (size_t i = 0; i < stops_.size(); ++i) {
+    size_t at = held_.find(stops_[i]);
+    if (at != std::string::npos) {
+      *stopped = true;
+      matched_ = int(i);
+      std::string out = held_.substr(0, at);
+      held_.clear();
+      return out;
+    }
+  }
+  size_t keep = 0;  // longest suffix of held_ that is a proper prefix of a stop string
+  for (const std::string& s : stops_)
+    for (size_t n = std::min(s.size() - 1, held_.size()); n > keep; --n)
+      if (held_.compare(held_.size() - n, n, s, 0, n) == 0) {
+        keep = n;
+        break;
+      }
+  std::string out = held_.substr(0, held_.size() - keep);
+  held_.erase(0, held_.size() - keep);
+  return out;
+}
+
+const char* stop_reason_name(StopReason r) {
+  switch (r) {
+    case StopReason::kLength:
+      return "length";
+    case StopReason::kEos:
+      return "eos";
+    case StopReason::kStop:
+      return "stop";
+    case StopReason::kCancelled:
+      return "cancelled";
+  }
+  return "?";
+}
+
+namespace {
+
+Result<Generation> generate_on_cache(Session& session, std::vector<int>& cached,
+                                     std::span<const int> prompt, const tokenizer::Tokenizer& tok,
+                                     const GenerateParams& g) {
+  Generation r;
+  size_t common = 0;
+  while (common < cached.size() && common < prompt.size() && cached[common] == prompt[common])
+    ++common;
+  if (common == prompt.size() && common > 0) --common;  // recompute the last token's logits
+  session.truncate(int(common));
+  cached.resize(common);
+  if (int64_t(prompt.size()) + g.max_tokens > session.n_ctx())
+    return make_error("prompt of " + std::to_string(prompt.size()) + " tokens + " +
+                      std::to_string(g.max_tokens) + " new tokens exceed the context of " +
+                      std::to_string(session.n_ctx()));
+  using Clock = std::chrono::steady_clock;
+  auto t0 = Clock::now();
+  TS_TRY(session.forward(prompt.subspan(common), nullptr));
+  cached.assign(prompt.begin(), prompt.end());
+  r.prompt_tokens = int64_t(prompt.size());
+  r.reused_tokens = int64_t(common);
+  r.prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  t0 = Clock::now();
+  tokenizer::StreamDecoder stream(tok, /*skip_special=*/true);
+  StopFilter stops(g.stops);
+  bool stopped = false;
+  auto emit = [&](const std::string& piece) {
+    r.text += piece;
+    return !g.on_text || g.on_text(piece);
+  };
+  for (int64_t i = 0; i < g.max_tokens; ++i) {
+    const int next = g.next_token(session.last_logits());
+    if (std::find(tok.eos_ids().begin(), tok.eos_ids().end(), next) != tok.eos_ids().end()) {
+      r.stop_reason = StopReason::kEos;
+      break;
+    }
+    ++r.generated;
+    if (!emit(stops.feed(stream.push(next), &stopped))) {
+      r.stop_reason = StopReason::kCancelled;
+      break;
+    }
+    if (stopped) {
+      r.stop_reason = StopReason::kStop;
+      r.stop_index = stops.matched();
+      break;
+    }
+    TS_TRY(session.forward(std::span<const int>(&next, 1), nullptr));
+    cached.push_back(next);
+  }
+  if (!stopped && r.stop_reason != StopReason::kCancelled) {
+    std::string tail = stops.feed(stream.flush(), &stopped);
+    if (stopped) {
+      r.stop_reason = StopReason::kStop;
+      r.stop_index = stops.matched();
+    } else {
+      tail += stops.flush();
+    }
+    emit(tail);
+  }
+  r.decode_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace
+
+Result<Generation> generate(Session& session, std::vector<int>& cached, std::span<const int> prompt,
+                            const tokenizer::Tokenizer& tok, const GenerateParams& params) {
+  auto r = generate_on_cache(session, cached, prompt, tok, params);
+  if (!r.ok()) {
+    // The session may hold rows that `cached` does not describe: start afresh next time.
+    cached.clear();
+    session.reset();
+  }
+  return r;
+}
+
+}  // namespace ts::runtime

@@ -1,0 +1,69 @@
+// Text generation on a Session, shared by `run`, `chat` and the server: reuse the KV cache
+// of the longest common prefix with the previous call, prefill the rest, then sample token
+// by token, detokenize incrementally and hold back text that may be the start of a stop
+// string. Each piece of final text goes to a callback, which can cancel the generation.
+//
+// Invariant kept for the next call: `cached` holds exactly the tokens whose KV rows are in
+// the session (positions 0..cached.size()-1). On an error the cache is emptied.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+#include "runtime/session.h"
+
+namespace ts::tokenizer {
+class Tokenizer;
+}
+
+namespace ts::runtime {
+
+// Holds back text that might be the start of a stop string; reports a completed stop.
+class StopFilter {
+ public:
+  explicit StopFilter(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+  // Returns the text that is safe to show; sets *stopped when a stop string completed (the
+  // stop string and anything after it are dropped).
+  std::string feed(const std::string& text, bool* stopped);
+  std::string flush() { return std::exchange(held_, {}); }
+  // The stop string that completed, or -1.
+  int matched() const { return matched_; }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string held_;
+  int matched_ = -1;
+};
+
+enum class StopReason { kLength, kEos, kStop, kCancelled };
+const char* stop_reason_name(StopReason r);
+
+struct GenerateParams {
+  int64_t max_tokens = 256;
+  std::vector<std::string> stops;
+  // Picks the next token from the last logits (a Sampler, or a forced script in tests).
+  std::function<int(std::span<const float>)> next_token;
+  // Receives each piece of final text (possibly empty, once per token, so it can notice a
+  // gone client between tokens); returning false cancels the generation.
+  std::function<bool(std::string_view)> on_text;
+};
+
+struct Generation {
+  std::string text;
+  int64_t prompt_tokens = 0, generated = 0, reused_tokens = 0;
+  double prefill_s = 0, decode_s = 0;
+  StopReason stop_reason = StopReason::kLength;
+  int stop_index = -1;  // which stop string ended it (kStop)
+};
+
+// Precondition: prompt is not empty. Errors: prompt + max_tokens beyond the session's
+// context ("prompt of P tokens + N new tokens exceed the context of C"), a forward error.
+Result<Generation> generate(Session& session, std::vector<int>& cached, std::span<const int> prompt,
+                            const tokenizer::Tokenizer& tok, const GenerateParams& params);
+
+}  // namespace ts::runtime

@@ -1,0 +1,117 @@
+// The OpenAI and Anthropic wire formats: request bodies -> a validated GenRequest (errors
+// name the field, as the APIs do), and a finished or streaming generation -> response JSON
+// and SSE frames. No I/O here; server.cpp moves the bytes.
+//
+// Request rules shared by the three generating routes:
+//   - "model" must be the served id when given (404 model_not_found otherwise); absent is
+//     accepted (only Anthropic's SDK insists on it).
+//   - null counts as absent for optional fields (clients send explicit nulls).
+//   - sampling fields are range-checked: temperature [0, 2], top_p [0, 1], top_k >= 0,
+//     min_p [0, 1], presence/frequency_penalty [-2, 2], seed any integer.
+//   - max_tokens (chat: also max_completion_tokens) >= 1; absent = the rest of the context,
+//     except on /v1/messages where Anthropic requires it.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "runtime/generate.h"
+#include "runtime/sampler.h"
+#include "server/output_parser.h"
+
+namespace ts::tokenizer {
+class ChatTemplate;
+}
+
+namespace ts::server {
+
+using json = nlohmann::ordered_json;
+
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string param;  // the request field at fault; empty -> null
+  std::string code;   // e.g. "model_not_found"; empty -> null
+  std::string type = "invalid_request_error";
+};
+
+template <class T>
+using Parsed = std::variant<ApiError, T>;
+
+enum class Api { kChat, kCompletion, kMessages };
+
+// A generating request, validated, before tokenization.
+struct GenRequest {
+  Api api = Api::kChat;
+  bool stream = false;
+  bool include_usage = false;   // OpenAI stream_options.include_usage
+  std::string prompt_text;      // the rendered chat template, or a completion prompt
+  std::vector<int> prompt_ids;  // a completion prompt given as token ids
+  bool add_special = false;     // completion text prompts get BOS, as `run --prompt` does
+  bool parse_tools = false;     // the request declared tools: look for tool calls
+  runtime::SamplerOptions sampling;
+  bool seed_given = false;
+  std::optional<int64_t> max_tokens;
+  std::vector<std::string> stops;
+};
+
+Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTemplate& tmpl,
+                                      const std::string& model_id);
+Parsed<GenRequest> parse_completion_request(const json& body, const std::string& model_id);
+Parsed<GenRequest> parse_messages_request(const json& body, const tokenizer::ChatTemplate& tmpl,
+                                          const std::string& model_id);
+
+// Error bodies: {"error": {message, type, param, code}} and Anthropic's
+// {"type": "error", "error": {type, message}}.
+json openai_error_body(const ApiError& e);
+json anthropic_error_body(const ApiError& e);
+
+// Compact JSON; invalid UTF-8 (which should not occur: the stream decoder emits whole
+// characters) becomes U+FFFD instead of an exception.
+std::string dump_json(const json& j);
+
+// "chatcmpl-" + 24 random hex digits, and the like.
+std::string make_id(const std::string& prefix);
+
+// What the reply parsed into, for non-streaming responses.
+struct ReplyParts {
+  std::string reasoning, content;
+  std::vector<ToolCall> calls;
+};
+ReplyParts split_reply(const std::string& text, bool parse_tools, bool starts_in_reasoning);
+
+struct ResponseInfo {
+  std::string id, model;
+  int64_t created = 0;  // unix seconds
+};
+
+json chat_response(const ResponseInfo& info, const runtime::Generation& gen,
+                   const ReplyParts& reply);
+json completion_response(const ResponseInfo& info, const runtime::Generation& gen);
+json messages_response(const ResponseInfo& info, const runtime::Generation& gen,
+                       const ReplyParts& reply, const std::vector<std::string>& stops);
+
+// Turns a stream of reply text into SSE frames ("data: {...}\n\n", Anthropic frames with an
+// "event:" line). begin() once, then text() per piece, then end() with the result.
+class SseWriter {
+ public:
+  virtual ~SseWriter() = default;
+  virtual std::string begin(int64_t prompt_tokens) = 0;
+  virtual std::string text(std::string_view piece) = 0;
+  virtual std::string end(const runtime::Generation& gen) = 0;
+};
+
+struct StreamSpec {
+  ResponseInfo info;
+  bool include_usage = false;
+  bool parse_tools = false;
+  bool starts_in_reasoning = false;
+  std::vector<std::string> stops;  // Anthropic reports which one matched
+};
+std::unique_ptr<SseWriter> make_sse_writer(Api api, const StreamSpec& spec);
+
+}  // namespace ts::server

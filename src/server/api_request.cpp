@@ -1,0 +1,461 @@
+// Request bodies -> GenRequest. Each check names the field it is about.
+#include <random>
+
+#include "server/api.h"
+#include "tokenizer/chat_template.h"
+
+namespace ts::server {
+namespace {
+
+ApiError bad(std::string param, std::string message) {
+  return ApiError{.status = 400, .message = std::move(message), .param = std::move(param)};
+}
+
+// Reads optional fields of a JSON object; the first problem is kept and reported.
+class Fields {
+ public:
+  explicit Fields(const json& obj) : obj_(obj) {}
+
+  const json* get(const char* key) const {
+    auto it = obj_.find(key);
+    return it == obj_.end() || it->is_null() ? nullptr : &*it;
+  }
+  std::optional<double> number(const char* key, double lo, double hi) {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_number()) return fail(key, "must be a number"), std::nullopt;
+    double x = v->get<double>();
+    if (!(x >= lo && x <= hi))
+      return fail(key, "must be between " + num(lo) + " and " + num(hi)), std::nullopt;
+    return x;
+  }
+  std::optional<int64_t> integer(const char* key, int64_t lo, int64_t hi) {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_number_integer()) return fail(key, "must be an integer"), std::nullopt;
+    if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX))
+      return fail(key, "is too large"), std::nullopt;
+    int64_t x = v->get<int64_t>();
+    if (x < lo) return fail(key, "must be at least " + std::to_string(lo)), std::nullopt;
+    if (x > hi) return fail(key, "must be at most " + std::to_string(hi)), std::nullopt;
+    return x;
+  }
+  std::optional<bool> boolean(const char* key) {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_boolean()) return fail(key, "must be a boolean"), std::nullopt;
+    return v->get<bool>();
+  }
+  std::optional<std::string> string(const char* key) {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_string()) return fail(key, "must be a string"), std::nullopt;
+    return v->get<std::string>();
+  }
+  void fail(const std::string& key, const std::string& what) {
+    if (!error_) error_ = bad(key, "'" + key + "' " + what);
+  }
+  const std::optional<ApiError>& error() const { return error_; }
+
+ private:
+  static std::string num(double x) {
+    std::string s = std::to_string(x);
+    s.erase(s.find_last_not_of('0') + 1);
+    if (s.back() == '.') s.pop_back();
+    return s;
+  }
+  const json& obj_;
+  std::optional<ApiError> error_;
+};
+
+std::optional<ApiError> check_model(Fields& f, const std::string& model_id) {
+  std::optional<std::string> model = f.string("model");
+  if (model && *model != model_id)
+    return ApiError{.status = 404,
+                    .message = "The model '" + *model + "' does not exist; this server serves '" +
+                               model_id + "'",
+                    .param = "model",
+                    .code = "model_not_found"};
+  return std::nullopt;
+}
+
+// Sampling fields common to the OpenAI routes (Anthropic's are a subset, read the same way).
+void read_sampling(Fields& f, GenRequest& r, double max_temperature) {
+  if (auto t = f.number("temperature", 0, max_temperature)) r.sampling.temperature = float(*t);
+  if (auto p = f.number("top_p", 0, 1)) r.sampling.top_p = float(*p);
+  if (auto k = f.integer("top_k", 0, 1 << 30)) r.sampling.top_k = int(*k);
+  if (auto m = f.number("min_p", 0, 1)) r.sampling.min_p = float(*m);
+  if (auto s = f.integer("seed", INT64_MIN, INT64_MAX)) {
+    r.sampling.seed = uint64_t(*s);
+    r.seed_given = true;
+  }
+}
+
+// "stop": a string or an array of non-empty strings.
+void read_stops(Fields& f, const char* key, bool allow_string, GenRequest& r) {
+  const json* v = f.get(key);
+  if (!v) return;
+  if (allow_string && v->is_string()) {
+    r.stops = {v->get<std::string>()};
+  } else if (v->is_array()) {
+    for (const json& s : *v) {
+      if (!s.is_string()) return f.fail(key, "must hold only strings");
+      r.stops.push_back(s.get<std::string>());
+    }
+  } else {
+    return f.fail(key, allow_string ? "must be a string or an array of strings"
+                                    : "must be an array of strings");
+  }
+  for (const std::string& s : r.stops)
+    if (s.empty()) return f.fail(key, "must not contain an empty string");
+}
+
+void read_max_tokens(Fields& f, GenRequest& r, bool chat) {
+  // The context check comes later, once the prompt is tokenized.
+  if (auto n = f.integer("max_tokens", 1, INT32_MAX)) r.max_tokens = *n;
+  if (chat) {
+    if (auto n = f.integer("max_completion_tokens", 1, INT32_MAX)) r.max_tokens = *n;
+  }
+}
+
+// OpenAI content: a string, null, or an array of {"type": "text", "text": ...} parts, which
+// are joined with newlines (templates expect a string).
+std::optional<ApiError> flatten_content(json& msg, const std::string& where) {
+  auto it = msg.find("content");
+  if (it == msg.end() || it->is_null() || it->is_string()) return std::nullopt;
+  if (!it->is_array())
+    return bad(where + ".content",
+               "'" + where + ".content' must be a string, null or an array of text parts");
+  std::string text;
+  for (size_t i = 0; i < it->size(); ++i) {
+    const json& part = (*it)[i];
+    const std::string at = where + ".content[" + std::to_string(i) + "]";
+    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+        !part["text"].is_string())
+      return bad(
+          at,
+          "'" + at +
+              "' must be a {\"type\": \"text\", \"text\": string} part (only text is supported)");
+    if (!text.empty()) text += "\n";
+    text += part["text"].get<std::string>();
+  }
+  *it = text;
+  return std::nullopt;
+}
+
+std::optional<ApiError> check_openai_tools(const json& tools) {
+  if (!tools.is_array()) return bad("tools", "'tools' must be an array");
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const json& t = tools[i];
+    const std::string at = "tools[" + std::to_string(i) + "]";
+    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
+        !t["function"].is_object() || !t["function"].contains("name") ||
+        !t["function"]["name"].is_string())
+      return bad(
+          at,
+          "'" + at + "' must be {\"type\": \"function\", \"function\": {\"name\": string, ...}}");
+  }
+  return std::nullopt;
+}
+
+Parsed<std::string> render(const tokenizer::ChatTemplate& tmpl, const json& messages,
+                           const json& tools, const json& kwargs) {
+  auto text = tmpl.render(messages, tools, /*add_generation_prompt=*/true, kwargs);
+  if (!text.ok()) {
+    // Templates disagree on an assistant turn with tool calls and no text: DeepSeek-V3's
+    // renders the calls only when content is null, Qwen3's fails on null (`'</think>' in
+    // content`). Null as sent first, then "" in its place.
+    json blank = messages;
+    bool changed = false;
+    for (json& m : blank)
+      if (m["content"].is_null()) m["content"] = "", changed = true;
+    if (changed) {
+      auto again = tmpl.render(blank, tools, /*add_generation_prompt=*/true, kwargs);
+      if (again.ok()) return std::move(again.value());
+    }
+    return bad("messages", "the chat template rejected the conversation: " + text.error().message);
+  }
+  return std::move(text.value());
+}
+
+}  // namespace
+
+Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTemplate& tmpl,
+                                      const std::string& model_id) {
+  if (!body.is_object()) return bad("", "the request body must be a JSON object");
+  Fields f(body);
+  if (auto e = check_model(f, model_id)) return *e;
+  GenRequest r{.api = Api::kChat};
+  r.stream = f.boolean("stream").value_or(false);
+  if (const json* so = f.get("stream_options")) {
+    if (!so->is_object())
+      f.fail("stream_options", "must be an object");
+    else
+      r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
+  }
+  read_sampling(f, r, 2.0);
+  if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
+  if (auto p = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = float(*p);
+  read_max_tokens(f, r, /*chat=*/true);
+  read_stops(f, "stop", /*allow_string=*/true, r);
+  f.integer("n", 1, 1);  // one choice per request
+  if (f.boolean("logprobs").value_or(false)) f.fail("logprobs", "is not supported");
+  if (f.error()) return *f.error();
+
+  const json* msgs = f.get("messages");
+  if (!msgs) return bad("messages", "'messages' is required");
+  if (!msgs->is_array()) return bad("messages", "'messages' must be an array");
+  if (msgs->empty()) return bad("messages", "'messages' must not be empty");
+  json messages = json::array();
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const std::string at = "messages[" + std::to_string(i) + "]";
+    json m = (*msgs)[i];
+    if (!m.is_object()) return bad(at, "'" + at + "' must be an object");
+    if (!m.contains("role") || !m["role"].is_string())
+      return bad(at + ".role", "'" + at + ".role' must be a string");
+    std::string role = m["role"].get<std::string>();
+    if (role == "developer") m["role"] = role = "system";  // templates know "system"
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      return bad(at + ".role",
+                 "'" + at + ".role' must be system, developer, user, assistant or tool");
+    if (auto e = flatten_content(m, at)) return *e;
+    const bool has_calls = m.contains("tool_calls") && !m["tool_calls"].is_null();
+    if (!m.contains("content") || m["content"].is_null()) {
+      if (!(role == "assistant" && has_calls))
+        return bad(at + ".content", "'" + at + ".content' is required");
+    }
+    if (!m.contains("content")) m["content"] = nullptr;
+    if (has_calls && (role != "assistant" || !m["tool_calls"].is_array()))
+      return bad(at + ".tool_calls",
+                 "'" + at + ".tool_calls' must be an array on an assistant message");
+    messages.push_back(std::move(m));
+  }
+  json tools = nullptr;
+  if (const json* t = f.get("tools")) {
+    if (auto e = check_openai_tools(*t)) return *e;
+    if (!t->empty()) tools = *t;
+  }
+  // tool_choice "none": the tools stay out of the prompt and replies are not parsed for calls.
+  if (const json* choice = f.get("tool_choice"); choice && *choice == "none") tools = nullptr;
+  r.parse_tools = !tools.is_null();
+  json kwargs = nullptr;
+  if (const json* k = f.get("chat_template_kwargs")) {
+    if (!k->is_object())
+      return bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    kwargs = *k;
+  }
+  auto text = render(tmpl, messages, tools, kwargs);
+  if (auto* e = std::get_if<ApiError>(&text)) return *e;
+  r.prompt_text = std::move(std::get<std::string>(text));
+  return r;
+}
+
+Parsed<GenRequest> parse_completion_request(const json& body, const std::string& model_id) {
+  if (!body.is_object()) return bad("", "the request body must be a JSON object");
+  Fields f(body);
+  if (auto e = check_model(f, model_id)) return *e;
+  GenRequest r{.api = Api::kCompletion, .add_special = true};
+  r.stream = f.boolean("stream").value_or(false);
+  if (const json* so = f.get("stream_options")) {
+    if (!so->is_object())
+      f.fail("stream_options", "must be an object");
+    else
+      r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
+  }
+  read_sampling(f, r, 2.0);
+  if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
+  if (auto p = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = float(*p);
+  read_max_tokens(f, r, /*chat=*/false);
+  read_stops(f, "stop", /*allow_string=*/true, r);
+  f.integer("n", 1, 1);  // one choice per request
+  if (f.boolean("echo").value_or(false)) f.fail("echo", "is not supported");
+  if (f.get("suffix")) f.fail("suffix", "is not supported");
+  if (f.get("logprobs")) f.fail("logprobs", "is not supported");
+  if (f.error()) return *f.error();
+
+  // "prompt": a string, an array of one string, or token ids (one array, or one nested).
+  const json* p = f.get("prompt");
+  if (!p) return bad("prompt", "'prompt' is required");
+  json prompt = *p;
+  if (prompt.is_array() && prompt.size() == 1 && (prompt[0].is_string() || prompt[0].is_array()))
+    prompt = json(prompt[0]);
+  if (prompt.is_string()) {
+    r.prompt_text = prompt.get<std::string>();
+  } else if (prompt.is_array() && !prompt.empty()) {
+    for (const json& id : prompt) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+        return bad("prompt", "'prompt' must be a string, an array of one string, or token ids");
+      r.prompt_ids.push_back(int(id.get<int64_t>()));
+    }
+  } else {
+    return bad("prompt",
+               "'prompt' must be a string, an array of one string, or token ids "
+               "(one prompt per request)");
+  }
+  return r;
+}
+
+namespace {
+
+// Anthropic text: a string or an array of {"type": "text"} blocks.
+Parsed<std::string> anthropic_text(const json& v, const std::string& at) {
+  if (v.is_string()) return v.get<std::string>();
+  if (!v.is_array()) return bad(at, "'" + at + "' must be a string or an array of text blocks");
+  std::string text;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const json& b = v[i];
+    if (!b.is_object() || b.value("type", "") != "text" || !b.contains("text") ||
+        !b["text"].is_string())
+      return bad(at, "'" + at + "[" + std::to_string(i) + "]' must be a text block");
+    if (!text.empty()) text += "\n";
+    text += b["text"].get<std::string>();
+  }
+  return text;
+}
+
+// One Anthropic message -> template messages (OpenAI shape): tool_result blocks become "tool"
+// messages, tool_use blocks the assistant's tool_calls, thinking blocks reasoning_content.
+std::optional<ApiError> convert_anthropic_message(const json& m, const std::string& at, json& out) {
+  if (!m.is_object()) return bad(at, "'" + at + "' must be an object");
+  const std::string role =
+      m.contains("role") && m["role"].is_string() ? m["role"].get<std::string>() : "";
+  if (role != "user" && role != "assistant")
+    return bad(at + ".role", "'" + at + ".role' must be user or assistant");
+  if (!m.contains("content")) return bad(at + ".content", "'" + at + ".content' is required");
+  const json& content = m["content"];
+  if (content.is_string()) {
+    out.push_back({{"role", role}, {"content", content}});
+    return std::nullopt;
+  }
+  if (!content.is_array())
+    return bad(at + ".content", "'" + at + ".content' must be a string or an array of blocks");
+  std::string text, thinking;
+  json calls = json::array();
+  for (size_t i = 0; i < content.size(); ++i) {
+    const json& b = content[i];
+    const std::string bat = at + ".content[" + std::to_string(i) + "]";
+    const std::string type = b.is_object() ? b.value("type", "") : "";
+    if (type == "text" && b.contains("text") && b["text"].is_string()) {
+      if (!text.empty()) text += "\n";
+      text += b["text"].get<std::string>();
+    } else if (type == "thinking" && role == "assistant") {
+      thinking += b.value("thinking", "");
+    } else if (type == "tool_use" && role == "assistant") {
+      if (!b.contains("name") || !b["name"].is_string() || !b.contains("input") ||
+          !b["input"].is_object())
+        return bad(bat, "'" + bat + "' (tool_use) needs a string name and an object input");
+      calls.push_back({{"id", b.value("id", "")},
+                       {"type", "function"},
+                       {"function", {{"name", b["name"]}, {"arguments", b["input"].dump()}}}});
+    } else if (type == "tool_result" && role == "user") {
+      std::string result;
+      if (b.contains("content")) {
+        auto r = anthropic_text(b["content"], bat + ".content");
+        if (auto* e = std::get_if<ApiError>(&r)) return *e;
+        result = std::get<std::string>(r);
+      }
+      out.push_back(
+          {{"role", "tool"}, {"tool_call_id", b.value("tool_use_id", "")}, {"content", result}});
+    } else {
+      return bad(
+          bat, "'" + bat + "' has an unsupported block type '" + type +
+                   "' (text, tool_use and thinking from the assistant, tool_result from the user)");
+    }
+  }
+  if (role == "user" && text.empty() && !out.empty() && out.back()["role"] == "tool")
+    return std::nullopt;
+  json msg = {{"role", role},
+              {"content", text.empty() && !calls.empty() ? json(nullptr) : json(text)}};
+  if (!thinking.empty()) msg["reasoning_content"] = thinking;
+  if (!calls.empty()) msg["tool_calls"] = calls;
+  out.push_back(std::move(msg));
+  return std::nullopt;
+}
+
+}  // namespace
+
+Parsed<GenRequest> parse_messages_request(const json& body, const tokenizer::ChatTemplate& tmpl,
+                                          const std::string& model_id) {
+  if (!body.is_object()) return bad("", "the request body must be a JSON object");
+  Fields f(body);
+  if (auto e = check_model(f, model_id)) return *e;
+  GenRequest r{.api = Api::kMessages};
+  r.stream = f.boolean("stream").value_or(false);
+  read_sampling(f, r, 1.0);
+  read_stops(f, "stop_sequences", /*allow_string=*/false, r);
+  if (!f.get("max_tokens") && !f.error()) f.fail("max_tokens", "is required");
+  read_max_tokens(f, r, /*chat=*/false);
+  if (f.error()) return *f.error();
+
+  json messages = json::array();
+  if (const json* sys = f.get("system")) {
+    auto text = anthropic_text(*sys, "system");
+    if (auto* e = std::get_if<ApiError>(&text)) return *e;
+    messages.push_back({{"role", "system"}, {"content", std::get<std::string>(text)}});
+  }
+  const json* msgs = f.get("messages");
+  if (!msgs) return bad("messages", "'messages' is required");
+  if (!msgs->is_array()) return bad("messages", "'messages' must be an array");
+  if (msgs->empty()) return bad("messages", "'messages' must not be empty");
+  for (size_t i = 0; i < msgs->size(); ++i)
+    if (auto e =
+            convert_anthropic_message((*msgs)[i], "messages[" + std::to_string(i) + "]", messages))
+      return *e;
+  json tools = nullptr;
+  if (const json* t = f.get("tools")) {
+    if (!t->is_array()) return bad("tools", "'tools' must be an array");
+    tools = json::array();
+    for (size_t i = 0; i < t->size(); ++i) {
+      const json& d = (*t)[i];
+      const std::string at = "tools[" + std::to_string(i) + "]";
+      if (!d.is_object() || !d.contains("name") || !d["name"].is_string())
+        return bad(at, "'" + at + "' must be an object with a string name");
+      json fn = {{"name", d["name"]}};
+      if (d.contains("description")) fn["description"] = d["description"];
+      fn["parameters"] = d.value("input_schema", json::object());
+      tools.push_back({{"type", "function"}, {"function", fn}});
+    }
+    if (tools.empty()) tools = nullptr;
+  }
+  if (const json* choice = f.get("tool_choice");
+      choice && choice->is_object() && choice->value("type", "") == "none")
+    tools = nullptr;
+  r.parse_tools = !tools.is_null();
+  auto text = render(tmpl, messages, tools, nullptr);
+  if (auto* e = std::get_if<ApiError>(&text)) return *e;
+  r.prompt_text = std::move(std::get<std::string>(text));
+  return r;
+}
+
+json openai_error_body(const ApiError& e) {
+  return {{"error",
+           {{"message", e.message},
+            {"type", e.type},
+            {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+            {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
+}
+
+json anthropic_error_body(const ApiError& e) {
+  // Anthropic's types by status: invalid_request_error, authentication_error, not_found_error,
+  // request_too_large, overloaded_error, api_error.
+  std::string type = e.type;
+  if (e.status == 401)
+    type = "authentication_error";
+  else if (e.status == 404)
+    type = "not_found_error";
+  else if (e.status == 413)
+    type = "request_too_large";
+  else if (e.status == 503)
+    type = "overloaded_error";
+  return {{"type", "error"}, {"error", {{"type", type}, {"message", e.message}}}};
+}
+
+std::string make_id(const std::string& prefix) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id = prefix;
+  for (int i = 0; i < 24; ++i) id += kHex[rng() & 15];
+  return id;
+}
+
+}  // namespace ts::server

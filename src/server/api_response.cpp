@@ -1,0 +1,336 @@
+// Generation results -> OpenAI / Anthropic response JSON and SSE frames.
+#include "server/api.h"
+
+namespace ts::server {
+namespace {
+
+using runtime::StopReason;
+
+std::string openai_finish(const runtime::Generation& gen, bool has_calls) {
+  if (gen.stop_reason == StopReason::kLength) return "length";
+  return has_calls ? "tool_calls" : "stop";
+}
+
+json anthropic_stop(const runtime::Generation& gen, bool has_calls,
+                    const std::vector<std::string>& stops, json* stop_sequence) {
+  *stop_sequence = nullptr;
+  if (gen.stop_reason == StopReason::kLength) return "max_tokens";
+  if (gen.stop_reason == StopReason::kStop && gen.stop_index >= 0 &&
+      size_t(gen.stop_index) < stops.size()) {
+    *stop_sequence = stops[size_t(gen.stop_index)];
+    return "stop_sequence";
+  }
+  return has_calls ? "tool_use" : "end_turn";
+}
+
+json openai_usage(const runtime::Generation& gen) {
+  return {{"prompt_tokens", gen.prompt_tokens},
+          {"completion_tokens", gen.generated},
+          {"total_tokens", gen.prompt_tokens + gen.generated}};
+}
+
+json tool_call_json(const ToolCall& c, const std::string& id) {
+  return {{"id", id},
+          {"type", "function"},
+          {"function", {{"name", c.name}, {"arguments", c.arguments}}}};
+}
+
+json parse_object(const std::string& text) {
+  json j = json::parse(text, nullptr, false);
+  return j.is_object() ? j : json::object();
+}
+
+std::string data_frame(const json& j) { return "data: " + dump_json(j) + "\n\n"; }
+std::string event_frame(const char* event, const json& j) {
+  return std::string("event: ") + event + "\ndata: " + dump_json(j) + "\n\n";
+}
+
+}  // namespace
+
+std::string dump_json(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+ReplyParts split_reply(const std::string& text, bool parse_tools, bool starts_in_reasoning) {
+  OutputParser parser({.starts_in_reasoning = starts_in_reasoning, .parse_tools = parse_tools});
+  std::vector<OutputEvent> events = parser.feed(text);
+  for (OutputEvent& e : parser.finish()) events.push_back(std::move(e));
+  ReplyParts r;
+  for (OutputEvent& e : events) {
+    switch (e.kind) {
+      case OutputEvent::Kind::kReasoning:
+        r.reasoning += e.text;
+        break;
+      case OutputEvent::Kind::kContent:
+        r.content += e.text;
+        break;
+      case OutputEvent::Kind::kToolCall:
+        r.calls.push_back(std::move(e.call));
+        break;
+    }
+  }
+  return r;
+}
+
+json chat_response(const ResponseInfo& info, const runtime::Generation& gen,
+                   const ReplyParts& reply) {
+  json message = {{"role", "assistant"},
+                  {"content", reply.content.empty() && !reply.calls.empty() ? json(nullptr)
+                                                                            : json(reply.content)}};
+  if (!reply.reasoning.empty()) message["reasoning_content"] = reply.reasoning;
+  if (!reply.calls.empty()) {
+    json calls = json::array();
+    for (const ToolCall& c : reply.calls) calls.push_back(tool_call_json(c, make_id("call_")));
+    message["tool_calls"] = calls;
+  }
+  return {{"id", info.id},
+          {"object", "chat.completion"},
+          {"created", info.created},
+          {"model", info.model},
+          {"choices", json::array({{{"index", 0},
+                                    {"message", message},
+                                    {"logprobs", nullptr},
+                                    {"finish_reason", openai_finish(gen, !reply.calls.empty())}}})},
+          {"usage", openai_usage(gen)}};
+}
+
+json completion_response(const ResponseInfo& info, const runtime::Generation& gen) {
+  return {{"id", info.id},
+          {"object", "text_completion"},
+          {"created", info.created},
+          {"model", info.model},
+          {"choices", json::array({{{"index", 0},
+                                    {"text", gen.text},
+                                    {"logprobs", nullptr},
+                                    {"finish_reason", openai_finish(gen, false)}}})},
+          {"usage", openai_usage(gen)}};
+}
+
+json messages_response(const ResponseInfo& info, const runtime::Generation& gen,
+                       const ReplyParts& reply, const std::vector<std::string>& stops) {
+  json content = json::array();
+  if (!reply.reasoning.empty())
+    content.push_back({{"type", "thinking"}, {"thinking", reply.reasoning}, {"signature", ""}});
+  if (!reply.content.empty()) content.push_back({{"type", "text"}, {"text", reply.content}});
+  for (const ToolCall& c : reply.calls)
+    content.push_back({{"type", "tool_use"},
+                       {"id", make_id("toolu_")},
+                       {"name", c.name},
+                       {"input", parse_object(c.arguments)}});
+  json stop_sequence;
+  json stop_reason = anthropic_stop(gen, !reply.calls.empty(), stops, &stop_sequence);
+  return {{"id", info.id},
+          {"type", "message"},
+          {"role", "assistant"},
+          {"model", info.model},
+          {"content", content},
+          {"stop_reason", stop_reason},
+          {"stop_sequence", stop_sequence},
+          {"usage", {{"input_tokens", gen.prompt_tokens}, {"output_tokens", gen.generated}}}};
+}
+
+namespace {
+
+// OpenAI chat.completion.chunk frames.
+class ChatSse final : public SseWriter {
+ public:
+  explicit ChatSse(StreamSpec spec)
+      : spec_(std::move(spec)),
+        parser_(
+            {.starts_in_reasoning = spec_.starts_in_reasoning, .parse_tools = spec_.parse_tools}) {}
+  std::string begin(int64_t) override {
+    return chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
+  }
+  std::string text(std::string_view piece) override { return frames(parser_.feed(piece)); }
+  std::string end(const runtime::Generation& gen) override {
+    std::string out = frames(parser_.finish());
+    out += chunk(json::object(), openai_finish(gen, n_calls_ > 0));
+    if (spec_.include_usage) {
+      json usage = base();
+      usage["choices"] = json::array();
+      usage["usage"] = openai_usage(gen);
+      out += data_frame(usage);
+    }
+    return out + "data: [DONE]\n\n";
+  }
+
+ private:
+  json base() const {
+    return {{"id", spec_.info.id},
+            {"object", "chat.completion.chunk"},
+            {"created", spec_.info.created},
+            {"model", spec_.info.model}};
+  }
+  std::string chunk(const json& delta, const json& finish) const {
+    json j = base();
+    j["choices"] = json::array(
+        {{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+    return data_frame(j);
+  }
+  std::string frames(const std::vector<OutputEvent>& events) {
+    std::string out;
+    for (const OutputEvent& e : events) {
+      if (e.kind == OutputEvent::Kind::kReasoning) {
+        out += chunk({{"reasoning_content", e.text}}, nullptr);
+      } else if (e.kind == OutputEvent::Kind::kContent) {
+        out += chunk({{"content", e.text}}, nullptr);
+      } else {
+        json call = tool_call_json(e.call, make_id("call_"));
+        call["index"] = n_calls_++;
+        out += chunk({{"tool_calls", json::array({call})}}, nullptr);
+      }
+    }
+    return out;
+  }
+  StreamSpec spec_;
+  OutputParser parser_;
+  int n_calls_ = 0;
+};
+
+// OpenAI text_completion frames: the raw text, no parsing.
+class CompletionSse final : public SseWriter {
+ public:
+  explicit CompletionSse(StreamSpec spec) : spec_(std::move(spec)) {}
+  std::string begin(int64_t) override { return {}; }
+  std::string text(std::string_view piece) override {
+    return piece.empty() ? std::string() : chunk(std::string(piece), nullptr);
+  }
+  std::string end(const runtime::Generation& gen) override {
+    std::string out = chunk("", openai_finish(gen, false));
+    if (spec_.include_usage) {
+      json usage = base();
+      usage["choices"] = json::array();
+      usage["usage"] = openai_usage(gen);
+      out += data_frame(usage);
+    }
+    return out + "data: [DONE]\n\n";
+  }
+
+ private:
+  json base() const {
+    return {{"id", spec_.info.id},
+            {"object", "text_completion"},
+            {"created", spec_.info.created},
+            {"model", spec_.info.model}};
+  }
+  std::string chunk(const std::string& text, const json& finish) const {
+    json j = base();
+    j["choices"] = json::array(
+        {{{"index", 0}, {"text", text}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+    return data_frame(j);
+  }
+  StreamSpec spec_;
+};
+
+// Anthropic's event sequence: message_start, then per content block content_block_start /
+// content_block_delta... / content_block_stop, then message_delta (stop reason, output
+// tokens) and message_stop.
+class MessagesSse final : public SseWriter {
+ public:
+  explicit MessagesSse(StreamSpec spec)
+      : spec_(std::move(spec)),
+        parser_(
+            {.starts_in_reasoning = spec_.starts_in_reasoning, .parse_tools = spec_.parse_tools}) {}
+  std::string begin(int64_t prompt_tokens) override {
+    json message = {{"id", spec_.info.id},
+                    {"type", "message"},
+                    {"role", "assistant"},
+                    {"model", spec_.info.model},
+                    {"content", json::array()},
+                    {"stop_reason", nullptr},
+                    {"stop_sequence", nullptr},
+                    {"usage", {{"input_tokens", prompt_tokens}, {"output_tokens", 0}}}};
+    return event_frame("message_start", {{"type", "message_start"}, {"message", message}}) +
+           event_frame("ping", {{"type", "ping"}});
+  }
+  std::string text(std::string_view piece) override { return frames(parser_.feed(piece)); }
+  std::string end(const runtime::Generation& gen) override {
+    std::string out = frames(parser_.finish());
+    out += close_block();
+    json stop_sequence;
+    json stop_reason = anthropic_stop(gen, has_calls_, spec_.stops, &stop_sequence);
+    out += event_frame("message_delta",
+                       {{"type", "message_delta"},
+                        {"delta", {{"stop_reason", stop_reason}, {"stop_sequence", stop_sequence}}},
+                        {"usage", {{"output_tokens", gen.generated}}}});
+    return out + event_frame("message_stop", {{"type", "message_stop"}});
+  }
+
+ private:
+  enum class Block { kNone, kThinking, kText };
+  std::string close_block() {
+    if (open_ == Block::kNone) return {};
+    std::string out;
+    if (open_ == Block::kThinking)
+      out += event_frame("content_block_delta",
+                         {{"type", "content_block_delta"},
+                          {"index", index_},
+                          {"delta", {{"type", "signature_delta"}, {"signature", ""}}}});
+    out += event_frame("content_block_stop", {{"type", "content_block_stop"}, {"index", index_}});
+    open_ = Block::kNone;
+    ++index_;
+    return out;
+  }
+  std::string open_block(const json& block) {
+    return event_frame(
+        "content_block_start",
+        {{"type", "content_block_start"}, {"index", index_}, {"content_block", block}});
+  }
+  std::string frames(const std::vector<OutputEvent>& events) {
+    std::string out;
+    for (const OutputEvent& e : events) {
+      if (e.kind == OutputEvent::Kind::kToolCall) {
+        out += close_block();
+        has_calls_ = true;
+        out += open_block({{"type", "tool_use"},
+                           {"id", make_id("toolu_")},
+                           {"name", e.call.name},
+                           {"input", json::object()}});
+        out += event_frame(
+            "content_block_delta",
+            {{"type", "content_block_delta"},
+             {"index", index_},
+             {"delta", {{"type", "input_json_delta"}, {"partial_json", e.call.arguments}}}});
+        out +=
+            event_frame("content_block_stop", {{"type", "content_block_stop"}, {"index", index_}});
+        ++index_;
+        continue;
+      }
+      const bool thinking = e.kind == OutputEvent::Kind::kReasoning;
+      const std::string& text = e.text;
+      const Block want = thinking ? Block::kThinking : Block::kText;
+      if (open_ != want) {
+        out += close_block();
+        out += open_block(thinking ? json{{"type", "thinking"}, {"thinking", ""}, {"signature", ""}}
+                                   : json{{"type", "text"}, {"text", ""}});
+        open_ = want;
+      }
+      json delta = thinking ? json{{"type", "thinking_delta"}, {"thinking", text}}
+                            : json{{"type", "text_delta"}, {"text", text}};
+      out += event_frame("content_block_delta",
+                         {{"type", "content_block_delta"}, {"index", index_}, {"delta", delta}});
+    }
+    return out;
+  }
+  StreamSpec spec_;
+  OutputParser parser_;
+  Block open_ = Block::kNone;
+  int index_ = 0;
+  bool has_calls_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<SseWriter> make_sse_writer(Api api, const StreamSpec& spec) {
+  switch (api) {
+    case Api::kChat:
+      return std::make_unique<ChatSse>(spec);
+    case Api::kCompletion:
+      return std::make_unique<CompletionSse>(spec);
+    case Api::kMessages:
+      return std::make_unique<MessagesSse>(spec);
+  }
+  return nullptr;
+}
+
+}  // namespace ts::server

@@ -1,0 +1,119 @@
+#include "server/engine.h"
+
+#include <cstdio>
+#include <exception>
+
+#include "tokenizer/tokenizer.h"
+
+namespace ts::server {
+
+Engine::Engine(EngineOptions options)
+    : opt_(std::move(options)),
+      session_(*opt_.model, *opt_.pool, std::move(opt_.session)),
+      thread_([this] { run(); }) {}
+
+Engine::~Engine() { stop(); }
+
+Status Engine::submit(std::shared_ptr<Job> job) {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return make_error("the server is shutting down");
+    if (int(queue_.size()) >= opt_.max_queue)
+      return make_error("the server is busy: " + std::to_string(queue_.size()) +
+                        " requests are already waiting (--max-queue " +
+                        std::to_string(opt_.max_queue) + ")");
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+  return {};
+}
+
+void Engine::stop() {
+  std::deque<std::shared_ptr<Job>> left;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+    left.swap(queue_);
+    if (current_) current_->cancelled = true;
+  }
+  cv_.notify_one();
+  for (auto& job : left)
+    if (job->on_done) job->on_done(make_error("the server is shutting down"));
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+int Engine::queue_depth() const {
+  std::lock_guard lock(mu_);
+  return int(queue_.size());
+}
+
+void Engine::run() {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      job = queue_.front();
+      queue_.pop_front();
+      current_ = job;
+      running_ = true;
+    }
+    Result<runtime::Generation> r =
+        runtime::Generation{.stop_reason = runtime::StopReason::kCancelled};
+    if (!job->cancelled) {
+      // One request's failure (a bad allocation, a storage read error) fails that request only.
+      try {
+        r = generate(*job);
+      } catch (const std::exception& e) {
+        cached_.clear();
+        session_.reset();
+        r = make_error(std::string("internal error: ") + e.what());
+      }
+    }
+    if (r.ok())
+      metrics_.record_generation(*r, opt_.model->experts().stats());
+    else
+      metrics_.count_failure();
+    if (opt_.log_stats && r.ok())
+      std::fprintf(stderr,
+                   "serve: prompt %lld tokens (%lld reused) in %.3f s, generated %lld in %.3f s "
+                   "(%.1f tok/s), stop: %s\n",
+                   (long long)r->prompt_tokens, (long long)r->reused_tokens, r->prefill_s,
+                   (long long)r->generated, r->decode_s,
+                   r->decode_s > 0 ? double(r->generated) / r->decode_s : 0.0,
+                   runtime::stop_reason_name(r->stop_reason));
+    {
+      std::lock_guard lock(mu_);
+      current_.reset();
+      running_ = false;
+    }
+    if (job->on_done) job->on_done(std::move(r));
+  }
+}
+
+Result<runtime::Generation> Engine::generate(Job& job) {
+  runtime::Sampler sampler(job.sampling);
+  size_t forced_at = 0;
+  const std::vector<int>& forced = opt_.forced_reply;
+  const std::vector<int>& eos = opt_.tokenizer->eos_ids();
+  runtime::GenerateParams params{
+      .max_tokens = job.max_tokens,
+      .stops = job.stops,
+      .next_token =
+          [&](std::span<const float> logits) {
+            if (forced.empty()) return sampler.sample(logits);
+            if (forced_at < forced.size()) return forced[forced_at++];
+            return eos.empty() ? forced.back() : eos[0];
+          },
+      .on_text =
+          [&](std::string_view piece) {
+            if (job.on_text && !job.on_text(piece)) job.cancelled = true;
+            return !job.cancelled;
+          },
+  };
+  return runtime::generate(session_, cached_, job.prompt, *opt_.tokenizer, params);
+}
+
+}  // namespace ts::server

@@ -1,0 +1,36 @@
+// Counters for GET /metrics, in Prometheus text format. HTTP threads count requests and
+// streamed bytes; the engine thread records each finished generation and the expert store's
+// counters after it (so nothing here reads the store while the engine uses it).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "experts/expert_store.h"
+#include "runtime/generate.h"
+
+namespace ts::server {
+
+class Metrics {
+ public:
+  void count_response(const std::string& route, int status);
+  void add_stream_bytes(uint64_t n);
+  void record_generation(const runtime::Generation& g, const experts::StoreStats& store);
+  void count_failure();
+  // queue_depth: jobs waiting; running: 0 or 1 (one engine thread).
+  std::string prometheus(int queue_depth, int running) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int>, uint64_t> responses_;  // (route, status) -> count
+  uint64_t stream_bytes_ = 0;
+  uint64_t generations_ = 0, cancelled_ = 0, failures_ = 0;
+  uint64_t prompt_tokens_ = 0, reused_tokens_ = 0, completion_tokens_ = 0;
+  double prefill_s_ = 0, decode_s_ = 0;
+  double last_decode_tok_s_ = 0;
+  experts::StoreStats store_;
+};
+
+}  // namespace ts::server

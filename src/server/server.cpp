@@ -1,0 +1,341 @@
+#include "server/server.h"
+
+#include <httplib.h>
+
+#include <condition_variable>
+#include <ctime>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <optional>
+#include <random>
+
+#include "server/api.h"
+#include "server/engine.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace ts::server {
+namespace {
+
+bool is_anthropic(const httplib::Request& req) { return req.path.rfind("/v1/messages", 0) == 0; }
+
+void send_json(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(dump_json(body), "application/json");
+}
+
+void send_error(const httplib::Request& req, httplib::Response& res, const ApiError& e) {
+  send_json(res, e.status, is_anthropic(req) ? anthropic_error_body(e) : openai_error_body(e));
+}
+
+// Compares without an early exit, so the time taken does not reveal a matching prefix.
+bool same_secret(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= uint8_t(a[i]) ^ uint8_t(b[i]);
+  return diff == 0;
+}
+
+const char* route_label(const std::string& path) {
+  for (const char* r : {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models",
+                        "/health", "/metrics"})
+    if (path == r) return r;
+  return path.rfind("/v1/models/", 0) == 0 ? "/v1/models/{id}" : "other";
+}
+
+// Text pieces handed from the engine thread to the HTTP thread writing the stream.
+struct StreamChannel {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::string> pieces;
+  std::optional<Result<runtime::Generation>> result;  // set once, after the last piece
+};
+
+}  // namespace
+
+struct Server::Impl {
+  ServerOptions opt;
+  Engine& engine;
+  const tokenizer::Tokenizer& tok;
+  const tokenizer::ChatTemplate& tmpl;
+  httplib::Server http;
+  int64_t started = std::time(nullptr);
+
+  void setup();
+  void handle_generate(Api api, const httplib::Request& req, httplib::Response& res);
+  Parsed<std::vector<int>> tokenize(const GenRequest& r, Api api);
+};
+
+void Server::Impl::setup() {
+  const int threads = opt.http_threads;
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+  http.set_payload_max_length(opt.max_body_bytes);
+  http.set_keep_alive_max_count(1000);
+
+  http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (opt.api_key.empty() || req.path == "/health")
+      return httplib::Server::HandlerResponse::Unhandled;
+    const std::string bearer = req.get_header_value("Authorization");
+    const bool ok =
+        (bearer.rfind("Bearer ", 0) == 0 && same_secret(bearer.substr(7), opt.api_key)) ||
+        (req.has_header("x-api-key") &&
+         same_secret(req.get_header_value("x-api-key"), opt.api_key));
+    if (ok) return httplib::Server::HandlerResponse::Unhandled;
+    send_error(
+        req, res,
+        {.status = 401,
+         .message =
+             "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+         .code = "invalid_api_key"});
+    return httplib::Server::HandlerResponse::Handled;
+  });
+
+  // Errors httplib produces itself (no route, body over the limit) get JSON bodies too.
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [this](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        ApiError e{.status = res.status, .message = "HTTP error " + std::to_string(res.status)};
+        if (res.status == 404) {
+          e.message = "no route " + req.method + " " + req.path;
+          e.code = "not_found";
+        } else if (res.status == 413) {
+          e.message = "the request body is larger than " + std::to_string(opt.max_body_bytes) +
+                      " bytes (--max-body-bytes)";
+          e.code = "request_too_large";
+        } else if (res.status >= 500) {
+          e.type = "server_error";
+        }
+        send_error(req, res, e);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+
+  http.set_exception_handler(
+      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        send_error(req, res,
+                   {.status = 500, .message = "internal error: " + what, .type = "server_error"});
+      });
+
+  http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    engine.metrics().count_response(route_label(req.path), res.status);
+  });
+
+  http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200, {{"status", "ok"}});
+  });
+  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(engine.metrics().prometheus(engine.queue_depth(), engine.running()),
+                    "text/plain; version=0.0.4");
+  });
+  auto model_json = [this] {
+    return json{{"id", opt.model_id},
+                {"object", "model"},
+                {"created", started},
+                {"owned_by", "turbospark"}};
+  };
+  http.Get("/v1/models", [model_json](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200, {{"object", "list"}, {"data", json::array({model_json()})}});
+  });
+  http.Get(R"(/v1/models/(.+))", [this, model_json](const httplib::Request& req,
+                                                    httplib::Response& res) {
+    if (req.matches[1] != opt.model_id)
+      return send_error(req, res,
+                        {.status = 404,
+                         .message = "The model '" + req.matches[1].str() + "' does not exist",
+                         .param = "model",
+                         .code = "model_not_found"});
+    send_json(res, 200, model_json());
+  });
+  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_generate(Api::kChat, req, res);
+  });
+  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_generate(Api::kCompletion, req, res);
+  });
+  http.Post("/v1/messages", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_generate(Api::kMessages, req, res);
+  });
+}
+
+Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
+  const std::string param = api == Api::kCompletion ? "prompt" : "messages";
+  std::vector<int> ids = r.prompt_ids;
+  if (ids.empty()) ids = tok.encode(r.prompt_text, r.add_special);
+  for (int id : ids)
+    if (id >= tok.vocab_size())
+      return ApiError{.message = "'prompt' holds token id " + std::to_string(id) +
+                                 ", outside the vocabulary of " + std::to_string(tok.vocab_size()),
+                      .param = param};
+  if (ids.empty()) return ApiError{.message = "the prompt encodes to no tokens", .param = param};
+  const int64_t n_ctx = engine.n_ctx();
+  if (int64_t(ids.size()) >= n_ctx)
+    return ApiError{.message = "the prompt is " + std::to_string(ids.size()) +
+                               " tokens; the context holds " + std::to_string(n_ctx) + " (--n-ctx)",
+                    .param = param,
+                    .code = "context_length_exceeded"};
+  if (r.max_tokens && int64_t(ids.size()) + *r.max_tokens > n_ctx)
+    return ApiError{.message = "the prompt (" + std::to_string(ids.size()) +
+                               " tokens) + max_tokens (" + std::to_string(*r.max_tokens) +
+                               ") exceed the context of " + std::to_string(n_ctx) + " tokens",
+                    .param = "max_tokens",
+                    .code = "context_length_exceeded"};
+  return ids;
+}
+
+void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib::Response& res) {
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded())
+    return send_error(req, res, {.message = "the request body is not valid JSON"});
+  Parsed<GenRequest> parsed = api == Api::kChat ? parse_chat_request(body, tmpl, opt.model_id)
+                              : api == Api::kCompletion
+                                  ? parse_completion_request(body, opt.model_id)
+                                  : parse_messages_request(body, tmpl, opt.model_id);
+  if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(req, res, *e);
+  GenRequest& r = std::get<GenRequest>(parsed);
+  Parsed<std::vector<int>> ids = tokenize(r, api);
+  if (auto* e = std::get_if<ApiError>(&ids)) return send_error(req, res, *e);
+
+  auto job = std::make_shared<Job>();
+  job->prompt = std::move(std::get<std::vector<int>>(ids));
+  job->max_tokens = r.max_tokens.value_or(engine.n_ctx() - int64_t(job->prompt.size()));
+  job->stops = r.stops;
+  job->sampling = r.sampling;
+  if (!r.seed_given) job->sampling.seed = std::random_device{}();
+  const int64_t prompt_tokens = int64_t(job->prompt.size());
+  const char* prefix = api == Api::kChat ? "chatcmpl-" : api == Api::kCompletion ? "cmpl-" : "msg_";
+  const ResponseInfo info{
+      .id = make_id(prefix), .model = opt.model_id, .created = std::time(nullptr)};
+  const bool in_reasoning = api != Api::kCompletion && prompt_opens_reasoning(r.prompt_text);
+  const ApiError busy{.status = 503, .code = "queue_full", .type = "server_error"};
+
+  if (!r.stream) {
+    auto done = std::make_shared<std::promise<Result<runtime::Generation>>>();
+    auto result = done->get_future();
+    job->on_done = [done](Result<runtime::Generation> g) { done->set_value(std::move(g)); };
+    if (Status st = engine.submit(job); !st.ok()) {
+      ApiError e = busy;
+      e.message = st.error().message;
+      return send_error(req, res, e);
+    }
+    Result<runtime::Generation> gen = result.get();
+    if (!gen.ok())
+      return send_error(req, res,
+                        {.status = 500,
+                         .message = "generation failed: " + gen.error().message,
+                         .type = "server_error"});
+    if (api == Api::kCompletion) return send_json(res, 200, completion_response(info, *gen));
+    ReplyParts reply = split_reply(gen->text, r.parse_tools, in_reasoning);
+    return send_json(res, 200,
+                     api == Api::kChat ? chat_response(info, *gen, reply)
+                                       : messages_response(info, *gen, reply, r.stops));
+  }
+
+  auto channel = std::make_shared<StreamChannel>();
+  Job* raw = job.get();  // the engine holds the job while it calls on_text
+  job->on_text = [channel, raw](std::string_view piece) {
+    if (!piece.empty()) {
+      std::lock_guard lock(channel->mu);
+      channel->pieces.emplace_back(piece);
+    }
+    channel->cv.notify_one();
+    return !raw->cancelled;
+  };
+  job->on_done = [channel](Result<runtime::Generation> g) {
+    {
+      std::lock_guard lock(channel->mu);
+      channel->result = std::move(g);
+    }
+    channel->cv.notify_one();
+  };
+  if (Status st = engine.submit(job); !st.ok()) {
+    ApiError e = busy;
+    e.message = st.error().message;
+    return send_error(req, res, e);
+  }
+  std::shared_ptr<SseWriter> writer = make_sse_writer(api, {.info = info,
+                                                            .include_usage = r.include_usage,
+                                                            .parse_tools = r.parse_tools,
+                                                            .starts_in_reasoning = in_reasoning,
+                                                            .stops = r.stops});
+  const bool anthropic = api == Api::kMessages;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, channel, job, writer, prompt_tokens, anthropic](size_t, httplib::DataSink& sink) {
+        auto send = [&](const std::string& frame) {
+          if (frame.empty()) return true;
+          if (!sink.write(frame.data(), frame.size())) {
+            job->cancelled = true;  // the client went away
+            return false;
+          }
+          engine.metrics().add_stream_bytes(frame.size());
+          return true;
+        };
+        if (!send(writer->begin(prompt_tokens))) return false;
+        for (;;) {
+          std::deque<std::string> batch;
+          bool finished;
+          {
+            std::unique_lock lock(channel->mu);
+            channel->cv.wait(lock, [&] { return !channel->pieces.empty() || channel->result; });
+            batch.swap(channel->pieces);
+            finished = channel->result.has_value();
+          }
+          for (const std::string& piece : batch)
+            if (!send(writer->text(piece))) return false;
+          if (finished) break;
+        }
+        Result<runtime::Generation>& gen = *channel->result;
+        if (!gen.ok()) {
+          // Headers are gone already: the failure is reported in the stream.
+          ApiError e{.status = 500,
+                     .message = "generation failed: " + gen.error().message,
+                     .type = "server_error"};
+          if (!send(anthropic ? "event: error\ndata: " + dump_json(anthropic_error_body(e)) + "\n\n"
+                              : "data: " + dump_json(openai_error_body(e)) + "\n\n"))
+            return false;
+        } else if (!send(writer->end(*gen))) {
+          return false;
+        }
+        sink.done();
+        return true;
+      },
+      [job](bool success) {
+        if (!success) job->cancelled = true;
+      });
+}
+
+Server::Server(ServerOptions options, Engine& engine, const tokenizer::Tokenizer& tok,
+               const tokenizer::ChatTemplate& tmpl)
+    : impl_(new Impl{.opt = std::move(options), .engine = engine, .tok = tok, .tmpl = tmpl}) {
+  impl_->setup();
+}
+
+Server::~Server() = default;
+
+Status Server::run(const std::function<void(int)>& on_listening) {
+  httplib::Server& http = impl_->http;
+  const ServerOptions& opt = impl_->opt;
+  int port = opt.port;
+  if (port == 0) {
+    port = http.bind_to_any_port(opt.host);
+    if (port < 0) return make_error("cannot bind " + opt.host + " to a free port");
+  } else if (!http.bind_to_port(opt.host, port)) {
+    return make_error("cannot bind " + opt.host + ":" + std::to_string(port) +
+                      " (in use, or not an address of this machine)");
+  }
+  on_listening(port);
+  if (!http.listen_after_bind()) return make_error("the HTTP server stopped with an error");
+  return {};
+}
+
+void Server::stop() { impl_->http.stop(); }
+
+}  // namespace ts::server

@@ -1,0 +1,455 @@
+// End-to-end tests of `turbospark serve` with the official OpenAI and Anthropic clients, raw
+// HTTP for malformed input and auth, a load test and disconnecting clients.
+//
+// The model (tests/models/qwen3_moe) has random weights: its text is noise, so the tests
+// check structure, determinism (greedy output must equal `turbospark run`'s and must not
+// depend on what other clients do) and error handling. Tool calls and reasoning come from a
+// second server whose replies are fixed by the TURBOSPARK_SERVE_TEST_REPLY test hook (the
+// model still runs on those tokens).
+//
+// Usage: TURBOSPARK_BIN=build/turbospark node tests/server/server.test.mjs
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn, execFileSync } from 'node:child_process';
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import OpenAI from 'openai';
+import Anthropic from '@anthropic-ai/sdk';
+
+const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
+const BIN = process.env.TURBOSPARK_BIN ?? path.join(ROOT, 'build/turbospark');
+const MODEL_DIR = path.join(ROOT, 'tests/models/qwen3_moe');
+const MODEL = 'qwen3_moe';
+const TMP = mkdtempSync(path.join(tmpdir(), 'ts-serve-'));
+
+// Starts `turbospark serve` on a free port; resolves once it listens.
+function startServer(args = [], env = {}) {
+  const proc = spawn(BIN, ['serve', '--model', MODEL_DIR, '--port', '0', ...args], {
+    env: { ...process.env, TURBOSPARK_API_KEY: '', ...env },
+    stdio: ['ignore', 'ignore', 'pipe'],
+  });
+  let log = '';
+  return new Promise((resolve, reject) => {
+    proc.stderr.on('data', (d) => {
+      log += d;
+      const m = log.match(/http:\/\/127\.0\.0\.1:(\d+)/);
+      if (m && !proc.port) {
+        proc.port = Number(m[1]);
+        resolve({ proc, base: `http://127.0.0.1:${proc.port}`, log: () => log });
+      }
+    });
+    proc.on('exit', (code) => reject(new Error(`serve exited with ${code}: ${log}`)));
+  });
+}
+
+async function stopServer(s) {
+  if (!s || s.proc.exitCode !== null) return;
+  const exited = new Promise((r) => s.proc.on('exit', r));
+  s.proc.kill('SIGTERM');
+  await exited;
+}
+
+// The CLI's greedy reply, the reference for the server's (run prints a final newline).
+function cliRun(args) {
+  const out = execFileSync(BIN, ['run', '--model', MODEL_DIR, ...args], { encoding: 'utf8' });
+  assert.ok(out.endsWith('\n'));
+  return out.slice(0, -1);
+}
+
+function messagesFile(messages) {
+  const f = path.join(TMP, `m${Math.random().toString(36).slice(2)}.json`);
+  writeFileSync(f, JSON.stringify(messages));
+  return f;
+}
+
+async function post(base, route, body, headers = {}) {
+  const res = await fetch(base + route, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...headers },
+    body: typeof body === 'string' ? body : JSON.stringify(body),
+  });
+  const text = await res.text();
+  let json = null;
+  try { json = JSON.parse(text); } catch { /* checked by callers */ }
+  return { status: res.status, json, text };
+}
+
+async function metric(base, name) {
+  const text = await (await fetch(base + '/metrics')).text();
+  const m = text.match(new RegExp(`^${name} (\\S+)$`, 'm'));
+  assert.ok(m, `metric ${name} missing`);
+  return Number(m[1]);
+}
+
+let main; // the plain server
+let openai, anthropic;
+// A prompt whose greedy reply (noise) has varied characters and no early EOS.
+const HELLO = [{ role: 'user', content: 'write a poem' }];
+const N = 16;
+
+before(async () => {
+  main = await startServer(['--max-body-bytes', '65536']);
+  openai = new OpenAI({ baseURL: main.base + '/v1', apiKey: 'unused', maxRetries: 0 });
+  anthropic = new Anthropic({ baseURL: main.base, apiKey: 'unused', maxRetries: 0 });
+});
+
+after(async () => { await stopServer(main); });
+
+test('models and health', async () => {
+  const models = await openai.models.list();
+  assert.deepEqual(models.data.map((m) => m.id), [MODEL]);
+  const health = await fetch(main.base + '/health');
+  assert.equal(health.status, 200);
+  assert.deepEqual(await health.json(), { status: 'ok' });
+  const metrics = await (await fetch(main.base + '/metrics')).text();
+  assert.match(metrics, /^turbospark_engine_threads 1$/m);
+  assert.match(metrics, /^# TYPE turbospark_queue_depth gauge$/m);
+  assert.match(metrics, /^turbospark_expert_cache_hit_rate /m);
+});
+
+test('chat: non-stream and stream equal the CLI at temperature 0', async () => {
+  const want = cliRun(['--messages', messagesFile(HELLO), '-n', String(N)]);
+  const r = await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N, temperature: 0 });
+  assert.equal(r.object, 'chat.completion');
+  assert.equal(r.model, MODEL);
+  assert.equal(r.choices[0].message.role, 'assistant');
+  assert.equal(r.choices[0].message.content, want);
+  const { prompt_tokens, completion_tokens, total_tokens } = r.usage;
+  assert.ok(prompt_tokens > 5);
+  assert.equal(total_tokens, prompt_tokens + completion_tokens);
+  if (r.choices[0].finish_reason === 'length') assert.equal(completion_tokens, N);
+  else assert.ok(completion_tokens < N);
+
+  const stream = await openai.chat.completions.create({
+    model: MODEL, messages: HELLO, max_tokens: N, stream: true, stream_options: { include_usage: true },
+  });
+  let text = '';
+  let finish = null;
+  let usage = null;
+  let chunks = 0;
+  for await (const chunk of stream) {
+    chunks++;
+    assert.equal(chunk.object, 'chat.completion.chunk');
+    if (chunk.usage) {
+      usage = chunk.usage;
+      assert.equal(chunk.choices.length, 0);
+      continue;
+    }
+    assert.equal(finish, null, 'no content after the finish chunk');
+    text += chunk.choices[0].delta.content ?? '';
+    finish = chunk.choices[0].finish_reason;
+  }
+  assert.ok(chunks > 3);
+  assert.equal(text, want);
+  assert.equal(finish, r.choices[0].finish_reason);
+  assert.deepEqual(usage, r.usage);
+});
+
+test('completions: non-stream and stream equal the CLI', async () => {
+  const prompt = 'the cat is on the mat';
+  const want = cliRun(['--prompt', prompt, '-n', String(N)]);
+  const r = await openai.completions.create({ model: MODEL, prompt, max_tokens: N });
+  assert.equal(r.object, 'text_completion');
+  assert.equal(r.choices[0].text, want);
+  assert.equal(r.usage.total_tokens, r.usage.prompt_tokens + r.usage.completion_tokens);
+  let text = '';
+  for await (const c of await openai.completions.create({ model: MODEL, prompt, max_tokens: N, stream: true })) {
+    text += c.choices[0]?.text ?? '';
+  }
+  assert.equal(text, want);
+});
+
+test('sampling: a seed reproduces, penalties and min_p are accepted', async () => {
+  const ask = (seed, extra = {}) => openai.chat.completions.create({
+    model: MODEL, messages: HELLO, max_tokens: 24, temperature: 1.2, top_p: 0.95, top_k: 50, seed, ...extra,
+  }).then((r) => r.choices[0].message.content);
+  const a = await ask(7);
+  assert.equal(await ask(7), a);
+  const others = [await ask(8), await ask(9), await ask(10)];
+  assert.ok(others.some((t) => t !== a), 'different seeds should give different samples');
+  const pen = await ask(7, { presence_penalty: 1.5, frequency_penalty: 1.0, min_p: 0.05 });
+  assert.equal(await ask(7, { presence_penalty: 1.5, frequency_penalty: 1.0, min_p: 0.05 }), pen);
+});
+
+test('stop strings cut the reply (OpenAI and Anthropic)', async () => {
+  const full = (await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N })).choices[0].message.content;
+  // A two-character stop taken from the middle of the greedy reply.
+  const chars = [...full];
+  assert.ok(chars.length >= 6, `reply too short for this test: ${JSON.stringify(full)}`);
+  const k = Math.floor(chars.length / 2);
+  const stop = chars.slice(k, k + 2).join('');
+  const want = full.slice(0, full.indexOf(stop));
+  const r = await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N, stop: [stop] });
+  assert.equal(r.choices[0].message.content, want);
+  assert.equal(r.choices[0].finish_reason, 'stop');
+  const m = await anthropic.messages.create({ model: MODEL, max_tokens: N, messages: HELLO, stop_sequences: [stop] });
+  assert.equal(m.stop_reason, 'stop_sequence');
+  assert.equal(m.stop_sequence, stop);
+  assert.equal(m.content.map((b) => b.text).join(''), want);
+});
+
+test('anthropic: non-stream and stream', async () => {
+  const want = cliRun(['--messages', messagesFile(HELLO), '-n', String(N)]);
+  const m = await anthropic.messages.create({ model: MODEL, max_tokens: N, messages: HELLO });
+  assert.equal(m.type, 'message');
+  assert.equal(m.role, 'assistant');
+  assert.equal(m.content.length, 1);
+  assert.equal(m.content[0].type, 'text');
+  assert.equal(m.content[0].text, want);
+  assert.ok(['max_tokens', 'end_turn'].includes(m.stop_reason));
+  assert.ok(m.usage.input_tokens > 5 && m.usage.output_tokens > 0);
+
+  const events = [];
+  const stream = anthropic.messages.stream({ model: MODEL, max_tokens: N, messages: HELLO });
+  stream.on('streamEvent', (e) => events.push(e.type));
+  const final = await stream.finalMessage();
+  assert.equal(final.content[0].text, want);
+  assert.deepEqual(final.usage, m.usage);
+  assert.equal(final.stop_reason, m.stop_reason);
+  assert.equal(events[0], 'message_start');
+  assert.equal(events.at(-1), 'message_stop');
+  assert.equal(events.at(-2), 'message_delta');
+  assert.ok(events.includes('content_block_start') && events.includes('content_block_stop'));
+});
+
+test('errors: 4xx with a JSON body naming the field; the server keeps serving', async () => {
+  const chat = (body) => post(main.base, '/v1/chat/completions', body);
+  let r = await chat('{"messages": [');
+  assert.equal(r.status, 400);
+  assert.match(r.json.error.message, /not valid JSON/);
+  assert.equal(r.json.error.type, 'invalid_request_error');
+
+  const cases = [
+    [{ messages: HELLO, temperature: 'hot' }, 400, 'temperature'],
+    [{ messages: HELLO, max_tokens: 0 }, 400, 'max_tokens'],
+    [{ messages: HELLO, max_tokens: -5 }, 400, 'max_tokens'],
+    [{ messages: [] }, 400, 'messages'],
+    [{ messages: 'hi' }, 400, 'messages'],
+    [{ model: 'gpt-4o', messages: HELLO }, 404, 'model'],
+    [{ messages: [{ role: 'user', content: 'word '.repeat(1500) }] }, 400, 'messages'],
+    [{ messages: HELLO, max_tokens: 5000 }, 400, 'max_tokens'],
+  ];
+  for (const [body, status, param] of cases) {
+    r = await chat(body);
+    assert.equal(r.status, status, JSON.stringify(body).slice(0, 80));
+    assert.equal(r.json.error.param, param);
+    assert.ok(r.json.error.message.length > 0);
+  }
+  assert.equal((await chat({ model: 'gpt-4o', messages: HELLO })).json.error.code, 'model_not_found');
+  assert.equal((await chat({ messages: [{ role: 'user', content: 'word '.repeat(1500) }] })).json.error.code,
+    'context_length_exceeded');
+
+  // Body over --max-body-bytes.
+  r = await chat({ messages: [{ role: 'user', content: 'x'.repeat(100000) }] });
+  assert.equal(r.status, 413);
+  assert.match(r.json.error.message, /larger than 65536 bytes/);
+
+  // Unknown route, completions and Anthropic shapes.
+  r = await post(main.base, '/v1/nope', {});
+  assert.equal(r.status, 404);
+  assert.ok(r.json.error.message);
+  r = await post(main.base, '/v1/completions', { prompt: 42 });
+  assert.equal(r.status, 400);
+  assert.equal(r.json.error.param, 'prompt');
+  r = await post(main.base, '/v1/messages', { model: MODEL, messages: HELLO });
+  assert.equal(r.status, 400);
+  assert.equal(r.json.type, 'error');
+  assert.equal(r.json.error.type, 'invalid_request_error');
+  assert.match(r.json.error.message, /max_tokens/);
+
+  // The clients surface them as typed errors.
+  await assert.rejects(openai.chat.completions.create({ model: 'nope', messages: HELLO }),
+    (e) => e.status === 404 && e.code === 'model_not_found');
+  await assert.rejects(anthropic.messages.create({ model: MODEL, max_tokens: 0, messages: HELLO }),
+    (e) => e.status === 400 && /max_tokens/.test(e.message));
+
+  // Still serving, with the same greedy answer.
+  const ok = await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N });
+  assert.equal(ok.choices[0].message.content, cliRun(['--messages', messagesFile(HELLO), '-n', String(N)]));
+});
+
+test('tool calls and reasoning (fixed reply)', async () => {
+  const reply = '<think>\nchecking the weather\n</think>\n\nLet me look.\n<tool_call>\n' +
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>';
+  const s = await startServer([], { TURBOSPARK_SERVE_TEST_REPLY: reply });
+  try {
+    const client = new OpenAI({ baseURL: s.base + '/v1', apiKey: 'unused', maxRetries: 0 });
+    const tools = [{
+      type: 'function',
+      function: { name: 'get_weather', description: 'Weather for a city',
+                  parameters: { type: 'object', properties: { city: { type: 'string' } } } },
+    }];
+    const messages = [{ role: 'user', content: 'Weather in Paris?' }];
+    const r = await client.chat.completions.create({ model: MODEL, messages, tools });
+    const msg = r.choices[0].message;
+    assert.equal(r.choices[0].finish_reason, 'tool_calls');
+    assert.equal(msg.reasoning_content, 'checking the weather\n');
+    assert.equal(msg.content, 'Let me look.\n');
+    assert.equal(msg.tool_calls.length, 1);
+    assert.equal(msg.tool_calls[0].type, 'function');
+    assert.match(msg.tool_calls[0].id, /^call_/);
+    assert.equal(msg.tool_calls[0].function.name, 'get_weather');
+    assert.deepEqual(JSON.parse(msg.tool_calls[0].function.arguments), { city: 'Paris', unit: 'C' });
+
+    // Streaming: the same call arrives as one tool_calls delta.
+    const calls = [];
+    let finish = null;
+    let reasoning = '';
+    for await (const c of await client.chat.completions.create({ model: MODEL, messages, tools, stream: true })) {
+      const d = c.choices[0]?.delta ?? {};
+      reasoning += d.reasoning_content ?? '';
+      for (const tc of d.tool_calls ?? []) calls.push(tc);
+      finish = c.choices[0]?.finish_reason ?? finish;
+    }
+    assert.equal(finish, 'tool_calls');
+    assert.equal(reasoning, 'checking the weather\n');
+    assert.equal(calls.length, 1);
+    assert.equal(calls[0].index, 0);
+    assert.deepEqual(JSON.parse(calls[0].function.arguments), { city: 'Paris', unit: 'C' });
+
+    // Without tools in the request the same text is plain content.
+    const plain = await client.chat.completions.create({ model: MODEL, messages });
+    assert.equal(plain.choices[0].finish_reason, 'stop');
+    assert.match(plain.choices[0].message.content, /^Let me look\.\n<tool_call>/);
+
+    // The conversation goes on with the tool's answer.
+    const next = await client.chat.completions.create({
+      model: MODEL, tools,
+      messages: [...messages, { role: 'assistant', content: null, tool_calls: msg.tool_calls },
+                 { role: 'tool', tool_call_id: msg.tool_calls[0].id, content: '21 C' }],
+    });
+    assert.equal(next.choices[0].message.tool_calls.length, 1);
+
+    // Anthropic: thinking, text and tool_use blocks.
+    const ant = new Anthropic({ baseURL: s.base, apiKey: 'unused', maxRetries: 0 });
+    const atools = [{ name: 'get_weather', description: 'Weather', input_schema: { type: 'object' } }];
+    const m = await ant.messages.create({ model: MODEL, max_tokens: 200, messages, tools: atools });
+    assert.equal(m.stop_reason, 'tool_use');
+    assert.deepEqual(m.content.map((b) => b.type), ['thinking', 'text', 'tool_use']);
+    assert.equal(m.content[0].thinking, 'checking the weather\n');
+    assert.equal(m.content[2].name, 'get_weather');
+    assert.deepEqual(m.content[2].input, { city: 'Paris', unit: 'C' });
+    const streamed = await ant.messages.stream({ model: MODEL, max_tokens: 200, messages, tools: atools }).finalMessage();
+    assert.deepEqual(streamed.content.map((b) => b.type), ['thinking', 'text', 'tool_use']);
+    assert.deepEqual(streamed.content[2].input, { city: 'Paris', unit: 'C' });
+    assert.equal(streamed.stop_reason, 'tool_use');
+    // tool_result back in the next turn.
+    const m2 = await ant.messages.create({
+      model: MODEL, max_tokens: 200, tools: atools,
+      messages: [...messages, { role: 'assistant', content: m.content.filter((b) => b.type !== 'thinking') },
+                 { role: 'user', content: [{ type: 'tool_result', tool_use_id: m.content[2].id, content: '21 C' }] }],
+    });
+    assert.equal(m2.stop_reason, 'tool_use');
+  } finally {
+    await stopServer(s);
+  }
+});
+
+test('auth and the queue limit', async () => {
+  const s = await startServer(['--max-queue', '1'], { TURBOSPARK_API_KEY: 's3cret' });
+  try {
+    assert.equal((await fetch(s.base + '/health')).status, 200);
+    let r = await fetch(s.base + '/v1/models');
+    assert.equal(r.status, 401);
+    assert.equal((await r.json()).error.code, 'invalid_api_key');
+    r = await fetch(s.base + '/v1/models', { headers: { authorization: 'Bearer wrong' } });
+    assert.equal(r.status, 401);
+    r = await fetch(s.base + '/metrics', { headers: { authorization: 'Bearer s3cret' } });
+    assert.equal(r.status, 200);
+    r = await fetch(s.base + '/v1/models', { headers: { 'x-api-key': 's3cret' } });
+    assert.equal(r.status, 200);
+    const a = await post(s.base, '/v1/messages', { model: MODEL, max_tokens: 4, messages: HELLO });
+    assert.equal(a.status, 401);
+    assert.equal(a.json.error.type, 'authentication_error');
+    await assert.rejects(new OpenAI({ baseURL: s.base + '/v1', apiKey: 'nope', maxRetries: 0 }).models.list(),
+      (e) => e.status === 401);
+    const client = new OpenAI({ baseURL: s.base + '/v1', apiKey: 's3cret', maxRetries: 0 });
+    assert.equal((await client.models.list()).data[0].id, MODEL);
+    const ant = new Anthropic({ baseURL: s.base, apiKey: 's3cret', maxRetries: 0 });
+    assert.equal((await ant.messages.create({ model: MODEL, max_tokens: 4, messages: HELLO })).type, 'message');
+
+    // One running + one waiting; the rest get 503 with a JSON error.
+    const burst = await Promise.all(Array.from({ length: 8 }, () => post(s.base, '/v1/completions',
+      { prompt: 'once upon a time', max_tokens: 900 }, { authorization: 'Bearer s3cret' })));
+    const codes = burst.map((b) => b.status);
+    assert.ok(codes.filter((c) => c === 503).length >= 1, `codes ${codes}`);
+    assert.ok(codes.filter((c) => c === 200).length >= 2, `codes ${codes}`);
+    for (const b of burst.filter((b) => b.status === 503)) assert.equal(b.json.error.code, 'queue_full');
+    for (const b of burst.filter((b) => b.status === 200)) assert.equal(b.json.usage.completion_tokens, 900);
+  } finally {
+    await stopServer(s);
+  }
+});
+
+test('load: 16 concurrent streaming clients x 50 requests, each reply complete and its own', async () => {
+  const clients = 16, rounds = 50, maxTokens = 8;
+  const prompt = (i) => [{ role: 'user', content: `client ${i} asks question ${i * 7}` }];
+  // Single-client references, one request at a time.
+  const want = [];
+  for (let i = 0; i < clients; i++) {
+    const r = await openai.chat.completions.create({ model: MODEL, messages: prompt(i), max_tokens: maxTokens });
+    want.push(r.choices[0].message.content);
+  }
+  assert.ok(new Set(want).size > clients / 2, 'prompts should give different replies');
+  const before = await metric(main.base, 'turbospark_generations_total');
+  const t0 = Date.now();
+  let done = 0;
+  await Promise.all(Array.from({ length: clients }, async (_, i) => {
+    const client = new OpenAI({ baseURL: main.base + '/v1', apiKey: 'unused', maxRetries: 0, timeout: 120000 });
+    for (let k = 0; k < rounds; k++) {
+      const stream = await client.chat.completions.create({
+        model: MODEL, messages: prompt(i), max_tokens: maxTokens, stream: true, stream_options: { include_usage: true },
+      });
+      let text = '', finish = null, usage = null;
+      for await (const c of stream) {
+        if (c.usage) usage = c.usage;
+        if (c.choices.length) {
+          text += c.choices[0].delta.content ?? '';
+          finish = c.choices[0].finish_reason ?? finish;
+        }
+      }
+      assert.equal(text, want[i], `client ${i} round ${k}`);
+      assert.ok(finish === 'length' || finish === 'stop', `client ${i} round ${k}: no finish chunk`);
+      assert.ok(usage && usage.completion_tokens <= maxTokens, `client ${i} round ${k}: no usage`);
+      done++;
+    }
+  }));
+  const seconds = (Date.now() - t0) / 1000;
+  assert.equal(done, clients * rounds);
+  assert.equal(await metric(main.base, 'turbospark_generations_total') - before, clients * rounds);
+  console.log(`# load: ${clients * rounds} streamed requests in ${seconds.toFixed(1)} s ` +
+              `(${(clients * rounds / seconds).toFixed(0)} req/s)`);
+});
+
+test('clients that disconnect mid-stream cancel their generation; the server stays healthy', async () => {
+  const cancelledBefore = await metric(main.base, 'turbospark_generations_cancelled_total');
+  const drops = 6;
+  await Promise.all(Array.from({ length: drops }, async (_, i) => {
+    const controller = new AbortController();
+    const stream = await openai.chat.completions.create(
+      { model: MODEL, messages: [{ role: 'user', content: `long story ${i}` }], max_tokens: 900, stream: true },
+      { signal: controller.signal });
+    let chunks = 0;
+    try {
+      for await (const c of stream) {
+        if (++chunks === 3) controller.abort();
+      }
+    } catch (e) {
+      assert.ok(e.name === 'AbortError' || /abort/i.test(String(e)), String(e));
+    }
+  }));
+  // Each dropped stream is cancelled at its next token; wait for the engine to get there.
+  let cancelled = 0;
+  for (let t = 0; t < 100; t++) {
+    cancelled = await metric(main.base, 'turbospark_generations_cancelled_total') - cancelledBefore;
+    if (cancelled >= drops && await metric(main.base, 'turbospark_queue_depth') === 0) break;
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  assert.ok(cancelled >= 1, `no generation was cancelled (${cancelled})`);
+  console.log(`# disconnects: ${cancelled} of ${drops} generations cancelled`);
+  assert.equal((await fetch(main.base + '/health')).status, 200);
+  const r = await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N });
+  assert.equal(r.choices[0].message.content, cliRun(['--messages', messagesFile(HELLO), '-n', String(N)]));
+});

@@ -1,0 +1,93 @@
+// Sampler: presence / frequency penalties against a direct reference, min-p's cut, seeds.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+#include <set>
+
+#include "runtime/sampler.h"
+
+namespace {
+
+using ts::runtime::Sampler;
+using ts::runtime::SamplerOptions;
+
+std::vector<float> random_logits(std::mt19937& rng, int n) {
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+TEST(Sampler, GreedyPenaltiesMatchReference) {
+  std::mt19937 rng(std::random_device{}());
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::vector<float> logits = random_logits(rng, 50);
+    // Large enough that 40 steps always move greedy off the best token (the gap between the
+    // two best of 50 normal(0, 2) logits is far below presence + 40 * 0.2).
+    std::uniform_real_distribution<float> pen(0.2f, 2.0f);
+    const float presence = pen(rng), frequency = pen(rng);
+    Sampler s({.presence_penalty = presence, .frequency_penalty = frequency});
+    std::map<int, int> counts;
+    for (int step = 0; step < 40; ++step) {
+      std::vector<float> ref = logits;
+      for (auto [id, n] : counts) ref[size_t(id)] -= presence + frequency * float(n);
+      const int want = ts::runtime::argmax(ref);
+      ASSERT_EQ(s.sample(logits), want) << "trial " << trial << " step " << step;
+      ++counts[want];
+    }
+    // The penalties must have moved greedy off the single best token.
+    EXPECT_GT(counts.size(), 1u);
+  }
+}
+
+TEST(Sampler, NegativePenaltyRepeats) {
+  // A negative frequency penalty favours what was already said: greedy never leaves it.
+  std::vector<float> logits = {1.0f, 0.9f, 0.8f};
+  Sampler s({.frequency_penalty = -1.0f});
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(s.sample(logits), 0);
+}
+
+TEST(Sampler, MinPCutsRelativeToTheBest) {
+  // Three near-equal tokens and the rest far below: with min_p = 0.2 the far ones
+  // (probability ratio e^-6 to the best) never come, and all near ones do.
+  std::mt19937 rng(std::random_device{}());
+  std::vector<float> logits(20, -6.0f);
+  logits[3] = 0.0f, logits[7] = -0.3f, logits[11] = -0.6f;
+  Sampler s({.temperature = 1.0f, .min_p = 0.2f, .seed = rng()});
+  std::set<int> seen;
+  for (int i = 0; i < 2000; ++i) seen.insert(s.sample(logits));
+  EXPECT_EQ(seen, (std::set<int>{3, 7, 11}));
+  // Without min-p the tail shows up.
+  Sampler plain({.temperature = 1.0f, .seed = rng()});
+  std::set<int> all;
+  for (int i = 0; i < 2000; ++i) all.insert(plain.sample(logits));
+  EXPECT_GT(all.size(), 3u);
+}
+
+TEST(Sampler, MinPOneIsGreedy) {
+  std::mt19937 rng(std::random_device{}());
+  const std::vector<float> logits = random_logits(rng, 100);
+  Sampler s({.temperature = 1.5f, .min_p = 1.0f, .seed = rng()});
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(s.sample(logits), ts::runtime::argmax(logits));
+}
+
+TEST(Sampler, SeedReproducesWithPenalties) {
+  std::mt19937 rng(std::random_device{}());
+  const std::vector<float> logits = random_logits(rng, 64);
+  const SamplerOptions opt{.temperature = 0.8f,
+                           .top_k = 20,
+                           .top_p = 0.9f,
+                           .min_p = 0.05f,
+                           .presence_penalty = 0.5f,
+                           .frequency_penalty = 0.3f,
+                           .seed = rng()};
+  Sampler a(opt), b(opt);
+  std::vector<int> sa, sb;
+  for (int i = 0; i < 100; ++i) sa.push_back(a.sample(logits)), sb.push_back(b.sample(logits));
+  EXPECT_EQ(sa, sb);
+  EXPECT_GT(std::set<int>(sa.begin(), sa.end()).size(), 1u);
+}
+
+}  // namespace
