@@ -47,7 +47,7 @@ const char* stop_reason_name(StopReason r) {
 
 namespace {
 
-Result<Generation> generate_on_cache(Session& session, std::vector<int>& cached,
+Result<Generation> generate_on_cache(Engine& session, std::vector<int>& cached,
                                      std::span<const int> prompt, const tokenizer::Tokenizer& tok,
                                      const GenerateParams& g) {
   Generation r;
@@ -111,7 +111,7 @@ Result<Generation> generate_on_cache(Session& session, std::vector<int>& cached,
 
 }  // namespace
 
-Result<Generation> generate(Session& session, std::vector<int>& cached, std::span<const int> prompt,
+Result<Generation> generate(Engine& session, std::vector<int>& cached, std::span<const int> prompt,
                             const tokenizer::Tokenizer& tok, const GenerateParams& params) {
   auto r = generate_on_cache(session, cached, prompt, tok, params);
   if (!r.ok()) {

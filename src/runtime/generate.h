@@ -63,7 +63,7 @@ struct Generation {
 
 // Precondition: prompt is not empty. Errors: prompt + max_tokens beyond the session's
 // context ("prompt of P tokens + N new tokens exceed the context of C"), a forward error.
-Result<Generation> generate(Session& session, std::vector<int>& cached, std::span<const int> prompt,
+Result<Generation> generate(Engine& session, std::vector<int>& cached, std::span<const int> prompt,
                             const tokenizer::Tokenizer& tok, const GenerateParams& params);
 
 }  // namespace ts::runtime

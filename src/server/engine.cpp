@@ -9,7 +9,7 @@ namespace ts::server {
 
 Engine::Engine(EngineOptions options)
     : opt_(std::move(options)),
-      session_(*opt_.model, *opt_.pool, std::move(opt_.session)),
+      session_(std::move(opt_.session)),
       thread_([this] { run(); }) {}
 
 Engine::~Engine() { stop(); }
@@ -68,7 +68,7 @@ void Engine::run() {
         r = generate(*job);
       } catch (const std::exception& e) {
         cached_.clear();
-        session_.reset();
+        session_->reset();
         r = make_error(std::string("internal error: ") + e.what());
       }
     }
@@ -113,7 +113,7 @@ Result<runtime::Generation> Engine::generate(Job& job) {
             return !job.cancelled;
           },
   };
-  return runtime::generate(session_, cached_, job.prompt, *opt_.tokenizer, params);
+  return runtime::generate(*session_, cached_, job.prompt, *opt_.tokenizer, params);
 }
 
 }  // namespace ts::server

@@ -43,10 +43,10 @@ struct Job {
 };
 
 struct EngineOptions {
-  const runtime::LoadedModel* model = nullptr;
-  ThreadPool* pool = nullptr;
+  const runtime::LoadedModel* model = nullptr;  // for the expert cache counters
+  // The session (CPU or CUDA, from runtime::make_engine); only the engine thread uses it.
+  std::unique_ptr<runtime::Engine> session;
   const tokenizer::Tokenizer* tokenizer = nullptr;
-  runtime::SessionOptions session;
   int max_queue = 64;  // jobs waiting (not counting the running one) before submit() refuses
   // Test hook (TURBOSPARK_SERVE_TEST_REPLY): when set, every reply is these tokens and then
   // EOS instead of sampled ones; the model still runs on them.
@@ -66,7 +66,7 @@ class Engine {
   // Cancels the running job, fails the waiting ones and ends the thread.
   void stop();
 
-  int n_ctx() const { return session_.n_ctx(); }
+  int n_ctx() const { return session_->n_ctx(); }
   int queue_depth() const;
   int running() const { return running_ ? 1 : 0; }
   Metrics& metrics() { return metrics_; }
@@ -76,7 +76,7 @@ class Engine {
   Result<runtime::Generation> generate(Job& job);
 
   EngineOptions opt_;
-  runtime::Session session_;
+  std::unique_ptr<runtime::Engine> session_;
   std::vector<int> cached_;  // tokens whose KV rows the session holds
   Metrics metrics_;
   mutable std::mutex mu_;

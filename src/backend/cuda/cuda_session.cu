@@ -619,6 +619,7 @@ CudaBenchInfo CudaSession::info() const {
 // ---------------------------------------------------------------- forward
 
 Status CudaSession::forward(std::span<const int> tokens, std::vector<float>* all_logits) {
+  CUDA_TRY(cudaSetDevice(device_));  // the calling thread may not be the one that built us
   if (tokens.empty()) return make_error("the token list is empty");
   for (size_t i = 0; i < tokens.size(); ++i)
     if (tokens[i] < 0 || tokens[i] >= hp_.vocab)

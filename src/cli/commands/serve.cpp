@@ -66,10 +66,11 @@ Status cmd_serve(const Args& args) {
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
   const int ctx = int(std::min<int64_t>(n_ctx, m.model->hp().max_positions));
 
+  TS_ASSIGN(std::unique_ptr<runtime::Engine> session,
+            make_session(flags, m, {.n_ctx = ctx, .interventions = std::move(iv)}));
   server::EngineOptions eo{.model = m.model.get(),
-                           .pool = m.pool.get(),
+                           .session = std::move(session),
                            .tokenizer = tok.get(),
-                           .session = {.n_ctx = ctx, .interventions = std::move(iv)},
                            .max_queue = int(max_queue),
                            .log_stats = flags.stats};
   // Test hook: a fixed reply (tool calls, reasoning) from a model whose text is noise.
