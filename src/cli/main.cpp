@@ -29,7 +29,7 @@ constexpr const char* kUsage =
     "  verify   PACK_DIR                                     check files against manifest\n"
     "  analyze-router HIST_OR_TRACE [--slots N,..] [--json]  routing entropy, cache hit rates\n"
     "  bench --device cuda [--model DIR | --synthetic CONFIG.json --dtype bf16|q8_0] [--quant q8_0]\n"
-    "           [--contexts 128,4096 --prompts 512,4096 --gen-tokens N --json]\n"
+    "           [--contexts 128,4096 --prompts 512,4096 --gen-tokens N --profile --json]\n"
     "common flags: --threads N  --device cpu|cuda[:N]  --quant q8_0 (cuda: quantize at load)\n"
     "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
     "  --expert-cache-slots N | --expert-cache-mb M   streamed cache size (slots per layer)\n"
@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
       {"generate", ts::cli::cmd_generate, {"direct-io", "stats", "capture-last"}},
       {"inspect", ts::cli::cmd_inspect, {"json"}},
       {"synth", ts::cli::cmd_synth, {}},
-      {"bench", ts::cli::cmd_bench, {"json", "direct-io", "stats", "no-warmup"}},
+      {"bench", ts::cli::cmd_bench, {"json", "direct-io", "stats", "no-warmup", "profile"}},
       {"pack", ts::cli::cmd_pack, {}},
       {"verify", ts::cli::cmd_verify, {}},
       {"analyze-router", ts::cli::cmd_analyze_router, {"json"}},

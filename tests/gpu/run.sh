@@ -5,7 +5,8 @@
 # --device cuda against --device cpu.
 set -euo pipefail
 bin=${1:-build}
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# lib/: shared libraries the build machine has and the GPU machine may not (cpp-httplib).
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$PWD/$bin/lib:${LD_LIBRARY_PATH:-}
 export TS_TEST_DATA_DIR="$PWD/tests"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$bin/ts_unit_tests" --gtest_filter='*Cuda*' --gtest_brief=1

@@ -215,6 +215,74 @@ size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 
 using Clock = std::chrono::steady_clock;
 
+// Times launches between CUDA events (off unless enabled); results are read after the
+// stream synchronizes.
+class KernelProfiler {
+ public:
+  ~KernelProfiler() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  bool on() const { return on_; }
+  void enable(bool on) {
+    on_ = on;
+    table_.clear();
+    pending_.clear();
+  }
+  template <class F>
+  auto time(const char* name, double bytes, cudaStream_t s, F&& launch) {
+    if (!on_) return launch();
+    cudaEvent_t a = event(), b = event();
+    cudaEventRecord(a, s);
+    auto result = launch();
+    cudaEventRecord(b, s);
+    pending_.push_back({name, bytes, a, b});
+    return result;
+  }
+  // After a synchronize: adds the pending launches to the table.
+  void collect() {
+    for (const Pending& p : pending_) {
+      float ms = 0;
+      cudaEventElapsedTime(&ms, p.a, p.b);
+      auto it = std::find_if(table_.begin(), table_.end(),
+                             [&](const KernelStat& k) { return k.name == p.name; });
+      if (it == table_.end()) it = table_.insert(table_.end(), KernelStat{p.name});
+      it->ms += ms;
+      it->calls += 1;
+      it->bytes += p.bytes;
+    }
+    pending_.clear();
+    next_ = 0;
+  }
+  const std::vector<KernelStat>& table() const { return table_; }
+
+ private:
+  struct Pending {
+    const char* name;
+    double bytes;
+    cudaEvent_t a, b;
+  };
+  cudaEvent_t event() {
+    if (next_ == events_.size()) {
+      cudaEvent_t e;
+      cudaEventCreate(&e);
+      events_.push_back(e);
+    }
+    return events_[next_++];
+  }
+  bool on_ = false;
+  std::vector<cudaEvent_t> events_;
+  size_t next_ = 0;
+  std::vector<Pending> pending_;
+  std::vector<KernelStat> table_;
+};
+
+// A launcher returning nothing, for KernelProfiler::time.
+template <class F>
+Status launch(F&& f) {
+  f();
+  return {};
+}
+
 class CudaSession final : public runtime::Engine {
  public:
   CudaSession(const model::HParams& hp, runtime::SessionOptions options, int device)
@@ -243,6 +311,7 @@ class CudaSession final : public runtime::Engine {
   std::string device_name() const override { return device_name_; }
 
   CudaBenchInfo info() const;
+  KernelProfiler& profiler() { return prof_; }
 
  private:
   Status forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk);
@@ -301,6 +370,7 @@ class CudaSession final : public runtime::Engine {
   std::vector<runtime::RouterTraceEntry> trace_;
   std::vector<float> host_rows_;
   bool use_graphs_ = true;
+  KernelProfiler prof_;
 };
 
 CudaSession::~CudaSession() {
@@ -649,7 +719,7 @@ Status CudaSession::forward(std::span<const int> tokens, std::vector<float>* all
 }
 
 bool CudaSession::graph_eligible() const {
-  if (!use_graphs_ || iv_.trace_router || !iv_.capture_layers.empty()) return false;
+  if (!use_graphs_ || prof_.on() || iv_.trace_router || !iv_.capture_layers.empty()) return false;
   for (const auto& ops : iv_.steer)
     if (!ops.empty()) return false;
   return true;
@@ -695,6 +765,7 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   }
   CUDA_TRY(cudaStreamSynchronize(stream_));
   CUDA_TRY(cudaGetLastError());
+  prof_.collect();
   std::copy_n(h_logits_, hp_.vocab, last_logits_.data());
   pos_ += n;
   int moe_layers = 0;
@@ -705,7 +776,8 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
 
 Status CudaSession::run_layers(int n, bool all_rows, bool last_chunk) {
   const size_t d = size_t(hp_.d_model);
-  embed_rows(w_.embed, tokens_, n, x_, stream_);
+  TS_TRY(prof_.time("embed", double(n) * double(w_.embed.row_bytes()), stream_,
+                    [&] { return launch([&] { embed_rows(w_.embed, tokens_, n, x_, stream_); }); }));
   TS_TRY(layer_boundary(-1, n, last_chunk));
   for (int l = 0; l < hp_.n_layers; ++l) {
     TS_TRY(attention_block(l, n));
@@ -714,14 +786,17 @@ Status CudaSession::run_layers(int n, bool all_rows, bool last_chunk) {
       TS_TRY(moe_block(l, n));
     } else {
       rmsnorm(x_, L.ffn_norm, xn_, n, int(d), hp_.rms_eps, stream_);
-      TS_TRY(dense_mlp(L.dense, n, hp_.d_ff, tmp_));
+      TS_TRY(prof_.time("dense mlp", double(mlp_bytes(L.dense)), stream_,
+                        [&] { return dense_mlp(L.dense, n, hp_.d_ff, tmp_); }));
       add_inplace(x_, tmp_, int64_t(n) * int64_t(d), stream_);
     }
     TS_TRY(layer_boundary(l, n, last_chunk));
   }
   rmsnorm(x_, w_.final_norm, xn_, n, int(d), hp_.rms_eps, stream_);
-  if (all_rows) return linear(w_.lm_head, xn_, n, logits_);
-  return linear(w_.lm_head, xn_ + size_t(n - 1) * d, 1, logits_);
+  return prof_.time("lm head", double(w_.lm_head.n_bytes()), stream_, [&] {
+    if (all_rows) return linear(w_.lm_head, xn_, n, logits_);
+    return linear(w_.lm_head, xn_ + size_t(n - 1) * d, 1, logits_);
+  });
 }
 
 Status CudaSession::layer_boundary(int layer, int n, bool last_chunk) {
@@ -761,10 +836,15 @@ int CudaSession::attention_splits(int n, int max_keys) const {
 Status CudaSession::attention_block(int layer, int n) {
   const DevLayer& L = w_.layers[size_t(layer)];
   const int d = hp_.d_model, qd = hp_.q_dim(), kvd = hp_.kv_dim();
-  rmsnorm(x_, L.attn_norm, xn_, n, d, hp_.rms_eps, stream_);
-  TS_TRY(linear(L.wq, xn_, n, q_));
-  TS_TRY(linear(L.wk, xn_, n, k_));
-  TS_TRY(linear(L.wv, xn_, n, v_));
+  TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
+    return launch([&] { rmsnorm(x_, L.attn_norm, xn_, n, d, hp_.rms_eps, stream_); });
+  }));
+  TS_TRY(prof_.time("qkv", double(L.wq.n_bytes() + L.wk.n_bytes() + L.wv.n_bytes()), stream_,
+                    [&]() -> Status {
+                      TS_TRY(linear(L.wq, xn_, n, q_));
+                      TS_TRY(linear(L.wk, xn_, n, k_));
+                      return linear(L.wv, xn_, n, v_);
+                    }));
   if (L.bq) add_bias(q_, L.bq, n, qd, stream_);
   if (L.bk) add_bias(k_, L.bk, n, kvd, stream_);
   if (L.bv) add_bias(v_, L.bv, n, kvd, stream_);
@@ -780,16 +860,26 @@ Status CudaSession::attention_block(int layer, int n) {
       break;
   }
   const size_t layer_off = size_t(layer) * size_t(n_ctx_) * size_t(kvd);
+  TS_TRY(prof_.time("rope + kv append", double(n) * (qd + 3 * kvd) * 8, stream_, [&] {
+    return launch([&] {
   rope_kv_append({.q = q_, .k = k_, .v = v_, .k_cache = k_cache_ + layer_off,
                   .v_cache = v_cache_ + layer_off, .inv_freq = inv_freq_, .pos = pos_dev_, .n = n,
                   .n_heads = hp_.n_heads, .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim},
                  stream_);
+    });
+  }));
   const int splits = n == 1 && graph_splits_ > 0 ? graph_splits_ : attention_splits(n, pos_ + n);
+  const double kv_bytes = 2.0 * double(pos_ + n) * kvd * 4;
+  TS_TRY(prof_.time("attention", kv_bytes, stream_, [&] {
+    return launch([&] {
   attention({.q = q_, .k_cache = k_cache_ + layer_off, .v_cache = v_cache_ + layer_off,
              .out = att_, .partial = partial_, .pos = pos_dev_, .n = n, .n_heads = hp_.n_heads,
              .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim, .n_splits = splits},
             stream_);
-  return linear(L.wo, att_, n, x_, /*accumulate=*/true);
+    });
+  }));
+  return prof_.time("wo", double(L.wo.n_bytes()), stream_,
+                    [&] { return linear(L.wo, att_, n, x_, /*accumulate=*/true); });
 }
 
 Status CudaSession::dense_mlp(const DevMlp& mlp, int n, int d_hidden, float* out) {
@@ -804,12 +894,19 @@ constexpr int kGemvMaxTokens = 8;
 Status CudaSession::moe_block(int layer, int n) {
   const DevLayer& L = w_.layers[size_t(layer)];
   const int d = hp_.d_model, k = hp_.top_k;
-  rmsnorm(x_, L.ffn_norm, xn_, n, d, hp_.rms_eps, stream_);
-  TS_TRY(linear(L.router, xn_, n, router_));
+  TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
+    return launch([&] { rmsnorm(x_, L.ffn_norm, xn_, n, d, hp_.rms_eps, stream_); });
+  }));
+  TS_TRY(prof_.time("router", double(L.router.n_bytes()), stream_,
+                    [&] { return linear(L.router, xn_, n, router_); }));
+  TS_TRY(prof_.time("top-k", double(n) * hp_.n_experts * 4, stream_, [&] {
+    return launch([&] {
   route({.logits = router_, .ids = sel_ids_, .weights = sel_w_,
          .hist = hist_ + size_t(layer) * size_t(hp_.n_experts), .n = n,
          .n_experts = hp_.n_experts, .top_k = k, .renormalize = hp_.moe.renormalize},
         stream_);
+    });
+  }));
   if (iv_.trace_router) {
     std::vector<int> ids(size_t(n) * size_t(k));
     std::vector<float> wts(ids.size());
@@ -826,18 +923,27 @@ Status CudaSession::moe_block(int layer, int n) {
                     .gate_dtype = L.experts[0].gate.dtype, .down_dtype = L.experts[0].down.dtype,
                     .ids = sel_ids_, .weights = sel_w_, .xn = xn_, .h = h1_, .out = moe_out_,
                     .n = n, .d_model = d, .d_expert = hp_.d_expert, .top_k = k};
-    moe_gate_up(a, stream_);
-    moe_down_sum(a, stream_);
+    const double up_bytes = double(n) * k * double(L.experts[0].gate.n_bytes()) * 2;
+    const double down_bytes = double(n) * k * double(L.experts[0].down.n_bytes());
+    TS_TRY(prof_.time("experts gate|up", up_bytes, stream_,
+                      [&] { return launch([&] { moe_gate_up(a, stream_); }); }));
+    TS_TRY(prof_.time("experts down+sum", down_bytes, stream_,
+                      [&] { return launch([&] { moe_down_sum(a, stream_); }); }));
   } else {
-    TS_TRY(grouped_experts(layer, n));
+    TS_TRY(prof_.time("experts grouped", 0, stream_, [&] { return grouped_experts(layer, n); }));
   }
   const bool shared = L.shared.gate.present();
   if (shared) {
-    TS_TRY(dense_mlp(L.shared, n, hp_.d_shared, shared_out_));
+    TS_TRY(prof_.time("shared expert", double(mlp_bytes(L.shared)), stream_,
+                      [&] { return dense_mlp(L.shared, n, hp_.d_shared, shared_out_); }));
     if (L.shared_gate.present()) TS_TRY(linear(L.shared_gate, xn_, n, shared_z_));
   }
-  moe_residual(x_, moe_out_, shared ? shared_out_ : nullptr,
-               shared && L.shared_gate.present() ? shared_z_ : nullptr, n, d, stream_);
+  TS_TRY(prof_.time("moe residual", double(n) * d * 12, stream_, [&] {
+    return launch([&] {
+      moe_residual(x_, moe_out_, shared ? shared_out_ : nullptr,
+                   shared && L.shared_gate.present() ? shared_z_ : nullptr, n, d, stream_);
+    });
+  }));
   return {};
 }
 
@@ -971,6 +1077,15 @@ Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
   TS_TRY(s->synthesize(synthetic));
   TS_TRY(s->init(name));
   return std::unique_ptr<runtime::Engine>(std::move(s));
+}
+
+void set_profiling(runtime::Engine& engine, bool on) {
+  if (auto* s = dynamic_cast<CudaSession*>(&engine)) s->profiler().enable(on);
+}
+
+std::vector<KernelStat> profile_table(const runtime::Engine& engine) {
+  auto* s = dynamic_cast<const CudaSession*>(&engine);
+  return s ? const_cast<CudaSession*>(s)->profiler().table() : std::vector<KernelStat>{};
 }
 
 CudaBenchInfo bench_info(const runtime::Engine& engine) {

@@ -40,4 +40,15 @@ struct CudaBenchInfo {
 };
 CudaBenchInfo bench_info(const runtime::Engine& engine);
 
+// Per-kernel timing: with profiling on, CUDA graphs are off and every launch is timed with
+// CUDA events; the table sums time, calls and the bytes each launch must move.
+struct KernelStat {
+  std::string name;
+  double ms = 0;
+  int64_t calls = 0;
+  double bytes = 0;
+};
+void set_profiling(runtime::Engine& engine, bool on);  // also clears the table
+std::vector<KernelStat> profile_table(const runtime::Engine& engine);
+
 }  // namespace ts::cuda

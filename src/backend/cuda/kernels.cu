@@ -48,6 +48,8 @@ __device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float* s
   }
 }
 
+constexpr int kRowWarps = 4;  // warps per block in the row kernels
+
 // One warp's share of acc[t] += row . x[t] for t < nt. x rows are `cols` floats apart and
 // 16-byte aligned; every lane ends with a partial sum (reduce with warp_sum).
 template <DType T, int NT>
@@ -106,8 +108,45 @@ __device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int 
       }
     }
   } else if constexpr (T == DType::kQ8_0) {
-    // One 34-byte block (f16 d, int8 qs[32]) per lane per step.
+    // Blocks are 34 bytes (f16 d, int8 qs[32]): a lane reading its own block would issue
+    // 2-byte loads 34 bytes apart. Instead the warp copies up to 64 blocks of the row into
+    // its shared-memory tile with coalesced 16-byte loads (rows of a multiple of 256
+    // columns are 16-byte aligned), then each lane computes on whole blocks from the tile.
     const int nb = cols / 32;
+    if ((cols & 255) == 0) {
+      __shared__ __align__(16) uint8_t tiles[kRowWarps][64 * 34];
+      uint8_t* tile = tiles[threadIdx.x / 32];
+      for (int b0 = 0; b0 < nb; b0 += 64) {
+        const int nbt = min(64, nb - b0), n16 = nbt * 34 / 16;
+        const uint4* src = reinterpret_cast<const uint4*>(row + size_t(b0) * 34);
+        __syncwarp();
+        for (int i = lane; i < n16; i += 32) reinterpret_cast<uint4*>(tile)[i] = __ldg(src + i);
+        __syncwarp();
+        for (int b = lane; b < nbt; b += 32) {
+          const uint16_t* blk = reinterpret_cast<const uint16_t*>(tile + b * 34);
+          const float d = f16_bits(blk[0]);
+          float wq[32];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            const uint16_t v = blk[1 + i];
+            wq[2 * i] = float(int8_t(v & 0xff));
+            wq[2 * i + 1] = float(int8_t(v >> 8));
+          }
+#pragma unroll
+          for (int t = 0; t < NT; ++t)
+            if (t < nt) {
+              const float4* xv =
+                  reinterpret_cast<const float4*>(x + size_t(t) * cols + (b0 + b) * 32);
+              float sum = 0;
+#pragma unroll
+              for (int i = 0; i < 8; ++i)
+                sum += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xv[i]);
+              acc[t] += d * sum;
+            }
+        }
+      }
+      return;
+    }
     for (int b = lane; b < nb; b += 32) {
       const uint16_t* blk = reinterpret_cast<const uint16_t*>(row + size_t(b) * 34);
       const float d = f16_bits(__ldg(blk));
@@ -122,11 +161,11 @@ __device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int 
       for (int t = 0; t < NT; ++t)
         if (t < nt) {
           const float4* xv = reinterpret_cast<const float4*>(x + size_t(t) * cols + b * 32);
-          float s = 0;
+          float sum = 0;
 #pragma unroll
           for (int i = 0; i < 8; ++i)
-            s += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xv[i]);
-          acc[t] += d * s;
+            sum += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xv[i]);
+          acc[t] += d * sum;
         }
     }
   } else if constexpr (T == DType::kQ4_K) {
@@ -167,7 +206,7 @@ __device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int 
 
 // ---------------------------------------------------------------- kernels
 
-constexpr int kWarps = 4;  // warps per block in the row kernels
+constexpr int kWarps = kRowWarps;
 
 struct GemvParams {
   const uint8_t* w;

@@ -43,6 +43,7 @@ Status cmd_bench_cuda(const Args& args) {
   return make_error("--device cuda: this turbospark was built without CUDA");
 #else
   const bool json = args.has("json");
+  const bool profile = args.has("profile");
   TS_ASSIGN(std::vector<int64_t> contexts, int_list("contexts", args.str_or("contexts", "128,4096")));
   TS_ASSIGN(std::vector<int64_t> prompts, int_list("prompts", args.str_or("prompts", "512,4096")));
   TS_ASSIGN(int64_t n_gen, args.integer_or("gen-tokens", 64, 1, 1 << 16));
@@ -169,6 +170,41 @@ Status cmd_bench_cuda(const Args& args) {
       std::printf("prefill %6lld tokens: %8.0f tok/s (%.3f s), %6.1f TFLOP/s = %4.1f%% of %.0f\n",
                   (long long)n, double(n) / s, s, tflops, 100.0 * tflops / roofline_tflops,
                   roofline_tflops);
+  }
+  if (profile) {
+    // Where the time goes: every launch timed with events (graphs off), decode at the first
+    // context, then prefill of the last prompt length.
+    auto table = [&](const char* what, double per) {
+      nlohmann::json rows = nlohmann::json::array();
+      double total = 0;
+      for (const cuda::KernelStat& k : cuda::profile_table(*engine)) total += k.ms;
+      if (!json) std::printf("profile %s (per %s): %-18s %9s %7s %9s %6s\n", what,
+                             per == 1 ? "run" : "token", "kernel", "ms", "calls", "GB/s", "share");
+      for (const cuda::KernelStat& k : cuda::profile_table(*engine)) {
+        const double gbps = k.ms > 0 ? k.bytes / (k.ms * 1e-3) / 1e9 : 0;
+        rows.push_back({{"kernel", k.name}, {"ms", k.ms / per}, {"calls", double(k.calls) / per},
+                        {"bytes", k.bytes / per}, {"gbps", gbps},
+                        {"roofline_fraction", gbps / roofline_gbps}, {"share", k.ms / total}});
+        if (!json)
+          std::printf("  %-30s %9.4f %7.1f %9.0f %5.1f%%\n", k.name.c_str(), k.ms / per,
+                      double(k.calls) / per, gbps, 100.0 * k.ms / total);
+      }
+      return rows;
+    };
+    engine->reset();
+    TS_TRY(engine->forward(prompt_of(contexts[0]), nullptr));
+    cuda::set_profiling(*engine, true);
+    int next = runtime::argmax(engine->last_logits());
+    for (int64_t i = 0; i < n_gen; ++i) {
+      TS_TRY(engine->forward(std::span<const int>(&next, 1), nullptr));
+      next = runtime::argmax(engine->last_logits());
+    }
+    j["profile_decode"] = table("decode", double(n_gen));
+    engine->reset();
+    cuda::set_profiling(*engine, true);
+    TS_TRY(engine->forward(prompt_of(prompts.back()), nullptr));
+    j["profile_prefill"] = table("prefill", 1);
+    cuda::set_profiling(*engine, false);
   }
   j["decode"] = decode;
   j["prefill"] = prefill;

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "io/gguf.h"
 #include "io/mapped_file.h"
 #include "io/npy.h"
 #include "io/safetensors.h"
@@ -70,6 +71,49 @@ Status write_router_hist(const std::string& path, const runtime::LoadedModel& mo
   return io::write_file_atomic(path, {io::ConstBytes{text.data(), text.size()}});
 }
 
+namespace {
+
+bool has_suffix(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// A llama.cpp control vector: direction.N steers our layer N (io/gguf.h says why). LAYERS
+// picks among the file's directions: "all" takes every one; a list or range takes those
+// layers, each of which the file must hold. Either way every direction in the file must
+// fall inside the model, since a file made for this model cannot hold one past its last layer.
+Result<std::vector<std::pair<int, runtime::SteerOp>>> control_vector_ops(
+    const std::string& file, const std::string& layers_s, float scale, runtime::SteerMode mode,
+    const model::HParams& hp) {
+  TS_ASSIGN(io::ControlVector cv, io::read_control_vector(file, hp.d_model));
+  std::vector<bool> in_file(size_t(hp.n_layers), false);
+  for (const auto& [layer, v] : cv.directions) {
+    if (layer >= hp.n_layers)
+      return make_error(file + ": tensor 'direction." + std::to_string(layer) +
+                        "' is out of range: the model's layers are 0-" +
+                        std::to_string(hp.n_layers - 1));
+    in_file[size_t(layer)] = true;
+  }
+  std::vector<bool> chosen = in_file;
+  if (layers_s != "all") {
+    TS_ASSIGN(std::vector<int> layers, runtime::parse_layer_list(layers_s, hp.n_layers, false));
+    std::fill(chosen.begin(), chosen.end(), false);
+    for (int l : layers) {
+      if (!in_file[size_t(l)])
+        return make_error("--steer " + file + "@" + layers_s + ": the file has no direction." +
+                          std::to_string(l) + " for layer " + std::to_string(l));
+      chosen[size_t(l)] = true;
+    }
+  }
+  std::vector<std::pair<int, runtime::SteerOp>> ops;  // (layer, op), ascending layers
+  for (auto& [layer, v] : cv.directions)
+    if (chosen[size_t(layer)])
+      ops.emplace_back(layer, runtime::SteerOp{.v = std::move(v), .scale = scale, .mode = mode});
+  return ops;
+}
+
+}  // namespace
+
 Result<runtime::Interventions> build_interventions(const ModelFlags& flags,
                                                    const model::HParams& hp) {
   runtime::Interventions iv;
@@ -100,6 +144,11 @@ Result<runtime::Interventions> build_interventions(const ModelFlags& flags,
     if (end == scale_s.c_str() || *end || !std::isfinite(scale))
       return make_error("--steer '" + spec + "': scale '" + scale_s + "' is not a number");
     TS_ASSIGN(runtime::SteerMode mode, runtime::parse_steer_mode(mode_s));
+    if (has_suffix(file, ".gguf")) {
+      TS_ASSIGN(auto ops, control_vector_ops(file, layers_s, scale, mode, hp));
+      for (auto& [layer, op] : ops) iv.steer[size_t(layer)].push_back(std::move(op));
+      continue;
+    }
     TS_ASSIGN(std::vector<int> layers, runtime::parse_layer_list(layers_s, hp.n_layers, false));
     TS_ASSIGN(io::NpyArray a, io::read_npy_f32(file));
     const int64_t d = hp.d_model;
