@@ -103,6 +103,20 @@ TEST_F(Cli, MissingDirectory) {
   EXPECT_FALSE(fs::exists(tmp_ / "x.npy"));
 }
 
+// Device flags: a bad name, a CUDA-only option on the CPU, and CUDA where there is none (CI)
+// or a device index that does not exist are one-line errors, exit 2, no output.
+TEST_F(Cli, BadDeviceFlagsAreClearErrors) {
+  fs::path out = tmp_ / "x.npy";
+  const std::string base = "logits --model " + model_ + " --tokens 1,2 --out " + out.string();
+  expect_error(run(base + " --device tpu"), "--device");
+  expect_error(run(base + " --quant q8_0"), "--quant");
+  expect_error(run(base + " --device cuda --quant q4_0"), "--quant");
+  RunResult r = run(base + " --device cuda:7");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("cuda"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST_F(Cli, TokenOutOfVocabulary) {
   fs::path out = tmp_ / "x.npy";
   expect_error(run("logits --model " + model_ + " --tokens 1,512 --out " + out.string()), "512");
