@@ -14,8 +14,23 @@ namespace ts::cli {
 
 nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
                           int64_t tokens_processed) {
-  const runtime::PhaseTimes& p = session.phases();
-  const experts::StoreStats s = model.experts().stats();
+  return stats_json(model, session, tokens_processed, {});
+}
+
+nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
+                          int64_t tokens_processed, const RunCounters& since) {
+  runtime::PhaseTimes p = session.phases();
+  p.attention_us -= since.phases.attention_us;
+  p.router_us -= since.phases.router_us;
+  p.expert_io_us -= since.phases.expert_io_us;
+  p.expert_compute_us -= since.phases.expert_compute_us;
+  p.dense_ffn_us -= since.phases.dense_ffn_us;
+  p.lm_head_us -= since.phases.lm_head_us;
+  p.expert_requests -= since.phases.expert_requests;
+  experts::StoreStats s = model.experts().stats();
+  s.requests -= since.store.requests;
+  s.hits -= since.store.hits;
+  s.bytes_read -= since.store.bytes_read;
   const double t = double(std::max<int64_t>(1, tokens_processed));
   return {
       {"residency", std::string(experts::residency_name(model.experts().residency()))},

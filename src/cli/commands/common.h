@@ -104,6 +104,13 @@ inline Result<std::unique_ptr<runtime::Engine>> make_session(const ModelFlags& f
 }
 
 // Phase times, expert cache counters and storage bytes of a finished run, for --stats.
+// Counters at a point of a run (e.g. after bench's warm-up), to report only what follows.
+struct RunCounters {
+  runtime::PhaseTimes phases;
+  experts::StoreStats store;
+};
+nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
+                          int64_t tokens_processed, const RunCounters& since);
 nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
                           int64_t tokens_processed);
 void print_stats(const nlohmann::json& stats);

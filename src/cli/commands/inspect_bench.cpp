@@ -100,6 +100,8 @@ Status cmd_bench(const Args& args) {
     }
     session.reset();
   }
+  // Stats cover the timed passes only (the store's counters live as long as the model).
+  const RunCounters since{session.phases(), m.model->experts().stats()};
   auto t0 = Clock::now();
   TS_TRY(session.forward(prompt, nullptr));
   double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -125,7 +127,7 @@ Status cmd_bench(const Args& args) {
   j["decode_achieved_gbps"] = achieved_gbps;
   j["roofline_gbps"] = roofline_gbps;
   j["decode_roofline_fraction"] = achieved_gbps / roofline_gbps;
-  j["stats"] = stats_json(*m.model, session, n_prompt + n_gen);
+  j["stats"] = stats_json(*m.model, session, n_prompt + n_gen, since);
   if (json) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {
