@@ -211,6 +211,13 @@ class Uploader {
   size_t raw_cap_ = 0, f32_cap_ = 0;
 };
 
+// Up to this many tokens the GEMV kernels run (weights read once per 4 tokens); beyond, cuBLAS
+// and the expert-grouped MoE.
+constexpr int kGemvMaxTokens = 8;
+
+// Q8_0 weights in GEMVs take Q8 activations (dp4a) when rows fit the tile path.
+bool q8_activations(DType w, int64_t cols) { return w == DType::kQ8_0 && cols % 256 == 0; }
+
 size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 
 using Clock = std::chrono::steady_clock;
@@ -352,6 +359,9 @@ class CudaSession final : public runtime::Engine {
         *shared_out_ = nullptr, *shared_z_ = nullptr, *logits_ = nullptr, *slot_rows_ = nullptr;
   int *sel_ids_ = nullptr, *tokens_ = nullptr, *pos_dev_ = nullptr, *group_src_ = nullptr,
       *group_row_of_ = nullptr;
+  // Q8 activations for Q8_0 GEMVs: qx_ holds a GEMV input (xn, attention output), qh_ the
+  // experts' hidden rows.
+  QAct qx_, qh_;
   void* act_ = nullptr;     // GEMM inputs in F16/BF16 (gathered rows, activations)
   void* wtmp_ = nullptr;    // a quantized matrix dequantized to BF16 for cuBLAS
   size_t act_bytes_ = 0, wtmp_bytes_ = 0;
@@ -609,6 +619,10 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(tokens_, arena_.alloc_n<int>(c));
   TS_ASSIGN(pos_dev_, arena_.alloc_n<int>(1));
   TS_ASSIGN(act_, arena_.alloc(act_bytes_));
+  TS_ASSIGN(qx_.q, arena_.alloc_n<int8_t>(size_t(kGemvMaxTokens) * widest));
+  TS_ASSIGN(qx_.d, arena_.alloc_n<float>(size_t(kGemvMaxTokens) * widest / 32 + 1));
+  TS_ASSIGN(qh_.q, arena_.alloc_n<int8_t>(size_t(kGemvMaxTokens) * k * hidden));
+  TS_ASSIGN(qh_.d, arena_.alloc_n<float>(size_t(kGemvMaxTokens) * k * hidden / 32 + 1));
   TS_ASSIGN(hist_, arena_.alloc_n<unsigned long long>(size_t(hp.n_layers) *
                                                       size_t(std::max(1, hp.n_experts))));
   CUDA_TRY(cudaMemset(hist_, 0, size_t(hp.n_layers) * size_t(std::max(1, hp.n_experts)) * 8));
@@ -826,8 +840,8 @@ Status CudaSession::layer_boundary(int layer, int n, bool last_chunk) {
 }
 
 int CudaSession::attention_splits(int n, int max_keys) const {
-  // Enough blocks to fill the GPU (~2 per SM on 132 SMs) without splits of under 32 keys.
-  const int want = (264 + hp_.n_heads * n - 1) / (hp_.n_heads * n);
+  // Enough blocks to fill the GPU (~4 per SM on 132 SMs) without splits of under 32 keys.
+  const int want = (528 + hp_.n_heads * n - 1) / (hp_.n_heads * n);
   int splits = std::clamp(want, 1, std::max(1, (max_keys + 31) / 32));
   splits = std::min(splits, std::max(1, partial_rows_ / n));
   return splits;
@@ -841,6 +855,18 @@ Status CudaSession::attention_block(int layer, int n) {
   }));
   TS_TRY(prof_.time("qkv", double(L.wq.n_bytes() + L.wk.n_bytes() + L.wv.n_bytes()), stream_,
                     [&]() -> Status {
+                      if (n <= kGemvMaxTokens && L.wk.dtype == L.wq.dtype &&
+                          L.wv.dtype == L.wq.dtype) {
+                        const DevMatrix w[3] = {L.wq, L.wk, L.wv};
+                        float* const y[3] = {q_, k_, v_};
+                        GemvInput in{xn_};
+                        if (q8_activations(L.wq.dtype, L.wq.cols)) {
+                          quantize_act(xn_, int64_t(n) * d, qx_, stream_);
+                          in.q = qx_;
+                        }
+                        gemv_parts(w, y, 3, in, n, false, stream_);
+                        return {};
+                      }
                       TS_TRY(linear(L.wq, xn_, n, q_));
                       TS_TRY(linear(L.wk, xn_, n, k_));
                       return linear(L.wv, xn_, n, v_);
@@ -850,21 +876,21 @@ Status CudaSession::attention_block(int layer, int n) {
   if (L.bv) add_bias(v_, L.bv, n, kvd, stream_);
   switch (hp_.qk_norm) {
     case model::QkNorm::kNone: break;
-    case model::QkNorm::kPerHead:
-      rmsnorm(q_, L.q_norm, q_, int64_t(n) * hp_.n_heads, hp_.head_dim, hp_.rms_eps, stream_);
-      rmsnorm(k_, L.k_norm, k_, int64_t(n) * hp_.n_kv_heads, hp_.head_dim, hp_.rms_eps, stream_);
-      break;
+    case model::QkNorm::kPerHead: break;  // fused into rope_kv_append
     case model::QkNorm::kFullProjection:
       rmsnorm(q_, L.q_norm, q_, n, qd, hp_.rms_eps, stream_);
       rmsnorm(k_, L.k_norm, k_, n, kvd, hp_.rms_eps, stream_);
       break;
   }
   const size_t layer_off = size_t(layer) * size_t(n_ctx_) * size_t(kvd);
+  const bool per_head = hp_.qk_norm == model::QkNorm::kPerHead;
   TS_TRY(prof_.time("rope + kv append", double(n) * (qd + 3 * kvd) * 8, stream_, [&] {
     return launch([&] {
   rope_kv_append({.q = q_, .k = k_, .v = v_, .k_cache = k_cache_ + layer_off,
                   .v_cache = v_cache_ + layer_off, .inv_freq = inv_freq_, .pos = pos_dev_, .n = n,
-                  .n_heads = hp_.n_heads, .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim},
+                  .n_heads = hp_.n_heads, .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim,
+                  .q_norm = per_head ? L.q_norm : nullptr, .k_norm = per_head ? L.k_norm : nullptr,
+                  .eps = hp_.rms_eps},
                  stream_);
     });
   }));
@@ -888,8 +914,6 @@ Status CudaSession::dense_mlp(const DevMlp& mlp, int n, int d_hidden, float* out
   silu_mul(h1_, h2_, h1_, int64_t(n) * d_hidden, stream_);
   return linear(mlp.down, h1_, n, out);
 }
-
-constexpr int kGemvMaxTokens = 8;
 
 Status CudaSession::moe_block(int layer, int n) {
   const DevLayer& L = w_.layers[size_t(layer)];
@@ -919,16 +943,30 @@ Status CudaSession::moe_block(int layer, int n) {
                         std::vector<float>(wts.begin() + long(t) * k, wts.begin() + long(t + 1) * k)});
   }
   if (n <= kGemvMaxTokens) {
-    const MoeArgs a{.gate = L.gate_tab, .up = L.up_tab, .down = L.down_tab,
+    MoeArgs a{.gate = L.gate_tab, .up = L.up_tab, .down = L.down_tab,
                     .gate_dtype = L.experts[0].gate.dtype, .down_dtype = L.experts[0].down.dtype,
                     .ids = sel_ids_, .weights = sel_w_, .xn = xn_, .h = h1_, .out = moe_out_,
-                    .n = n, .d_model = d, .d_expert = hp_.d_expert, .top_k = k};
+                    .n = n, .d_model = d, .d_expert = hp_.d_expert, .top_k = k,
+                    // Without a shared expert the sum goes straight onto the residual.
+                    .accumulate = !L.shared.gate.present()};
+    if (a.accumulate) a.out = x_;
+    if (q8_activations(a.gate_dtype, d)) {
+      quantize_act(xn_, int64_t(n) * d, qx_, stream_);
+      a.xq = qx_.q;
+      a.xd = qx_.d;
+    }
     const double up_bytes = double(n) * k * double(L.experts[0].gate.n_bytes()) * 2;
     const double down_bytes = double(n) * k * double(L.experts[0].down.n_bytes());
     TS_TRY(prof_.time("experts gate|up", up_bytes, stream_,
                       [&] { return launch([&] { moe_gate_up(a, stream_); }); }));
+    if (q8_activations(a.down_dtype, hp_.d_expert)) {
+      quantize_act(h1_, int64_t(n) * k * hp_.d_expert, qh_, stream_);
+      a.hq = qh_.q;
+      a.hd = qh_.d;
+    }
     TS_TRY(prof_.time("experts down+sum", down_bytes, stream_,
                       [&] { return launch([&] { moe_down_sum(a, stream_); }); }));
+    if (a.accumulate) return {};
   } else {
     TS_TRY(prof_.time("experts grouped", 0, stream_, [&] { return grouped_experts(layer, n); }));
   }
@@ -999,7 +1037,12 @@ Status CudaSession::grouped_experts(int layer, int n) {
 
 Status CudaSession::linear(const DevMatrix& w, const float* x, int n, float* y, bool accumulate) {
   if (n <= kGemvMaxTokens) {
-    gemv(w, x, n, y, accumulate, stream_);
+    GemvInput in{x};
+    if (q8_activations(w.dtype, w.cols)) {
+      quantize_act(x, int64_t(n) * w.cols, qx_, stream_);
+      in.q = qx_;
+    }
+    gemv_parts(&w, &y, 1, in, n, accumulate, stream_);
     return {};
   }
   const DType in = gemm_input_type(w.dtype);

@@ -204,36 +204,95 @@ __device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int 
   }
 }
 
+// acc[t] += row . x[t] for Q8_0 weights and Q8 activations (xq int8 [t][cols], xd one scale
+// per 32 values): per block d_w * d_x * sum(q_w * q_x), the integer sum by dp4a. Rows are
+// staged through a shared tile as in row_dot; precondition cols % 256 == 0.
+template <int NT>
+__device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* xq,
+                                             const float* xd, int cols, int nt, float (&acc)[NT],
+                                             int lane) {
+  __shared__ __align__(16) uint8_t tiles[kRowWarps][64 * 34];
+  uint8_t* tile = tiles[threadIdx.x / 32];
+  const int nb = cols / 32;
+  for (int b0 = 0; b0 < nb; b0 += 64) {
+    const int nbt = min(64, nb - b0), n16 = nbt * 34 / 16;
+    const uint4* src = reinterpret_cast<const uint4*>(row + size_t(b0) * 34);
+    __syncwarp();
+    for (int i = lane; i < n16; i += 32) reinterpret_cast<uint4*>(tile)[i] = __ldg(src + i);
+    __syncwarp();
+    for (int b = lane; b < nbt; b += 32) {
+      const uint16_t* blk = reinterpret_cast<const uint16_t*>(tile + b * 34);
+      const float dw = f16_bits(blk[0]);
+      int w32[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w32[i] = int(uint32_t(blk[1 + 2 * i]) | uint32_t(blk[2 + 2 * i]) << 16);
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        if (t < nt) {
+          const int4* xv = reinterpret_cast<const int4*>(xq + size_t(t) * cols + (b0 + b) * 32);
+          const int4 x0 = xv[0], x1 = xv[1];
+          int s = __dp4a(w32[0], x0.x, 0);
+          s = __dp4a(w32[1], x0.y, s);
+          s = __dp4a(w32[2], x0.z, s);
+          s = __dp4a(w32[3], x0.w, s);
+          s = __dp4a(w32[4], x1.x, s);
+          s = __dp4a(w32[5], x1.y, s);
+          s = __dp4a(w32[6], x1.z, s);
+          s = __dp4a(w32[7], x1.w, s);
+          acc[t] += dw * xd[size_t(t) * nb + b0 + b] * float(s);
+        }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- kernels
 
 constexpr int kWarps = kRowWarps;
 
+// Up to three matrices of one dtype and width in one launch (q, k, v): rows are numbered
+// across the parts, each part writes its own output.
 struct GemvParams {
-  const uint8_t* w;
+  const uint8_t* w[3];
+  int64_t rows[3];
+  float* y[3];
+  int parts;
+  int64_t total_rows;
   size_t row_bytes;
-  int64_t rows;
   int cols;
   const float* x;
+  const int8_t* xq;  // x as Q8 blocks (Q8_0 weights only), or null
+  const float* xd;
   int n;
-  float* y;
   bool accumulate;
 };
 
 template <DType T, int NT>
 __global__ void gemv_kernel(GemvParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t r = int64_t(blockIdx.x) * kWarps + warp;
-  if (r >= p.rows) return;
+  int64_t r = int64_t(blockIdx.x) * kWarps + warp;
+  if (r >= p.total_rows) return;
+  int part = 0;
+  while (part + 1 < p.parts && r >= p.rows[part]) r -= p.rows[part++];
   const int t0 = blockIdx.y * NT;
   const int nt = min(NT, p.n - t0);
   float acc[NT] = {};
-  row_dot<T, NT>(p.w + size_t(r) * p.row_bytes, p.x + size_t(t0) * p.cols, p.cols, nt, acc,
-                 lane);
+  if constexpr (T == DType::kQ8_0) {
+    if (p.xq) {
+      row_dot_q8q8<NT>(p.w[part] + size_t(r) * p.row_bytes, p.xq + size_t(t0) * p.cols,
+                       p.xd + size_t(t0) * (p.cols / 32), p.cols, nt, acc, lane);
+    } else {
+      row_dot<T, NT>(p.w[part] + size_t(r) * p.row_bytes, p.x + size_t(t0) * p.cols, p.cols, nt,
+                     acc, lane);
+    }
+  } else {
+    row_dot<T, NT>(p.w[part] + size_t(r) * p.row_bytes, p.x + size_t(t0) * p.cols, p.cols, nt,
+                   acc, lane);
+  }
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const float v = warp_sum(acc[t]);
     if (lane == 0 && t < nt) {
-      float* y = p.y + size_t(t0 + t) * size_t(p.rows) + size_t(r);
+      float* y = p.y[part] + size_t(t0 + t) * size_t(p.rows[part]) + size_t(r);
       *y = p.accumulate ? *y + v : v;
     }
   }
@@ -305,27 +364,48 @@ __global__ void moe_residual_kernel(float* x, const float* moe, const float* sha
 
 // grid (n, max(n_heads, n_kv_heads)), block head_dim / 2 threads.
 __global__ void rope_kv_kernel(RopeKvArgs a) {
-  const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
-  const int half = a.head_dim / 2, q_dim = a.n_heads * a.head_dim,
-            kv_dim = a.n_kv_heads * a.head_dim;
+  // Threads i >= half (the block is whole warps) only join the norm's reductions.
+  const int t = blockIdx.x, h = blockIdx.y, half = a.head_dim / 2;
+  const bool live = int(threadIdx.x) < half;
+  const int i = live ? int(threadIdx.x) : 0;
+  const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
   const int position = *a.pos + t;
   // transformers: freqs = position * inv_freq in float32, then cos/sin.
   const float freq = float(position) * a.inv_freq[i];
   const float c = float(cos(double(freq))), s = float(sin(double(freq)));
+  // Per-head RMSNorm (qwen3_moe) before the rotation: the block reduces its head's squares.
+  __shared__ float part[32];
+  auto head_norm = [&](float& x0, float& x1, const float* w) {
+    float ss = warp_sum(x0 * x0 + x1 * x1);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+    __syncthreads();
+    float total = 0;
+    for (int wi = 0; wi < int((blockDim.x + 31) / 32); ++wi) total += part[wi];
+    __syncthreads();
+    const float inv = rsqrtf(total / float(a.head_dim) + a.eps);
+    x0 = x0 * inv * w[i];
+    x1 = x1 * inv * w[i + half];
+  };
   if (h < a.n_heads) {
     float* xh = a.q + size_t(t) * q_dim + size_t(h) * a.head_dim;
-    const float x0 = xh[i], x1 = xh[i + half];
-    xh[i] = x0 * c - x1 * s;
-    xh[i + half] = x1 * c + x0 * s;
+    float x0 = live ? xh[i] : 0.0f, x1 = live ? xh[i + half] : 0.0f;
+    if (a.q_norm) head_norm(x0, x1, a.q_norm);
+    if (live) {
+      xh[i] = x0 * c - x1 * s;
+      xh[i + half] = x1 * c + x0 * s;
+    }
   }
   if (h < a.n_kv_heads) {
     const size_t src = size_t(t) * kv_dim + size_t(h) * a.head_dim;
     const size_t dst = size_t(position) * kv_dim + size_t(h) * a.head_dim;
-    const float x0 = a.k[src + i], x1 = a.k[src + i + half];
-    a.k_cache[dst + i] = x0 * c - x1 * s;
-    a.k_cache[dst + i + half] = x1 * c + x0 * s;
-    a.v_cache[dst + i] = a.v[src + i];
-    a.v_cache[dst + i + half] = a.v[src + i + half];
+    float x0 = live ? a.k[src + i] : 0.0f, x1 = live ? a.k[src + i + half] : 0.0f;
+    if (a.k_norm) head_norm(x0, x1, a.k_norm);
+    if (live) {
+      a.k_cache[dst + i] = x0 * c - x1 * s;
+      a.k_cache[dst + i + half] = x1 * c + x0 * s;
+      a.v_cache[dst + i] = a.v[src + i];
+      a.v_cache[dst + i + half] = a.v[src + i + half];
+    }
   }
 }
 
@@ -352,23 +432,53 @@ __global__ void attention_split_kernel(AttentionArgs a) {
     acc[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  for (int j = j0 + warp; j < j1; j += kAttnWarps) {
-    const float* k = a.k_cache + size_t(j) * kv_dim + size_t(g) * hd;
-    float s = 0;
+  // Keys in groups of kBatch per warp: their loads and reductions are independent, so they
+  // overlap instead of paying one memory round trip per key.
+  constexpr int kBatch = 4;
+  for (int j = j0 + warp * kBatch; j < j1; j += kAttnWarps * kBatch) {
+    const int nk = min(kBatch, j1 - j);
+    float s[kBatch];
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int dim = lane + 32 * i;
-      if (dim < hd) s += q[i] * k[dim];
+    for (int b = 0; b < kBatch; ++b) {
+      s[b] = 0.0f;
+      if (b < nk) {
+        const float* k = a.k_cache + size_t(j + b) * kv_dim + size_t(g) * hd;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          const int dim = lane + 32 * i;
+          if (dim < hd) s[b] += q[i] * k[dim];
+        }
+      }
     }
-    s = warp_sum(s) * scale;
-    const float m_new = fmaxf(m, s);
-    const float corr = expf(m - m_new), p = expf(s - m_new);
-    l = l * corr + p;
-    const float* v = a.v_cache + size_t(j) * kv_dim + size_t(g) * hd;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int dim = lane + 32 * i;
-      if (dim < hd) acc[i] = acc[i] * corr + p * v[dim];
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) s[b] += __shfl_xor_sync(0xffffffffu, s[b], o);
+    float m_new = m;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      s[b] = b < nk ? s[b] * scale : -INFINITY;
+      m_new = fmaxf(m_new, s[b]);
+    }
+    const float corr = expf(m - m_new);
+    float p[kBatch];
+    l *= corr;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      p[b] = expf(s[b] - m_new);
+      l += p[b];
+    }
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] *= corr;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (b >= nk) break;
+      const float* v = a.v_cache + size_t(j + b) * kv_dim + size_t(g) * hd;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int dim = lane + 32 * i;
+        if (dim < hd) acc[i] += p[b] * v[dim];
+      }
     }
     m = m_new;
   }
@@ -422,6 +532,100 @@ __global__ void attention_merge_kernel(AttentionArgs a) {
       if (ms > -INFINITY) v += part[s * (hd + 2) + 2 + dim] * expf(ms - M);
     }
     o[dim] = v * inv;
+  }
+}
+
+// Prefill attention, tiled: a block takes kPrefillQ queries of one head and walks the keys
+// in tiles of 32 through shared memory, so each key is read once per query tile (not once
+// per query). Warp w owns queries w, w + 4, ...; lane j scores key j of the tile, then the
+// warp updates its online softmax and output (lane holds dims lane, lane + 32, ...).
+constexpr int kPrefillQ = 16, kPrefillK = 32, kPrefillHd = 128;
+
+__global__ void attention_prefill_kernel(AttentionArgs a) {
+  constexpr int kPer = kPrefillHd / 32, kRows = kPrefillQ / kAttnWarps;
+  __shared__ __align__(16) float sq[kPrefillQ][kPrefillHd];
+  // +4 floats per row: lanes read rows as float4 without bank conflicts.
+  __shared__ __align__(16) float sk[kPrefillK][kPrefillHd + 4];
+  __shared__ float sv[kPrefillK][kPrefillHd];
+  const int h = blockIdx.x, t0 = blockIdx.y * kPrefillQ, hd = a.head_dim;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = h / (a.n_heads / a.n_kv_heads), kv_dim = a.n_kv_heads * hd, q_dim = a.n_heads * hd;
+  const int pos0 = *a.pos, nq = min(kPrefillQ, a.n - t0);
+  const float scale = rsqrtf(float(hd));
+  for (int i = threadIdx.x; i < kPrefillQ * hd; i += blockDim.x) {
+    const int qi = i / hd, dim = i % hd;
+    sq[qi][dim] = qi < nq ? a.q[size_t(t0 + qi) * q_dim + size_t(h) * hd + dim] : 0.0f;
+  }
+  float m[kRows], l[kRows], acc[kRows][kPer];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[r][i] = 0.0f;
+  }
+  const int last_key = pos0 + t0 + nq - 1;
+  for (int k0 = 0; k0 <= last_key; k0 += kPrefillK) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kPrefillK * hd; i += blockDim.x) {
+      const int kj = i / hd, dim = i % hd, kp = k0 + kj;
+      const size_t at = size_t(kp) * kv_dim + size_t(g) * hd + dim;
+      sk[kj][dim] = kp <= last_key ? a.k_cache[at] : 0.0f;
+      sv[kj][dim] = kp <= last_key ? a.v_cache[at] : 0.0f;
+    }
+    __syncthreads();
+    // Scores of the warp's queries against key k0 + lane; each key row read once.
+    float s[kRows] = {};
+    const float4* kr = reinterpret_cast<const float4*>(&sk[lane][0]);
+    for (int d4 = 0; d4 < hd / 4; ++d4) {
+      const float4 kv = kr[d4];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        s[r] += dot4(reinterpret_cast<const float4*>(&sq[warp + kAttnWarps * r][0])[d4], kv);
+    }
+    float p[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int qi = warp + kAttnWarps * r, qpos = pos0 + t0 + qi;
+      const bool active = qi < nq && k0 <= qpos;  // warp-uniform
+      p[r] = 0.0f;
+      if (!active) continue;
+      const float sc = k0 + lane <= qpos ? s[r] * scale : -INFINITY;
+      float mt = sc;
+      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+      const float m_new = fmaxf(m[r], mt);
+      const float corr = expf(m[r] - m_new);
+      p[r] = expf(sc - m_new);
+      l[r] = l[r] * corr + warp_sum(p[r]);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) acc[r][i] *= corr;
+      m[r] = m_new;
+    }
+    for (int j = 0; j < kPrefillK; ++j) {
+      float vv[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int dim = lane + 32 * i;
+        vv[i] = dim < hd ? sv[j][dim] : 0.0f;
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float pj = __shfl_sync(0xffffffffu, p[r], j);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[r][i] += pj * vv[i];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int qi = warp + kAttnWarps * r;
+    if (qi >= nq) continue;
+    float* o = a.out + size_t(t0 + qi) * q_dim + size_t(h) * hd;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int dim = lane + 32 * i;
+      if (dim < hd) o[dim] = acc[r][i] / l[r];
+    }
   }
 }
 
@@ -490,8 +694,22 @@ __global__ void moe_gate_up_kernel(MoeArgs a) {
   const size_t rb = dtype_row_bytes_dev(T, a.d_model);
   const float* x = a.xn + size_t(t) * a.d_model;
   float g[1] = {}, u[1] = {};
-  row_dot<T, 1>(static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb, x, a.d_model, 1, g, lane);
-  row_dot<T, 1>(static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb, x, a.d_model, 1, u, lane);
+  const uint8_t* gr = static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb;
+  const uint8_t* ur = static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb;
+  if constexpr (T == DType::kQ8_0) {
+    if (a.xq) {
+      const int8_t* xq = a.xq + size_t(t) * a.d_model;
+      const float* xd = a.xd + size_t(t) * (a.d_model / 32);
+      row_dot_q8q8<1>(gr, xq, xd, a.d_model, 1, g, lane);
+      row_dot_q8q8<1>(ur, xq, xd, a.d_model, 1, u, lane);
+    } else {
+      row_dot<T, 1>(gr, x, a.d_model, 1, g, lane);
+      row_dot<T, 1>(ur, x, a.d_model, 1, u, lane);
+    }
+  } else {
+    row_dot<T, 1>(gr, x, a.d_model, 1, g, lane);
+    row_dot<T, 1>(ur, x, a.d_model, 1, u, lane);
+  }
   const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
   if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
 }
@@ -504,14 +722,78 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
   if (r >= a.d_model) return;
   const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
   float total = 0;
+  if constexpr (T == DType::kBF16 || T == DType::kF16) {
+    // All top_k rows' loads in flight at once (one row each is short: d_expert values).
+    constexpr int kMaxK = 8;
+    // (Long rows, e.g. Mixtral's 14336, keep the unrolled single-row loop below.)
+    if ((a.d_expert & 7) == 0 && a.top_k <= kMaxK && a.d_expert <= 4096) {
+      const uint16_t* rows[kMaxK];
+      const float* hs[kMaxK];
+      float acc[kMaxK];
+#pragma unroll
+      for (int k = 0; k < kMaxK; ++k) {
+        const int s = t * a.top_k + min(k, a.top_k - 1);
+        rows[k] = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.down[a.ids[s]]) +
+                                                    size_t(r) * rb);
+        hs[k] = a.h + size_t(s) * a.d_expert;
+        acc[k] = 0.0f;
+      }
+      for (int c = lane * 8; c < a.d_expert; c += 256) {
+        uint4 raw[kMaxK];
+#pragma unroll
+        for (int k = 0; k < kMaxK; ++k)
+          if (k < a.top_k) raw[k] = __ldg(reinterpret_cast<const uint4*>(rows[k] + c));
+#pragma unroll
+        for (int k = 0; k < kMaxK; ++k)
+          if (k < a.top_k) {
+            const uint32_t u[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+            const float4* xv = reinterpret_cast<const float4*>(hs[k] + c);
+            const float4 x0 = xv[0], x1 = xv[1];
+            const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              float lo, hi;
+              if constexpr (T == DType::kBF16) {
+                lo = bf16_bits(u[i] & 0xffffu);
+                hi = __uint_as_float(u[i] & 0xffff0000u);
+              } else {
+                lo = f16_bits(u[i] & 0xffffu);
+                hi = f16_bits(u[i] >> 16);
+              }
+              acc[k] += lo * xs[2 * i] + hi * xs[2 * i + 1];
+            }
+          }
+      }
+#pragma unroll
+      for (int k = 0; k < kMaxK; ++k)
+        if (k < a.top_k) total += a.weights[t * a.top_k + k] * warp_sum(acc[k]);
+      if (lane == 0) {
+        float* o = a.out + size_t(t) * a.d_model + r;
+        *o = a.accumulate ? *o + total : total;
+      }
+      return;
+    }
+  }
   for (int k = 0; k < a.top_k; ++k) {
     const int s = t * a.top_k + k;
     float acc[1] = {};
-    row_dot<T, 1>(static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r) * rb,
-                  a.h + size_t(s) * a.d_expert, a.d_expert, 1, acc, lane);
+    const uint8_t* dr = static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r) * rb;
+    if constexpr (T == DType::kQ8_0) {
+      if (a.hq) {
+        row_dot_q8q8<1>(dr, a.hq + size_t(s) * a.d_expert, a.hd + size_t(s) * (a.d_expert / 32),
+                        a.d_expert, 1, acc, lane);
+      } else {
+        row_dot<T, 1>(dr, a.h + size_t(s) * a.d_expert, a.d_expert, 1, acc, lane);
+      }
+    } else {
+      row_dot<T, 1>(dr, a.h + size_t(s) * a.d_expert, a.d_expert, 1, acc, lane);
+    }
     total += a.weights[s] * warp_sum(acc[0]);
   }
-  if (lane == 0) a.out[size_t(t) * a.d_model + r] = total;
+  if (lane == 0) {
+    float* o = a.out + size_t(t) * a.d_model + r;
+    *o = a.accumulate ? *o + total : total;
+  }
 }
 
 __device__ __forceinline__ void store_as(void* dst, DType type, size_t i, float v) {
@@ -595,6 +877,39 @@ __global__ void quantize_q8_0_kernel(const float* x, uint8_t* out, int64_t n_blo
   }
 }
 
+// Activations as Q8 blocks: one thread per 32 values, d = max|x| / 127, q = round(x / d).
+__global__ void quantize_act_kernel(const float* x, int8_t* q, float* d, int64_t n_blocks) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < n_blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    const float4* xb = reinterpret_cast<const float4*>(x + b * 32);
+    float v[32];
+    float amax = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 f = xb[i];
+      v[4 * i] = f.x;
+      v[4 * i + 1] = f.y;
+      v[4 * i + 2] = f.z;
+      v[4 * i + 3] = f.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    d[b] = db;
+    int32_t packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(__float2int_rn(v[4 * i + j] * id)))) << (8 * j);
+      packed[i] = int32_t(w);
+    }
+    int4* qb = reinterpret_cast<int4*>(q + b * 32);
+    qb[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+    qb[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+  }
+}
+
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -624,7 +939,7 @@ unsigned grid_for(int64_t n, int block = 256) {
 
 template <int NT>
 void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
-  const dim3 grid(unsigned((w.rows + kWarps - 1) / kWarps), unsigned((p.n + NT - 1) / NT));
+  const dim3 grid(unsigned((p.total_rows + kWarps - 1) / kWarps), unsigned((p.n + NT - 1) / NT));
   switch (w.dtype) {
     case DType::kF32: gemv_kernel<DType::kF32, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
     case DType::kF16: gemv_kernel<DType::kF16, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
@@ -639,10 +954,32 @@ void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
 // ---------------------------------------------------------------- host launchers
 
 void gemv(const DevMatrix& w, const float* x, int n, float* y, bool accumulate, cudaStream_t s) {
-  const GemvParams p{static_cast<const uint8_t*>(w.data), w.row_bytes(), w.rows, int(w.cols), x,
-                     n, y, accumulate};
-  if (n == 1) launch_gemv<1>(w, p, s);
-  else launch_gemv<4>(w, p, s);
+  gemv_parts(&w, &y, 1, {x}, n, accumulate, s);
+}
+
+void quantize_act(const float* x, int64_t n, QAct out, cudaStream_t s) {
+  quantize_act_kernel<<<grid_for(n / 32), 256, 0, s>>>(x, out.q, out.d, n / 32);
+}
+
+void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
+                bool accumulate, cudaStream_t s) {
+  GemvParams p{};
+  p.parts = parts;
+  for (int i = 0; i < parts; ++i) {
+    p.w[i] = static_cast<const uint8_t*>(w[i].data);
+    p.rows[i] = w[i].rows;
+    p.y[i] = y[i];
+    p.total_rows += w[i].rows;
+  }
+  p.row_bytes = w[0].row_bytes();
+  p.cols = int(w[0].cols);
+  p.x = in.x;
+  p.xq = in.q.q;
+  p.xd = in.q.d;
+  p.n = n;
+  p.accumulate = accumulate;
+  if (n == 1) launch_gemv<1>(w[0], p, s);
+  else launch_gemv<4>(w[0], p, s);
 }
 
 void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStream_t s) {
@@ -676,10 +1013,15 @@ void moe_residual(float* x, const float* moe, const float* shared, const float* 
 
 void rope_kv_append(const RopeKvArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned(a.n), unsigned(std::max(a.n_heads, a.n_kv_heads)));
-  rope_kv_kernel<<<grid, unsigned(a.head_dim / 2), 0, s>>>(a);
+  rope_kv_kernel<<<grid, unsigned((a.head_dim / 2 + 31) / 32 * 32), 0, s>>>(a);
 }
 
 void attention(const AttentionArgs& a, cudaStream_t s) {
+  if (a.n > 1 && a.head_dim <= kPrefillHd && a.head_dim % 4 == 0) {
+    attention_prefill_kernel<<<dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)),
+                               32 * kAttnWarps, 0, s>>>(a);
+    return;
+  }
   attention_split_kernel<<<dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)),
                            32 * kAttnWarps, 0, s>>>(a);
   attention_merge_kernel<<<dim3(unsigned(a.n_heads), unsigned(a.n)), 128, 0, s>>>(a);

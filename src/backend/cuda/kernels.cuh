@@ -27,6 +27,24 @@ struct DevMatrix {
 // `cols` floats apart. One warp per row; tokens in tiles of up to 4 share each weight load.
 void gemv(const DevMatrix& w, const float* x, int n, float* y, bool accumulate, cudaStream_t s);
 
+// Activations quantized to Q8 blocks of 32 (d = max|x| / 127): int8 q [n], F32 d [n / 32].
+struct QAct {
+  int8_t* q = nullptr;
+  float* d = nullptr;
+};
+// n a multiple of 32; x 16-byte aligned.
+void quantize_act(const float* x, int64_t n, QAct out, cudaStream_t s);
+
+// The GEMV's input: F32 rows, and for Q8_0 weights optionally the same rows as Q8 blocks, in
+// which case the integer dot products run on dp4a (llama.cpp's MMVQ scheme).
+struct GemvInput {
+  const float* x = nullptr;
+  QAct q;  // {} = use x
+};
+// Up to 3 matrices of one dtype and width in one launch; y[i] gets w[i] . x.
+void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
+                bool accumulate, cudaStream_t s);
+
 // x[t] = table[ids[t]] as F32. table: F32, F16 or BF16.
 void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStream_t s);
 
@@ -54,6 +72,9 @@ struct RopeKvArgs {
   const float* inv_freq;  // [head_dim / 2]
   const int* pos;         // device scalar: position of token 0
   int n, n_heads, n_kv_heads, head_dim;
+  const float* q_norm = nullptr;  // per-head RMSNorm weights [head_dim] applied first, or null
+  const float* k_norm = nullptr;
+  float eps = 0;
 };
 void rope_kv_append(const RopeKvArgs& a, cudaStream_t s);
 
@@ -97,10 +118,16 @@ struct MoeArgs {
   float* h;                 // [n, top_k, d_expert]
   float* out;               // [n, d_model]
   int n, d_model, d_expert, top_k;
+  bool accumulate = false;  // out += the sum (out is the residual stream) instead of out =
+  // Q8_0 experts: xn and h as Q8 blocks (null: F32 inputs).
+  const int8_t* xq = nullptr;
+  const float* xd = nullptr;
+  const int8_t* hq = nullptr;
+  const float* hd = nullptr;
 };
 // phase 1: h[t, r] = silu(gate_e . xn[t]) * (up_e . xn[t]), e = ids[t, r]
 void moe_gate_up(const MoeArgs& a, cudaStream_t s);
-// phase 2: out[t] = sum over r = 0..k-1, in rank order, of weights[t, r] * (down_e . h[t, r])
+// phase 2: out[t] (+)= sum over r = 0..k-1, in rank order, of weights[t, r] * (down_e . h[t, r])
 void moe_down_sum(const MoeArgs& a, cudaStream_t s);
 
 // Prefill helpers (expert-grouped GEMMs).

@@ -18,6 +18,7 @@
 #endif
 
 namespace ts::cli {
+#ifdef TS_HAVE_CUDA
 namespace {
 
 Result<std::vector<int64_t>> int_list(const std::string& flag, const std::string& s) {
@@ -36,6 +37,7 @@ Result<std::vector<int64_t>> int_list(const std::string& flag, const std::string
 }
 
 }  // namespace
+#endif
 
 Status cmd_bench_cuda(const Args& args) {
 #ifndef TS_HAVE_CUDA

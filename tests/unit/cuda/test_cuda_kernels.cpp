@@ -125,6 +125,50 @@ TEST(CudaKernels, GemvMatchesCpuForEveryDtype) {
   }
 }
 
+// Q8_0 weights with Q8 activations (dp4a): against an integer reference that quantizes x
+// the same way (d = max|x| / 127, round to nearest), so only the float scaling can differ.
+TEST(CudaKernels, GemvQ8ActivationsMatchIntegerReference) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t cols : {256, 2048, 4096}) {
+    const int64_t rows = 21;
+    const std::vector<uint8_t> w = make_matrix(DType::kQ8_0, rows, cols, 17);
+    for (int n : {1, 4}) {
+      const std::vector<float> x = randn(size_t(n * cols), 23);
+      std::vector<float> want(size_t(n * rows), 0.0f);
+      const int64_t nb = cols / 32;
+      for (int t = 0; t < n; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+          const float* xb = &x[size_t(t * cols + b * 32)];
+          float amax = 0;
+          for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+          const float dx = amax / 127.0f, id = dx != 0 ? 1.0f / dx : 0.0f;
+          int8_t qx[32];
+          for (int i = 0; i < 32; ++i) qx[i] = int8_t(std::nearbyint(xb[i] * id));
+          for (int64_t r = 0; r < rows; ++r) {
+            const uint8_t* blk = &w[size_t(r * nb * 34 + b * 34)];
+            uint16_t dh;
+            std::memcpy(&dh, blk, 2);
+            int s = 0;
+            for (int i = 0; i < 32; ++i) s += int(int8_t(blk[2 + i])) * qx[i];
+            want[size_t(t * rows + r)] += ts::f16_to_f32(dh) * dx * float(s);
+          }
+        }
+      Dev dw(w), dx(x), dy(want.size() * 4), dq(size_t(n * cols)), dd(size_t(n * nb) * 4);
+      const ts::cuda::QAct q{dq.as<int8_t>(), dd.as<float>()};
+      ts::cuda::quantize_act(dx.as<float>(), n * cols, q, nullptr);
+      const ts::cuda::DevMatrix m{dw.p, DType::kQ8_0, rows, cols};
+      float* y = dy.as<float>();
+      ts::cuda::gemv_parts(&m, &y, 1, {dx.as<float>(), q}, n, false, nullptr);
+      EXPECT_LE(max_rel(dy.get<float>(), want), 1e-5) << "cols " << cols << " n " << n;
+      // and within Q8 activation error of the exact F32-activation product
+      std::vector<float> exact(want.size());
+      for (int t = 0; t < n; ++t)
+        ts::cpu::matvec_rows(w.data(), DType::kQ8_0, &x[size_t(t * cols)], &exact[size_t(t * rows)], cols, 0, rows);
+      EXPECT_LE(max_rel(dy.get<float>(), exact), 2e-2);
+    }
+  }
+}
+
 TEST(CudaKernels, GemvHandlesColumnsOffTheVectorWidth) {
   SKIP_WITHOUT_GPU();
   for (DType t : {DType::kF32, DType::kBF16}) {
@@ -152,10 +196,15 @@ TEST(CudaKernels, RmsnormMatchesCpu) {
   }
 }
 
-TEST(CudaKernels, RopeAndAttentionMatchCpu) {
+// n = 1: the split (flash-decoding) kernel; n > 1: the tiled prefill kernel (40 queries:
+// more than one query tile, keys over several key tiles).
+class CudaAttention : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaAttention, RopeAndAttentionMatchCpu) {
   SKIP_WITHOUT_GPU();
   ts::ThreadPool pool(1);
-  const int n_heads = 8, n_kv = 2, hd = 64, pos0 = 150, n = 5, n_ctx = 200;
+  const int n = GetParam();
+  const int n_heads = 8, n_kv = 2, hd = 64, pos0 = 150, n_ctx = 200;
   const int qd = n_heads * hd, kvd = n_kv * hd;
   std::vector<float> inv;
   for (int i = 0; i < hd / 2; ++i) inv.push_back(1.0f / std::pow(10000.0f, float(2 * i) / hd));
@@ -194,6 +243,7 @@ TEST(CudaKernels, RopeAndAttentionMatchCpu) {
     EXPECT_LE(max_rel(dout.get<float>(), want), 1e-5) << "splits " << splits;
   }
 }
+INSTANTIATE_TEST_SUITE_P(Tokens, CudaAttention, ::testing::Values(1, 5, 40));
 
 TEST(CudaKernels, RouteMatchesSelectExperts) {
   SKIP_WITHOUT_GPU();
