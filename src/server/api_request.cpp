@@ -118,6 +118,24 @@ void read_max_tokens(Fields& f, GenRequest& r, bool chat) {
   }
 }
 
+// What /v1/chat/completions and /v1/completions read alike: streaming, sampling with the
+// OpenAI penalties, the token budget, stop strings, and n (one choice only).
+void read_openai_options(Fields& f, GenRequest& r, bool chat) {
+  r.stream = f.boolean("stream").value_or(false);
+  if (const json* so = f.get("stream_options")) {
+    if (!so->is_object())
+      f.fail("stream_options", "must be an object");
+    else
+      r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
+  }
+  read_sampling(f, r, 2.0);
+  if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
+  if (auto p = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = float(*p);
+  read_max_tokens(f, r, chat);
+  read_stops(f, "stop", /*allow_string=*/true, r);
+  f.integer("n", 1, 1);  // one choice per request
+}
+
 // OpenAI content: a string, null, or an array of {"type": "text", "text": ...} parts, which
 // are joined with newlines (templates expect a string).
 std::optional<ApiError> flatten_content(json& msg, const std::string& where) {
@@ -186,19 +204,7 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
   Fields f(body);
   if (auto e = check_model(f, model_id)) return *e;
   GenRequest r{.api = Api::kChat};
-  r.stream = f.boolean("stream").value_or(false);
-  if (const json* so = f.get("stream_options")) {
-    if (!so->is_object())
-      f.fail("stream_options", "must be an object");
-    else
-      r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
-  }
-  read_sampling(f, r, 2.0);
-  if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
-  if (auto p = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = float(*p);
-  read_max_tokens(f, r, /*chat=*/true);
-  read_stops(f, "stop", /*allow_string=*/true, r);
-  f.integer("n", 1, 1);  // one choice per request
+  read_openai_options(f, r, /*chat=*/true);
   if (f.boolean("logprobs").value_or(false)) f.fail("logprobs", "is not supported");
   if (f.error()) return *f.error();
 
@@ -255,19 +261,7 @@ Parsed<GenRequest> parse_completion_request(const json& body, const std::string&
   Fields f(body);
   if (auto e = check_model(f, model_id)) return *e;
   GenRequest r{.api = Api::kCompletion, .add_special = true};
-  r.stream = f.boolean("stream").value_or(false);
-  if (const json* so = f.get("stream_options")) {
-    if (!so->is_object())
-      f.fail("stream_options", "must be an object");
-    else
-      r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
-  }
-  read_sampling(f, r, 2.0);
-  if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
-  if (auto p = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = float(*p);
-  read_max_tokens(f, r, /*chat=*/false);
-  read_stops(f, "stop", /*allow_string=*/true, r);
-  f.integer("n", 1, 1);  // one choice per request
+  read_openai_options(f, r, /*chat=*/false);
   if (f.boolean("echo").value_or(false)) f.fail("echo", "is not supported");
   if (f.get("suffix")) f.fail("suffix", "is not supported");
   if (f.get("logprobs")) f.fail("logprobs", "is not supported");

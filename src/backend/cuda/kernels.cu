@@ -50,6 +50,46 @@ __device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float* s
 
 constexpr int kRowWarps = 4;  // warps per block in the row kernels
 
+// acc[t] += d * sum(q[i] * x[t][i]) over one Q8_0 block (f16 d, int8 qs[32]) at blk;
+// xb[t * cols] is the block's first activation of token t (16-byte aligned).
+template <int NT>
+__device__ __forceinline__ void q8_0_block_dot(const uint16_t* blk, const float* xb, int cols,
+                                               int nt, float (&acc)[NT]) {
+  const float d = f16_bits(blk[0]);
+  float wq[32];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint16_t v = blk[1 + i];
+    wq[2 * i] = float(int8_t(v & 0xff));
+    wq[2 * i + 1] = float(int8_t(v >> 8));
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    if (t < nt) {
+      const float4* xv = reinterpret_cast<const float4*>(xb + size_t(t) * cols);
+      float sum = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        sum += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xv[i]);
+      acc[t] += d * sum;
+    }
+}
+
+// Blocks are 34 bytes: a lane reading its own block would issue 2-byte loads 34 bytes apart.
+// Instead the warp copies blocks [b0, b0 + nbt) (nbt <= 64) of the row into its shared tile
+// with coalesced 16-byte loads (rows of a multiple of 256 columns are 16-byte aligned), and
+// lanes then compute on whole blocks from the tile.
+__device__ __forceinline__ const uint8_t* q8_0_tile(const uint8_t* row, int b0, int nbt,
+                                                    int lane) {
+  __shared__ __align__(16) uint8_t tiles[kRowWarps][64 * 34];
+  uint8_t* tile = tiles[threadIdx.x / 32];
+  const uint4* src = reinterpret_cast<const uint4*>(row + size_t(b0) * 34);
+  __syncwarp();
+  for (int i = lane; i < nbt * 34 / 16; i += 32) reinterpret_cast<uint4*>(tile)[i] = __ldg(src + i);
+  __syncwarp();
+  return tile;
+}
+
 // One warp's share of acc[t] += row . x[t] for t < nt. x rows are `cols` floats apart and
 // 16-byte aligned; every lane ends with a partial sum (reduce with warp_sum).
 template <DType T, int NT>
@@ -108,66 +148,20 @@ __device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int 
       }
     }
   } else if constexpr (T == DType::kQ8_0) {
-    // Blocks are 34 bytes (f16 d, int8 qs[32]): a lane reading its own block would issue
-    // 2-byte loads 34 bytes apart. Instead the warp copies up to 64 blocks of the row into
-    // its shared-memory tile with coalesced 16-byte loads (rows of a multiple of 256
-    // columns are 16-byte aligned), then each lane computes on whole blocks from the tile.
     const int nb = cols / 32;
     if ((cols & 255) == 0) {
-      __shared__ __align__(16) uint8_t tiles[kRowWarps][64 * 34];
-      uint8_t* tile = tiles[threadIdx.x / 32];
       for (int b0 = 0; b0 < nb; b0 += 64) {
-        const int nbt = min(64, nb - b0), n16 = nbt * 34 / 16;
-        const uint4* src = reinterpret_cast<const uint4*>(row + size_t(b0) * 34);
-        __syncwarp();
-        for (int i = lane; i < n16; i += 32) reinterpret_cast<uint4*>(tile)[i] = __ldg(src + i);
-        __syncwarp();
-        for (int b = lane; b < nbt; b += 32) {
-          const uint16_t* blk = reinterpret_cast<const uint16_t*>(tile + b * 34);
-          const float d = f16_bits(blk[0]);
-          float wq[32];
-#pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            const uint16_t v = blk[1 + i];
-            wq[2 * i] = float(int8_t(v & 0xff));
-            wq[2 * i + 1] = float(int8_t(v >> 8));
-          }
-#pragma unroll
-          for (int t = 0; t < NT; ++t)
-            if (t < nt) {
-              const float4* xv =
-                  reinterpret_cast<const float4*>(x + size_t(t) * cols + (b0 + b) * 32);
-              float sum = 0;
-#pragma unroll
-              for (int i = 0; i < 8; ++i)
-                sum += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xv[i]);
-              acc[t] += d * sum;
-            }
-        }
+        const int nbt = min(64, nb - b0);
+        const uint8_t* tile = q8_0_tile(row, b0, nbt, lane);
+        for (int b = lane; b < nbt; b += 32)
+          q8_0_block_dot<NT>(reinterpret_cast<const uint16_t*>(tile + b * 34),
+                             x + (b0 + b) * 32, cols, nt, acc);
       }
       return;
     }
-    for (int b = lane; b < nb; b += 32) {
-      const uint16_t* blk = reinterpret_cast<const uint16_t*>(row + size_t(b) * 34);
-      const float d = f16_bits(__ldg(blk));
-      float wq[32];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const uint16_t v = __ldg(blk + 1 + i);
-        wq[2 * i] = float(int8_t(v & 0xff));
-        wq[2 * i + 1] = float(int8_t(v >> 8));
-      }
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-        if (t < nt) {
-          const float4* xv = reinterpret_cast<const float4*>(x + size_t(t) * cols + b * 32);
-          float sum = 0;
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            sum += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xv[i]);
-          acc[t] += d * sum;
-        }
-    }
+    for (int b = lane; b < nb; b += 32)
+      q8_0_block_dot<NT>(reinterpret_cast<const uint16_t*>(row + size_t(b) * 34), x + b * 32,
+                         cols, nt, acc);
   } else if constexpr (T == DType::kQ4_K) {
     // One 32-weight sub-block per lane per step: w = d * sc * q - dmin * m.
     const int nsb = cols / 32;
@@ -211,15 +205,10 @@ template <int NT>
 __device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* xq,
                                              const float* xd, int cols, int nt, float (&acc)[NT],
                                              int lane) {
-  __shared__ __align__(16) uint8_t tiles[kRowWarps][64 * 34];
-  uint8_t* tile = tiles[threadIdx.x / 32];
   const int nb = cols / 32;
   for (int b0 = 0; b0 < nb; b0 += 64) {
-    const int nbt = min(64, nb - b0), n16 = nbt * 34 / 16;
-    const uint4* src = reinterpret_cast<const uint4*>(row + size_t(b0) * 34);
-    __syncwarp();
-    for (int i = lane; i < n16; i += 32) reinterpret_cast<uint4*>(tile)[i] = __ldg(src + i);
-    __syncwarp();
+    const int nbt = min(64, nb - b0);
+    const uint8_t* tile = q8_0_tile(row, b0, nbt, lane);
     for (int b = lane; b < nbt; b += 32) {
       const uint16_t* blk = reinterpret_cast<const uint16_t*>(tile + b * 34);
       const float dw = f16_bits(blk[0]);
@@ -243,6 +232,20 @@ __device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* x
         }
     }
   }
+}
+
+// row . x for any weight type; Q8_0 rows take the Q8 activations (xq, xd) when given.
+template <DType T, int NT>
+__device__ __forceinline__ void row_dot_any(const uint8_t* row, const float* x, const int8_t* xq,
+                                            const float* xd, int cols, int nt,
+                                            float (&acc)[NT], int lane) {
+  if constexpr (T == DType::kQ8_0) {
+    if (xq) {
+      row_dot_q8q8<NT>(row, xq, xd, cols, nt, acc, lane);
+      return;
+    }
+  }
+  row_dot<T, NT>(row, x, cols, nt, acc, lane);
 }
 
 // ---------------------------------------------------------------- kernels
@@ -276,18 +279,9 @@ __global__ void gemv_kernel(GemvParams p) {
   const int t0 = blockIdx.y * NT;
   const int nt = min(NT, p.n - t0);
   float acc[NT] = {};
-  if constexpr (T == DType::kQ8_0) {
-    if (p.xq) {
-      row_dot_q8q8<NT>(p.w[part] + size_t(r) * p.row_bytes, p.xq + size_t(t0) * p.cols,
-                       p.xd + size_t(t0) * (p.cols / 32), p.cols, nt, acc, lane);
-    } else {
-      row_dot<T, NT>(p.w[part] + size_t(r) * p.row_bytes, p.x + size_t(t0) * p.cols, p.cols, nt,
-                     acc, lane);
-    }
-  } else {
-    row_dot<T, NT>(p.w[part] + size_t(r) * p.row_bytes, p.x + size_t(t0) * p.cols, p.cols, nt,
-                   acc, lane);
-  }
+  row_dot_any<T, NT>(p.w[part] + size_t(r) * p.row_bytes, p.x + size_t(t0) * p.cols,
+                     p.xq ? p.xq + size_t(t0) * p.cols : nullptr,
+                     p.xd ? p.xd + size_t(t0) * (p.cols / 32) : nullptr, p.cols, nt, acc, lane);
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const float v = warp_sum(acc[t]);
@@ -696,20 +690,10 @@ __global__ void moe_gate_up_kernel(MoeArgs a) {
   float g[1] = {}, u[1] = {};
   const uint8_t* gr = static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb;
   const uint8_t* ur = static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb;
-  if constexpr (T == DType::kQ8_0) {
-    if (a.xq) {
-      const int8_t* xq = a.xq + size_t(t) * a.d_model;
-      const float* xd = a.xd + size_t(t) * (a.d_model / 32);
-      row_dot_q8q8<1>(gr, xq, xd, a.d_model, 1, g, lane);
-      row_dot_q8q8<1>(ur, xq, xd, a.d_model, 1, u, lane);
-    } else {
-      row_dot<T, 1>(gr, x, a.d_model, 1, g, lane);
-      row_dot<T, 1>(ur, x, a.d_model, 1, u, lane);
-    }
-  } else {
-    row_dot<T, 1>(gr, x, a.d_model, 1, g, lane);
-    row_dot<T, 1>(ur, x, a.d_model, 1, u, lane);
-  }
+  const int8_t* xq = a.xq ? a.xq + size_t(t) * a.d_model : nullptr;
+  const float* xd = a.xd ? a.xd + size_t(t) * (a.d_model / 32) : nullptr;
+  row_dot_any<T, 1>(gr, x, xq, xd, a.d_model, 1, g, lane);
+  row_dot_any<T, 1>(ur, x, xq, xd, a.d_model, 1, u, lane);
   const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
   if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
 }
@@ -778,16 +762,10 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
     const int s = t * a.top_k + k;
     float acc[1] = {};
     const uint8_t* dr = static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r) * rb;
-    if constexpr (T == DType::kQ8_0) {
-      if (a.hq) {
-        row_dot_q8q8<1>(dr, a.hq + size_t(s) * a.d_expert, a.hd + size_t(s) * (a.d_expert / 32),
-                        a.d_expert, 1, acc, lane);
-      } else {
-        row_dot<T, 1>(dr, a.h + size_t(s) * a.d_expert, a.d_expert, 1, acc, lane);
-      }
-    } else {
-      row_dot<T, 1>(dr, a.h + size_t(s) * a.d_expert, a.d_expert, 1, acc, lane);
-    }
+    row_dot_any<T, 1>(dr, a.h + size_t(s) * a.d_expert,
+                      a.hq ? a.hq + size_t(s) * a.d_expert : nullptr,
+                      a.hd ? a.hd + size_t(s) * (a.d_expert / 32) : nullptr, a.d_expert, 1, acc,
+                      lane);
     total += a.weights[s] * warp_sum(acc[0]);
   }
   if (lane == 0) {
