@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -43,6 +44,18 @@ struct PhaseTimes {
   uint64_t expert_requests = 0;  // (token, expert) selections
 };
 
+// A backend's own expert cache (CUDA with --residency host|streamed): the GPU slots in front
+// of pinned host memory or the model's files. Requests count distinct experts per layer per
+// step, as the CPU's ExpertStore does.
+struct ExpertCacheReport {
+  std::string residency;  // "host" or "streamed"
+  int slots_per_layer = 0;
+  uint64_t requests = 0;
+  uint64_t hits = 0;
+  uint64_t copied_bytes = 0;  // host -> device
+  double copy_ms = 0;         // time the copy stream spent copying
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -65,6 +78,8 @@ class Engine {
   virtual const std::vector<RouterTraceEntry>& router_trace() const = 0;
   // "cpu" or the CUDA device's name, for reports.
   virtual std::string device_name() const = 0;
+  // The backend's own expert cache, if it has one (the CPU's lives in the ExpertStore).
+  virtual std::optional<ExpertCacheReport> expert_cache() const { return std::nullopt; }
 };
 
 enum class DeviceKind : uint8_t { kCpu, kCuda };

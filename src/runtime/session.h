@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "experts/expert_cache.h"
 #include "runtime/engine.h"
 #include "runtime/interventions.h"
 #include "runtime/model.h"
@@ -20,11 +21,26 @@ class ThreadPool;
 
 namespace ts::runtime {
 
+// --device cuda: where the routed experts live (--residency). resident: every expert in GPU
+// memory; host: all in pinned host memory behind a GPU cache of expert slots per MoE layer;
+// streamed: read from the model's files (the ExpertStore, streamed) into that GPU cache.
+enum class GpuResidency : uint8_t { kResident, kHost, kStreamed };
+struct GpuExpertOptions {
+  GpuResidency residency = GpuResidency::kResident;
+  int slots_per_layer = 0;  // --expert-cache-slots; 0: from cache_gb, else all that fits
+  double cache_gb = 0;      // --gpu-expert-cache-gb (1e9 bytes) over all MoE layers
+  experts::CachePolicy policy = experts::CachePolicy::kLru;
+  // --cache-warm: selection counts [n_layers][n_experts] (empty rows for dense layers); the
+  // most selected experts of each layer fill its slots before the first token.
+  std::vector<std::vector<uint64_t>> warm;
+};
+
 struct SessionOptions {
   int n_ctx = 0;           // KV cache length; 0 = min(max_position_embeddings, 4096)
   int prefill_chunk = 0;    // tokens per forward chunk during prefill; 0 = the backend's
                             // default (CPU 256, CUDA 2048)
   bool quantize_q8_0 = false;  // CUDA: float matrices -> Q8_0 at load (CPU: use a pack)
+  GpuExpertOptions gpu_experts;  // CUDA only
   Interventions interventions;  // steering, residual capture, router trace
 };
 

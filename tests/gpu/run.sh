@@ -2,7 +2,7 @@
 # The GPU test runner: run on a machine with a CUDA device, from the repository root.
 #   bash tests/gpu/run.sh [BIN_DIR]   (BIN_DIR holds turbospark and ts_unit_tests; default build)
 # Runs every CUDA kernel and model test (tests/unit/cuda), then the CLI on one fixture with
-# --device cuda against --device cpu.
+# --device cuda against --device cpu, and the GPU expert cache modes against resident.
 set -euo pipefail
 bin=${1:-build}
 # lib/: shared libraries the build machine has and the GPU machine may not (cpp-httplib).
@@ -23,5 +23,13 @@ rel = np.abs(a - b).max() / np.abs(a).max()
 print(f"cli {sys.argv[3]}: cuda vs cpu logits max rel {rel:.3g}")
 assert rel <= 1e-3, rel
 PY
+  # The GPU expert cache: byte-identical files from pinned host memory and from the files.
+  "$bin/turbospark" logits --model "$m" --tokens "$ids" --out "$tmp/host.npy" --device cuda \
+    --residency host --expert-cache-slots 1 --stats
+  "$bin/turbospark" logits --model "$m" --tokens "$ids" --out "$tmp/streamed.npy" --device cuda \
+    --residency streamed --expert-cache-slots 2 --cache-policy lfu --stats
+  cmp "$tmp/cuda.npy" "$tmp/host.npy"
+  cmp "$tmp/cuda.npy" "$tmp/streamed.npy"
+  echo "cli $m: host and streamed GPU expert cache logits byte-identical to resident"
 done
 echo "gpu tests: all passed"

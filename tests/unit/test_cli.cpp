@@ -117,6 +117,25 @@ TEST_F(Cli, BadDeviceFlagsAreClearErrors) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// The GPU expert cache's flags: each combination that cannot mean anything is an error that
+// names the flag, before any model is loaded.
+TEST_F(Cli, GpuExpertCacheFlagsAreClearErrors) {
+  fs::path out = tmp_ / "x.npy";
+  const std::string base = "logits --model " + model_ + " --tokens 1,2 --out " + out.string();
+  expect_error(run(base + " --residency host"), "--device cuda");
+  expect_error(run(base + " --residency pinned"), "--residency");
+  expect_error(run(base + " --gpu-expert-cache-gb 2"), "--gpu-expert-cache-gb");
+  expect_error(run(base + " --residency streamed --cache-warm h.json"), "--cache-warm");
+  expect_error(run(base + " --device cuda --residency host --expert-cache-mb 64"),
+               "--gpu-expert-cache-gb");
+  expect_error(run(base + " --device cuda --residency host --expert-cache-slots 2 "
+                          "--gpu-expert-cache-gb 1"),
+               "--expert-cache-slots");
+  expect_error(run(base + " --device cuda --residency host --direct-io"), "--direct-io");
+  expect_error(run(base + " --device cuda --residency host --cache-policy mru"), "mru");
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST_F(Cli, TokenOutOfVocabulary) {
   fs::path out = tmp_ / "x.npy";
   expect_error(run("logits --model " + model_ + " --tokens 1,512 --out " + out.string()), "512");

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -94,6 +95,9 @@ struct DevLayer {
   // Routed experts: views (for the grouped prefill) and the same addresses as device tables
   // [n_experts] (for the decode kernels).
   std::vector<DevMlp> experts;
+  // One expert's bytes: gate at 0, up at up_off, down at down_off (256-byte aligned).
+  size_t expert_bytes = 0, up_off = 0, down_off = 0;
+  float* router_bias = nullptr;  // bench --routing zipf:S: log-popularity per expert
   const void** gate_tab = nullptr;
   const void** up_tab = nullptr;
   const void** down_tab = nullptr;
@@ -106,8 +110,9 @@ struct DevWeights {
   std::vector<DevLayer> layers;
 };
 
+// Shapes only: a cached expert's views have no address until bound.
 uint64_t mlp_bytes(const DevMlp& m) {
-  return m.gate.present() ? m.gate.n_bytes() + m.up.n_bytes() + m.down.n_bytes() : 0;
+  return m.gate.n_bytes() + m.up.n_bytes() + m.down.n_bytes();
 }
 
 // Builds DevWeights: from host memory (a loaded model) or from random numbers on the device.
@@ -316,6 +321,7 @@ class CudaSession final : public runtime::Engine {
   }
   const std::vector<runtime::RouterTraceEntry>& router_trace() const override { return trace_; }
   std::string device_name() const override { return device_name_; }
+  std::optional<runtime::ExpertCacheReport> expert_cache() const override;
 
   CudaBenchInfo info() const;
   KernelProfiler& profiler() { return prof_; }
@@ -337,6 +343,22 @@ class CudaSession final : public runtime::Engine {
   }
   int attention_splits(int n, int max_keys) const;
   bool graph_eligible() const;
+
+  // The GPU expert cache (--residency host|streamed); see "GPU expert cache" below.
+  bool cached() const { return opt_.gpu_experts.residency != runtime::GpuResidency::kResident; }
+  bool streamed() const { return opt_.gpu_experts.residency == runtime::GpuResidency::kStreamed; }
+  void set_expert_layout(DevLayer& D, DType gate_t, DType down_t, int64_t d_expert,
+                         int64_t d_model);
+  Result<uint8_t*> expert_layer_memory(DevLayer& D);
+  Status finish_expert_layer(int layer, const uint8_t* built);
+  void free_layer_memory();
+  Status init_expert_cache();
+  Status warm_expert_cache();
+  void point_expert(int layer, int e, uint8_t* at);
+  Status copy_experts(int layer, std::span<const int> ids, std::span<uint8_t* const> dst);
+  Status bind_step(int layer, int n);
+  Status sync_expert_table(int layer);
+  void collect_copy_times();
 
   model::HParams hp_;
   int device_;
@@ -381,9 +403,50 @@ class CudaSession final : public runtime::Engine {
   std::vector<float> host_rows_;
   bool use_graphs_ = true;
   KernelProfiler prof_;
+
+  // GPU expert cache. Per MoE layer: its slots, the replacement policy and protect set, the
+  // pinned host copy of every expert (host mode), and a pinned mirror of the device address
+  // tables [gate | up | down][n_experts].
+  struct CachedLayer {
+    std::unique_ptr<experts::SlotCache> cache;
+    uint8_t* slots = nullptr;
+    uint8_t* host = nullptr;
+    const void** tab_host = nullptr;
+    const void** tab_dev = nullptr;
+    cudaEvent_t copy_begin = nullptr, copy_end = nullptr;  // this chunk's copies, timed
+    bool copies_timed = false;
+    bool table_stale = false;  // tab_host changed since tab_dev was written
+  };
+  experts::ExpertStore* store_ = nullptr;  // streamed: where misses are read from
+  std::vector<CachedLayer> cached_;
+  int slots_per_layer_ = 0;
+  // Device expert buffers outside the cache: experts a step needs beyond its layer's free
+  // slots, and the ring the expert-grouped prefill streams misses through (staging_free_[i]
+  // is recorded when the GEMMs reading buffer i are done).
+  std::vector<uint8_t*> staging_;
+  std::vector<cudaEvent_t> staging_free_;
+  cudaEvent_t loaded_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;
+  uint8_t* layer_tmp_ = nullptr;  // a layer's experts while they are built at load
+  size_t layer_tmp_bytes_ = 0;
+  runtime::ExpertCacheReport cache_report_;
+  bool sampled_routing_ = false;  // bench --routing uniform|zipf:S
+  uint64_t route_seed_ = 0;
 };
 
 CudaSession::~CudaSession() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
+  free_layer_memory();
+  for (CachedLayer& C : cached_) {
+    if (C.host) cudaFreeHost(C.host);
+    if (C.tab_host) cudaFreeHost(static_cast<void*>(C.tab_host));
+    for (cudaEvent_t e : {C.copy_begin, C.copy_end})
+      if (e) cudaEventDestroy(e);
+  }
+  for (cudaEvent_t e : staging_free_) cudaEventDestroy(e);
+  if (loaded_) cudaEventDestroy(loaded_);
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (graph_) cudaGraphExecDestroy(graph_);
   if (blas_) cublasDestroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -401,6 +464,7 @@ Status CudaSession::begin(int device) {
   CUBLAS_TRY(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
   const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
   use_graphs_ = !(env && std::string(env) == "0");
+  cached_.resize(size_t(hp_.n_layers));
   return {};
 }
 
@@ -417,6 +481,7 @@ Status CudaSession::upload(const runtime::LoadedModel& model) {
   }
   TS_ASSIGN(w_.final_norm, up.vec(d.final_norm));
   experts::ExpertStore& store = model.experts();
+  store_ = &store;
   w_.layers.resize(size_t(hp_.n_layers));
   for (int l = 0; l < hp_.n_layers; ++l) {
     const model::LayerWeights& L = d.layers[size_t(l)];
@@ -443,15 +508,16 @@ Status CudaSession::upload(const runtime::LoadedModel& model) {
     TS_ASSIGN(D.shared.gate, up.matrix(L.shared.gate));
     TS_ASSIGN(D.shared.up, up.matrix(L.shared.up));
     TS_ASSIGN(D.shared.down, up.matrix(L.shared.down));
-    // Routed experts: one allocation per layer, each expert's gate|up|down 256-byte aligned.
+    // Routed experts: one block per layer, each expert's gate|up|down 256-byte aligned, in
+    // GPU memory (resident) or built on the device and moved to pinned host memory (host).
+    // Streamed: only the first expert is read, for the layout; the rest stay in the files.
     std::vector<model::ExpertWeights> views(size_t(hp_.n_experts));
     const int batch = std::max(1, store.max_batch(l));
+    const int n_load = streamed() ? 1 : hp_.n_experts;
     std::vector<int> ids;
-    size_t expert_bytes = 0;
-    DType gate_t{}, down_t{};
     uint8_t* base = nullptr;
-    for (int e0 = 0; e0 < hp_.n_experts; e0 += batch) {
-      const int nb = std::min(batch, hp_.n_experts - e0);
+    for (int e0 = 0; e0 < n_load; e0 += batch) {
+      const int nb = std::min(batch, n_load - e0);
       ids.resize(size_t(nb));
       for (int i = 0; i < nb; ++i) ids[size_t(i)] = e0 + i;
       TS_TRY(store.acquire(l, ids, std::span<model::ExpertWeights>(views.data() + e0, size_t(nb))));
@@ -459,37 +525,42 @@ Status CudaSession::upload(const runtime::LoadedModel& model) {
         const model::ExpertWeights& v = views[size_t(e0 + i)];
         const DType g = up.device_type(v.gate.dtype, v.gate.cols);
         const DType dn = up.device_type(v.down.dtype, v.down.cols);
-        if (!base) {
-          gate_t = g;
-          down_t = dn;
-          expert_bytes = 2 * align256(DevMatrix{nullptr, g, v.gate.rows, v.gate.cols}.n_bytes()) +
-                         align256(DevMatrix{nullptr, dn, v.down.rows, v.down.cols}.n_bytes());
-          TS_ASSIGN(void* p, arena_.alloc(expert_bytes * size_t(hp_.n_experts)));
-          base = static_cast<uint8_t*>(p);
-          D.experts.resize(size_t(hp_.n_experts));
+        if (D.experts.empty()) {
+          set_expert_layout(D, g, dn, v.gate.rows, v.gate.cols);
+          if (streamed() && (g != v.gate.dtype || dn != v.down.dtype))
+            return make_error("--residency streamed on CUDA copies expert bytes as stored: "
+                              "--quant q8_0 cannot convert them; make a Q8_0 pack instead "
+                              "(turbospark pack --experts-quant q8_0)");
+          TS_ASSIGN(base, expert_layer_memory(D));
         }
-        if (g != gate_t || dn != down_t || up.device_type(v.up.dtype, v.up.cols) != g)
+        const DevMlp& shape = D.experts[size_t(e0 + i)];
+        if (g != shape.gate.dtype || dn != shape.down.dtype ||
+            up.device_type(v.up.dtype, v.up.cols) != g || v.gate.rows != shape.gate.rows ||
+            v.gate.cols != shape.gate.cols || v.down.rows != shape.down.rows ||
+            v.down.cols != shape.down.cols)
           return make_error("layer " + std::to_string(l) + " expert " + std::to_string(e0 + i) +
-                            ": expert weights of one layer must share their dtypes on CUDA");
-        uint8_t* at = base + size_t(e0 + i) * expert_bytes;
-        DevMlp& m = D.experts[size_t(e0 + i)];
-        m.gate = {at, g, v.gate.rows, v.gate.cols};
-        m.up = {at + align256(m.gate.n_bytes()), g, v.up.rows, v.up.cols};
-        m.down = {at + 2 * align256(m.gate.n_bytes()), dn, v.down.rows, v.down.cols};
-        TS_TRY(up.copy(v.gate, const_cast<void*>(m.gate.data)));
-        TS_TRY(up.copy(v.up, const_cast<void*>(m.up.data)));
-        TS_TRY(up.copy(v.down, const_cast<void*>(m.down.data)));
+                            ": expert weights of one layer must share their dtypes and shapes "
+                            "on CUDA");
+        if (!base) continue;
+        uint8_t* at = base + size_t(e0 + i) * D.expert_bytes;
+        TS_TRY(up.copy(v.gate, at));
+        TS_TRY(up.copy(v.up, at + D.up_off));
+        TS_TRY(up.copy(v.down, at + D.down_off));
       }
       // Copies from mapped or slot memory must finish before the slots are reused.
       CUDA_TRY(cudaStreamSynchronize(stream_));
       store.release(l);
     }
+    TS_TRY(finish_expert_layer(l, base));
   }
   CUDA_TRY(cudaStreamSynchronize(stream_));
+  free_layer_memory();
   return {};
 }
 
 Status CudaSession::synthesize(const SyntheticOptions& syn) {
+  sampled_routing_ = syn.sampled_routing;
+  route_seed_ = syn.seed * 7919;
   Uploader up(arena_, stream_, false);
   uint64_t seed = syn.seed * 1000003ull;
   const DType float_t = dtype_is_quantized(syn.dtype) ? DType::kBF16 : syn.dtype;
@@ -533,23 +604,31 @@ Status CudaSession::synthesize(const SyntheticOptions& syn) {
         TS_ASSIGN(D.shared_gate, up.random(float_t, 1, d, ++seed));
       }
     }
-    const DevMatrix g{nullptr, syn.dtype, hp_.d_expert, d}, dn{nullptr, syn.dtype, d, hp_.d_expert};
-    const size_t expert_bytes = 2 * align256(g.n_bytes()) + align256(dn.n_bytes());
-    TS_ASSIGN(void* p, arena_.alloc(expert_bytes * size_t(hp_.n_experts)));
-    uint8_t* base = static_cast<uint8_t*>(p);
-    D.experts.resize(size_t(hp_.n_experts));
-    for (int e = 0; e < hp_.n_experts; ++e) {
-      uint8_t* at = base + size_t(e) * expert_bytes;
-      DevMlp& m = D.experts[size_t(e)];
-      m.gate = {at, syn.dtype, hp_.d_expert, d};
-      m.up = {at + align256(g.n_bytes()), syn.dtype, hp_.d_expert, d};
-      m.down = {at + 2 * align256(g.n_bytes()), syn.dtype, d, hp_.d_expert};
-      TS_TRY(up.fill_random(syn.dtype, hp_.d_expert, d, ++seed, const_cast<void*>(m.gate.data)));
-      TS_TRY(up.fill_random(syn.dtype, hp_.d_expert, d, ++seed, const_cast<void*>(m.up.data)));
-      TS_TRY(up.fill_random(syn.dtype, d, hp_.d_expert, ++seed, const_cast<void*>(m.down.data)));
+    if (syn.zipf > 0) {
+      // Popularity rank r (a random order per layer) gets -s * ln(r + 1): weight (r+1)^-s.
+      std::vector<int> order(size_t(hp_.n_experts));
+      for (int e = 0; e < hp_.n_experts; ++e) order[size_t(e)] = e;
+      std::mt19937_64 rng(seed + uint64_t(l));
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<float> bias(order.size());
+      for (size_t r = 0; r < order.size(); ++r)
+        bias[size_t(order[r])] = -float(syn.zipf * std::log(double(r) + 1.0));
+      TS_ASSIGN(D.router_bias, up.vec(bias));
     }
+    if (streamed()) return make_error("synthetic weights have no files to stream from: use "
+                                      "--residency host or resident");
+    set_expert_layout(D, syn.dtype, syn.dtype, hp_.d_expert, d);
+    TS_ASSIGN(uint8_t* base, expert_layer_memory(D));
+    for (int e = 0; e < hp_.n_experts; ++e) {
+      uint8_t* at = base + size_t(e) * D.expert_bytes;
+      TS_TRY(up.fill_random(syn.dtype, hp_.d_expert, d, ++seed, at));
+      TS_TRY(up.fill_random(syn.dtype, hp_.d_expert, d, ++seed, at + D.up_off));
+      TS_TRY(up.fill_random(syn.dtype, d, hp_.d_expert, ++seed, at + D.down_off));
+    }
+    TS_TRY(finish_expert_layer(l, base));
   }
   CUDA_TRY(cudaStreamSynchronize(stream_));
+  free_layer_memory();
   return {};
 }
 
@@ -560,7 +639,7 @@ Status CudaSession::init(const std::string& device_name) {
   chunk_ = opt_.prefill_chunk > 0 ? opt_.prefill_chunk : 2048;
   chunk_ = std::min(chunk_, n_ctx_);
   for (const DevLayer& L : w_.layers)
-    if (L.is_moe && (L.experts.empty() || !L.experts[0].gate.present()))
+    if (L.is_moe && (L.experts.empty() || L.experts[0].gate.rows == 0))
       return make_error("internal: a MoE layer without experts on the device");
   if (hp.head_dim > kMaxHeadDim || hp.head_dim % 2)
     return make_error("CUDA attention supports an even head_dim up to " +
@@ -629,7 +708,7 @@ Status CudaSession::init(const std::string& device_name) {
   // Dequantization buffer for cuBLAS on quantized matrices (prefill only).
   size_t wtmp = 0;
   auto note = [&](const DevMatrix& m) {
-    if (m.present() && dtype_is_quantized(m.dtype)) wtmp = std::max(wtmp, size_t(m.rows * m.cols) * 2);
+    if (m.rows > 0 && dtype_is_quantized(m.dtype)) wtmp = std::max(wtmp, size_t(m.rows * m.cols) * 2);
   };
   note(w_.lm_head);
   for (const DevLayer& L : w_.layers) {
@@ -645,22 +724,26 @@ Status CudaSession::init(const std::string& device_name) {
     TS_ASSIGN(wtmp_, arena_.alloc(wtmp));
     wtmp_bytes_ = wtmp;
   }
-  // Device address tables of the experts.
-  for (DevLayer& L : w_.layers) {
+  // Device address tables of the experts, [gate | up | down][n_experts] per layer (null
+  // entries for cached experts until they are bound).
+  const size_t ne = size_t(std::max(1, hp.n_experts));
+  for (size_t l = 0; l < w_.layers.size(); ++l) {
+    DevLayer& L = w_.layers[l];
     if (!L.is_moe) continue;
-    std::vector<const void*> g, u, dn;
-    for (const DevMlp& m : L.experts) {
-      g.push_back(m.gate.data);
-      u.push_back(m.up.data);
-      dn.push_back(m.down.data);
+    std::vector<const void*> tab(3 * ne);
+    for (size_t e = 0; e < L.experts.size(); ++e) {
+      tab[e] = L.experts[e].gate.data;
+      tab[ne + e] = L.experts[e].up.data;
+      tab[2 * ne + e] = L.experts[e].down.data;
     }
-    for (auto [tab, host] : {std::pair{&L.gate_tab, &g}, std::pair{&L.up_tab, &u},
-                             std::pair{&L.down_tab, &dn}}) {
-      TS_ASSIGN(void* p, arena_.alloc(host->size() * sizeof(void*)));
-      CUDA_TRY(cudaMemcpy(p, host->data(), host->size() * sizeof(void*), cudaMemcpyHostToDevice));
-      *tab = static_cast<const void**>(p);
-    }
+    TS_ASSIGN(const void** dev, arena_.alloc_n<const void*>(tab.size()));
+    CUDA_TRY(cudaMemcpy(dev, tab.data(), tab.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    L.gate_tab = dev;
+    L.up_tab = dev + ne;
+    L.down_tab = dev + 2 * ne;
+    cached_[l].tab_dev = dev;
   }
+  if (cached()) TS_TRY(init_expert_cache());
   CUDA_TRY(cudaMallocHost(&h_tokens_, c * 4));
   CUDA_TRY(cudaMallocHost(&h_pos_, 4));
   CUDA_TRY(cudaMallocHost(&h_ids_, c * k * 4));
@@ -696,8 +779,309 @@ CudaBenchInfo CudaSession::info() const {
   b.decode_weight_bytes = bytes;
   b.kv_bytes_per_position = 2ull * uint64_t(hp_.n_layers) * uint64_t(hp_.kv_dim()) * 4;
   b.device_bytes = arena_.bytes();
-  b.graphs = use_graphs_ && iv_.capture_layers.empty() && !iv_.trace_router;
+  for (const DevLayer& L : w_.layers)
+    if (L.is_moe) {
+      ++b.moe_layers;
+      b.expert_bytes = mlp_bytes(L.experts[0]);
+    }
+  b.graphs = use_graphs_ && !cached() && iv_.capture_layers.empty() && !iv_.trace_router;
   return b;
+}
+
+// ---------------------------------------------------------------- GPU expert cache
+//
+// --residency host|streamed on CUDA. The dense weights are resident; every MoE layer has a
+// fixed number of device slots for its experts, managed by experts::SlotCache (LRU or LFU,
+// and a protect set: the experts the current step reads are never evicted). After the router
+// kernel the host reads back only the selected ids, binds every selected expert to a device
+// address — its slot on a hit; on a miss a slot by policy, or a staging buffer when every slot
+// is protected — and copies the misses on the copy stream; the compute stream waits on an
+// event. The kernels are the resident ones reading the same bytes at other addresses, so the
+// logits are byte-identical to resident mode for any cache size.
+
+void CudaSession::set_expert_layout(DevLayer& D, DType gate_t, DType down_t, int64_t d_expert,
+                                    int64_t d_model) {
+  const DevMatrix g{nullptr, gate_t, d_expert, d_model}, dn{nullptr, down_t, d_model, d_expert};
+  D.up_off = align256(g.n_bytes());
+  D.down_off = 2 * D.up_off;
+  D.expert_bytes = D.down_off + align256(dn.n_bytes());
+  D.experts.assign(size_t(hp_.n_experts), DevMlp{g, g, dn});
+}
+
+// Where a layer's experts are built at load: in GPU memory for good (resident; the views
+// point there), in a reused device buffer that finish_expert_layer moves to pinned host
+// memory (host), or nowhere (streamed: they stay in the files).
+Result<uint8_t*> CudaSession::expert_layer_memory(DevLayer& D) {
+  const size_t bytes = D.expert_bytes * size_t(hp_.n_experts);
+  if (streamed()) return static_cast<uint8_t*>(nullptr);
+  if (cached()) {
+    if (bytes > layer_tmp_bytes_) {
+      free_layer_memory();
+      CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&layer_tmp_), bytes));
+      layer_tmp_bytes_ = bytes;
+    }
+    return layer_tmp_;
+  }
+  TS_ASSIGN(void* p, arena_.alloc(bytes));
+  uint8_t* base = static_cast<uint8_t*>(p);
+  for (size_t e = 0; e < D.experts.size(); ++e) {
+    DevMlp& m = D.experts[e];
+    m.gate.data = base + e * D.expert_bytes;
+    m.up.data = base + e * D.expert_bytes + D.up_off;
+    m.down.data = base + e * D.expert_bytes + D.down_off;
+  }
+  return base;
+}
+
+Status CudaSession::finish_expert_layer(int layer, const uint8_t* built) {
+  if (!cached() || streamed()) return {};
+  const size_t bytes = w_.layers[size_t(layer)].expert_bytes * size_t(hp_.n_experts);
+  CachedLayer& C = cached_[size_t(layer)];
+  const cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&C.host), bytes, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    C.host = nullptr;
+    return make_error("--residency host: cannot pin " + std::to_string(gib(bytes)) +
+                      " GiB of host memory for layer " + std::to_string(layer) + "'s experts (" +
+                      cudaGetErrorString(e) + ")");
+  }
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  CUDA_TRY(cudaMemcpy(C.host, built, bytes, cudaMemcpyDeviceToHost));
+  return {};
+}
+
+void CudaSession::free_layer_memory() {
+  if (layer_tmp_) cudaFree(layer_tmp_);
+  layer_tmp_ = nullptr;
+  layer_tmp_bytes_ = 0;
+}
+
+Status CudaSession::init_expert_cache() {
+  const runtime::GpuExpertOptions& go = opt_.gpu_experts;
+  size_t expert_bytes = 0;
+  int moe_layers = 0;
+  for (const DevLayer& L : w_.layers)
+    if (L.is_moe) {
+      ++moe_layers;
+      expert_bytes = std::max(expert_bytes, L.expert_bytes);
+    }
+  if (moe_layers == 0) return {};
+  CUDA_TRY(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  CUDA_TRY(cudaEventCreateWithFlags(&loaded_, cudaEventDisableTiming));
+  // Staging: every distinct expert of a GEMV-sized chunk (up to kGemvMaxTokens tokens), at
+  // least two for the prefill ring.
+  const int n_staging =
+      std::max(2, std::min(hp_.n_experts, kGemvMaxTokens * std::max(1, hp_.top_k)));
+  for (int i = 0; i < n_staging; ++i) {
+    TS_ASSIGN(void* p, arena_.alloc(expert_bytes));
+    staging_.push_back(static_cast<uint8_t*>(p));
+    cudaEvent_t ev = nullptr;
+    CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    staging_free_.push_back(ev);
+  }
+  const double per_slot_row = double(expert_bytes) * moe_layers;  // one slot in every layer
+  int slots = go.slots_per_layer;
+  if (slots == 0 && go.cache_gb > 0) {
+    slots = int(go.cache_gb * 1e9 / per_slot_row);
+    if (slots < 1)
+      return make_error("--gpu-expert-cache-gb " + std::to_string(go.cache_gb) +
+                        " holds less than one expert per MoE layer (one slot in each of the " +
+                        std::to_string(moe_layers) + " layers takes " +
+                        std::to_string(per_slot_row / 1e9) + " GB)");
+  }
+  if (slots == 0) {
+    // All that fits, keeping 1 GiB free.
+    size_t free_b = 0, total_b = 0;
+    CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+    const double room = double(free_b) - double(1ull << 30);
+    slots = room > per_slot_row ? int(room / per_slot_row) : 1;
+  }
+  slots_per_layer_ = std::min(slots, hp_.n_experts);
+  const size_t ne = size_t(hp_.n_experts);
+  for (size_t l = 0; l < w_.layers.size(); ++l) {
+    if (!w_.layers[l].is_moe) continue;
+    CachedLayer& C = cached_[l];
+    C.cache = std::make_unique<experts::SlotCache>(slots_per_layer_, hp_.n_experts, go.policy);
+    TS_ASSIGN(void* p, arena_.alloc(size_t(slots_per_layer_) * w_.layers[l].expert_bytes));
+    C.slots = static_cast<uint8_t*>(p);
+    CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&C.tab_host), 3 * ne * sizeof(void*)));
+    std::fill_n(C.tab_host, 3 * ne, nullptr);
+    CUDA_TRY(cudaEventCreate(&C.copy_begin));
+    CUDA_TRY(cudaEventCreate(&C.copy_end));
+  }
+  cache_report_.residency = streamed() ? "streamed" : "host";
+  cache_report_.slots_per_layer = slots_per_layer_;
+  return warm_expert_cache();
+}
+
+// --cache-warm: each layer's slots filled with its most selected experts (ties: lower id).
+// Not counted in the cache's statistics.
+Status CudaSession::warm_expert_cache() {
+  const auto& warm = opt_.gpu_experts.warm;
+  if (warm.empty()) return {};
+  const runtime::ExpertCacheReport before = cache_report_;
+  for (size_t l = 0; l < w_.layers.size() && l < warm.size(); ++l) {
+    CachedLayer& C = cached_[l];
+    if (!C.cache || warm[l].empty()) continue;
+    std::vector<int> order;
+    for (int e = 0; e < hp_.n_experts && size_t(e) < warm[l].size(); ++e)
+      if (warm[l][size_t(e)] > 0) order.push_back(e);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return warm[l][size_t(a)] > warm[l][size_t(b)]; });
+    order.resize(std::min(order.size(), size_t(slots_per_layer_)));
+    experts::SlotCache::Plan plan;
+    if (!C.cache->plan(order, &plan)) return make_error("internal: warm plan");
+    std::vector<int> ids;
+    std::vector<uint8_t*> dst;
+    for (int i : plan.miss) {
+      ids.push_back(order[size_t(i)]);
+      dst.push_back(C.slots + size_t(plan.slot[size_t(i)]) * w_.layers[l].expert_bytes);
+      point_expert(int(l), ids.back(), dst.back());
+    }
+    TS_TRY(copy_experts(int(l), ids, dst));
+    TS_TRY(sync_expert_table(int(l)));
+    C.cache->unprotect_all();
+  }
+  CUDA_TRY(cudaStreamSynchronize(copy_stream_));
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  for (CachedLayer& C : cached_) C.copies_timed = false;
+  cache_report_ = before;
+  return {};
+}
+
+void CudaSession::point_expert(int layer, int e, uint8_t* at) {
+  DevLayer& D = w_.layers[size_t(layer)];
+  DevMlp& m = D.experts[size_t(e)];
+  m.gate.data = at;
+  m.up.data = at + D.up_off;
+  m.down.data = at + D.down_off;
+  const size_t ne = size_t(hp_.n_experts);
+  const void** tab = cached_[size_t(layer)].tab_host;
+  tab[size_t(e)] = m.gate.data;
+  tab[ne + size_t(e)] = m.up.data;
+  tab[2 * ne + size_t(e)] = m.down.data;
+  cached_[size_t(layer)].table_stale = true;
+}
+
+// Expert ids[i] of `layer` copied to dst[i] on the copy stream: from pinned host memory, or
+// read by the ExpertStore's reader threads (pread, O_DIRECT with --direct-io) and copied
+// from its slots.
+Status CudaSession::copy_experts(int layer, std::span<const int> ids,
+                                 std::span<uint8_t* const> dst) {
+  if (ids.empty()) return {};
+  CachedLayer& C = cached_[size_t(layer)];
+  const DevLayer& D = w_.layers[size_t(layer)];
+  if (!C.copies_timed) {
+    CUDA_TRY(cudaEventRecord(C.copy_begin, copy_stream_));
+    C.copies_timed = true;
+  }
+  if (C.host) {
+    for (size_t i = 0; i < ids.size(); ++i)
+      CUDA_TRY(cudaMemcpyAsync(dst[i], C.host + size_t(ids[i]) * D.expert_bytes,
+                               D.expert_bytes, cudaMemcpyHostToDevice, copy_stream_));
+    cache_report_.copied_bytes += uint64_t(ids.size()) * D.expert_bytes;
+  } else {
+    const size_t batch = size_t(std::max(1, store_->max_batch(layer)));
+    std::vector<model::ExpertWeights> views;
+    for (size_t i0 = 0; i0 < ids.size(); i0 += batch) {
+      const size_t nb = std::min(batch, ids.size() - i0);
+      views.resize(nb);
+      TS_TRY(store_->acquire(layer, ids.subspan(i0, nb), views));
+      for (size_t j = 0; j < nb; ++j) {
+        const DevMlp& shape = D.experts[size_t(ids[i0 + j])];
+        const std::pair<const model::Matrix*, std::pair<size_t, size_t>> parts[3] = {
+            {&views[j].gate, {0, shape.gate.n_bytes()}},
+            {&views[j].up, {D.up_off, shape.up.n_bytes()}},
+            {&views[j].down, {D.down_off, shape.down.n_bytes()}}};
+        for (const auto& [m, at] : parts) {
+          CUDA_TRY(cudaMemcpyAsync(dst[i0 + j] + at.first, m->data, at.second,
+                                   cudaMemcpyHostToDevice, copy_stream_));
+          cache_report_.copied_bytes += at.second;
+        }
+      }
+      // The store's slots are reused by its next acquire.
+      CUDA_TRY(cudaStreamSynchronize(copy_stream_));
+      store_->release(layer);
+    }
+  }
+  CUDA_TRY(cudaEventRecord(C.copy_end, copy_stream_));
+  return {};
+}
+
+// The device table of `layer` from its host mirror, on the copy stream after the copies; the
+// compute stream waits for both.
+Status CudaSession::sync_expert_table(int layer) {
+  const size_t ne = size_t(hp_.n_experts);
+  CachedLayer& C = cached_[size_t(layer)];
+  CUDA_TRY(cudaMemcpyAsync(C.tab_dev, C.tab_host, 3 * ne * sizeof(void*), cudaMemcpyHostToDevice,
+                           copy_stream_));
+  C.table_stale = false;
+  CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
+  CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
+  return {};
+}
+
+// A GEMV-sized step (n <= kGemvMaxTokens): binds every distinct selected expert of `layer`.
+Status CudaSession::bind_step(int layer, int n) {
+  const int k = hp_.top_k;
+  CUDA_TRY(cudaMemcpyAsync(h_ids_, sel_ids_, size_t(n) * size_t(k) * 4, cudaMemcpyDeviceToHost,
+                           stream_));
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  std::vector<int> ids;  // distinct, in rank order of first use
+  for (int i = 0; i < n * k; ++i)
+    if (std::find(ids.begin(), ids.end(), h_ids_[i]) == ids.end()) ids.push_back(h_ids_[i]);
+  CachedLayer& C = cached_[size_t(layer)];
+  const DevLayer& D = w_.layers[size_t(layer)];
+  // The previous step of this layer is finished (the stream was just synchronized).
+  C.cache->unprotect_all();
+  std::vector<bool> hit(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) hit[i] = C.cache->slot_of(ids[i]) >= 0;
+  cache_report_.requests += ids.size();
+  cache_report_.hits += uint64_t(std::count(hit.begin(), hit.end(), true));
+  std::vector<int> miss;
+  std::vector<uint8_t*> dst;
+  experts::SlotCache::Plan plan;
+  if (C.cache->plan(ids, &plan)) {
+    for (int i : plan.miss) {
+      miss.push_back(ids[size_t(i)]);
+      dst.push_back(C.slots + size_t(plan.slot[size_t(i)]) * D.expert_bytes);
+    }
+  } else {
+    // More distinct experts than free slots: hits keep theirs, misses take slots while any
+    // are unprotected, then staging buffers.
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (hit[i]) C.cache->plan(std::span<const int>(&ids[i], 1), &plan);
+    size_t staged = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (hit[i]) continue;
+      miss.push_back(ids[i]);
+      if (C.cache->plan(std::span<const int>(&ids[i], 1), &plan)) {
+        dst.push_back(C.slots + size_t(plan.slot[0]) * D.expert_bytes);
+      } else {
+        if (staged == staging_.size()) return make_error("internal: expert staging exhausted");
+        dst.push_back(staging_[staged++]);
+      }
+    }
+  }
+  for (size_t i = 0; i < miss.size(); ++i) point_expert(layer, miss[i], dst[i]);
+  TS_TRY(copy_experts(layer, miss, dst));
+  // The expert-grouped prefill binds through the host views only: the device table may lag.
+  return C.table_stale ? sync_expert_table(layer) : Status{};
+}
+
+void CudaSession::collect_copy_times() {
+  for (CachedLayer& C : cached_) {
+    if (!C.copies_timed) continue;
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, C.copy_begin, C.copy_end) == cudaSuccess)
+      cache_report_.copy_ms += ms;
+    C.copies_timed = false;
+  }
+}
+
+std::optional<runtime::ExpertCacheReport> CudaSession::expert_cache() const {
+  if (!cached()) return std::nullopt;
+  return cache_report_;
 }
 
 // ---------------------------------------------------------------- forward
@@ -733,7 +1117,8 @@ Status CudaSession::forward(std::span<const int> tokens, std::vector<float>* all
 }
 
 bool CudaSession::graph_eligible() const {
-  if (!use_graphs_ || prof_.on() || iv_.trace_router || !iv_.capture_layers.empty()) return false;
+  // The cache plans on the host between layers: no graph.
+  if (!use_graphs_ || cached() || prof_.on() || iv_.trace_router || !iv_.capture_layers.empty()) return false;
   for (const auto& ops : iv_.steer)
     if (!ops.empty()) return false;
   return true;
@@ -780,6 +1165,7 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   CUDA_TRY(cudaStreamSynchronize(stream_));
   CUDA_TRY(cudaGetLastError());
   prof_.collect();
+  if (cached()) collect_copy_times();
   std::copy_n(h_logits_, hp_.vocab, last_logits_.data());
   pos_ += n;
   int moe_layers = 0;
@@ -923,6 +1309,9 @@ Status CudaSession::moe_block(int layer, int n) {
   }));
   TS_TRY(prof_.time("router", double(L.router.n_bytes()), stream_,
                     [&] { return linear(L.router, xn_, n, router_); }));
+  if (sampled_routing_)
+    synthetic_route(router_, L.router_bias, pos_dev_, n, hp_.n_experts,
+                    route_seed_ + uint64_t(layer), stream_);
   TS_TRY(prof_.time("top-k", double(n) * hp_.n_experts * 4, stream_, [&] {
     return launch([&] {
   route({.logits = router_, .ids = sel_ids_, .weights = sel_w_,
@@ -943,6 +1332,7 @@ Status CudaSession::moe_block(int layer, int n) {
                         std::vector<float>(wts.begin() + long(t) * k, wts.begin() + long(t + 1) * k)});
   }
   if (n <= kGemvMaxTokens) {
+    if (cached()) TS_TRY(bind_step(layer, n));
     MoeArgs a{.gate = L.gate_tab, .up = L.up_tab, .down = L.down_tab,
                     .gate_dtype = L.experts[0].gate.dtype, .down_dtype = L.experts[0].down.dtype,
                     .ids = sel_ids_, .weights = sel_w_, .xn = xn_, .h = h1_, .out = moe_out_,
@@ -1011,13 +1401,50 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // Gathered rows: F16/BF16 in act_; F32 in slot_rows_, where each expert's down projection
   // then overwrites its own rows after its gate/up GEMMs have read them (one stream, in
   // order). The down outputs [ns, d_model] always land in slot_rows_.
+  //
+  // With the GPU expert cache, each used expert is bound before its GEMMs: hits stay in
+  // their slots (protected for the whole layer), misses are copied once into a free slot or,
+  // when none is left, into the staging ring; the copy stream runs ahead of the GEMMs by up
+  // to the ring's length, so loading the next experts overlaps computing this one.
   void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
   gather_rows(xn_, group_src_, ns, d, xg, gate_in, stream_);
   float* yg = slot_rows_;
+  CachedLayer& C = cached_[size_t(layer)];
+  std::vector<bool> hit;
+  if (cached()) {
+    C.cache->unprotect_all();
+    hit.assign(size_t(hp_.n_experts), false);
+    experts::SlotCache::Plan plan;
+    for (int e = 0; e < hp_.n_experts; ++e) {
+      if (count[size_t(e) + 1] == count[size_t(e)]) continue;
+      ++cache_report_.requests;
+      if (C.cache->slot_of(e) < 0) continue;
+      hit[size_t(e)] = true;
+      ++cache_report_.hits;
+      C.cache->plan(std::span<const int>(&e, 1), &plan);
+    }
+  }
+  size_t ring = 0;
   for (int e = 0; e < hp_.n_experts; ++e) {
     const int m = count[size_t(e) + 1] - count[size_t(e)];
     if (m == 0) continue;
     const int off = count[size_t(e)];
+    int staged = -1;
+    if (cached() && !hit[size_t(e)]) {
+      experts::SlotCache::Plan plan;
+      uint8_t* dst = nullptr;
+      if (C.cache->plan(std::span<const int>(&e, 1), &plan)) {
+        dst = C.slots + size_t(plan.slot[0]) * L.expert_bytes;
+      } else {
+        staged = int(ring++ % staging_.size());
+        dst = staging_[size_t(staged)];
+        CUDA_TRY(cudaStreamWaitEvent(copy_stream_, staging_free_[size_t(staged)], 0));
+      }
+      point_expert(layer, e, dst);
+      TS_TRY(copy_experts(layer, std::span<const int>(&e, 1), std::span<uint8_t* const>(&dst, 1)));
+      CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
+      CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
+    }
     const DevMlp& x = L.experts[size_t(e)];
     const void* xe = static_cast<const uint8_t*>(xg) + size_t(off) * size_t(d) * gate_es;
     TS_TRY(gemm(x.gate, xe, m, h1_, false));
@@ -1030,6 +1457,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
       he = h2_;
     }
     TS_TRY(gemm(x.down, he, m, yg + size_t(off) * size_t(d), false));
+    if (staged >= 0) CUDA_TRY(cudaEventRecord(staging_free_[size_t(staged)], stream_));
   }
   slot_sum(yg, group_row_of_, sel_w_, n, k, d, moe_out_, stream_);
   return {};
@@ -1096,12 +1524,15 @@ Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::Loaded
                                                            runtime::SessionOptions options,
                                                            int device) {
   TS_ASSIGN(std::string name, open_device(device));
+  const bool all_experts = options.gpu_experts.residency == runtime::GpuResidency::kResident;
   auto s = std::make_unique<CudaSession>(model.hp(), std::move(options), device);
   TS_TRY(s->begin(device));
   // Weights first: a model too big for the card fails here with the sizes.
   size_t free_b = 0, total_b = 0;
   CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-  const uint64_t weights = model.counts().dense_bytes + model.counts().routed_bytes;
+  // With the GPU expert cache only the dense weights must fit; the cache takes what is left.
+  const uint64_t weights = model.counts().dense_bytes +
+                           (all_experts ? model.counts().routed_bytes : 0);
   if (weights > free_b)
     return make_error("the model's weights need " + std::to_string(gib(weights)) + " GiB on " +
                       name + ", which has " + std::to_string(gib(free_b)) + " GiB free of " +

@@ -25,6 +25,12 @@ Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::Loaded
 struct SyntheticOptions {
   DType dtype = DType::kBF16;
   uint64_t seed = 1;
+  // bench --routing uniform|zipf:S. Random weights route by what they happen to compute,
+  // which for this model is a few experts for every token; sampled routing instead draws
+  // each token's top-k afresh (Gumbel top-k after the router GEMV) from uniform or Zipf(S)
+  // popularity: the expert of rank r (a random order per layer) has weight (r + 1)^-S.
+  bool sampled_routing = false;
+  double zipf = 0;
 };
 Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
     const model::HParams& hp, runtime::SessionOptions options, int device,
@@ -37,6 +43,8 @@ struct CudaBenchInfo {
   uint64_t kv_bytes_per_position = 0;
   uint64_t device_bytes = 0;         // weights + KV + scratch allocated
   bool graphs = false;
+  uint64_t expert_bytes = 0;         // one routed expert (gate + up + down), for the cache
+  int moe_layers = 0;
 };
 CudaBenchInfo bench_info(const runtime::Engine& engine);
 

@@ -903,6 +903,19 @@ __global__ void fill_uniform_kernel(void* dst, DType type, int64_t n, float scal
   }
 }
 
+// logits[t, e] = bias[e] + Gumbel noise from a hash of (seed, position, e): top-k of these is
+// a draw without replacement from softmax(bias), new for every position.
+__global__ void synthetic_route_kernel(float* logits, const float* bias, const int* pos, int n,
+                                       int n_experts, uint64_t seed) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n * n_experts) return;
+  const int t = i / n_experts, e = i % n_experts;
+  const uint64_t z = mix64(seed * 0x9e3779b97f4a7c15ull +
+                           (uint64_t(uint32_t(*pos + t)) << 20) + uint64_t(e));
+  const float u = (float(z >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+  logits[i] = (bias ? bias[e] : 0.0f) - logf(-logf(u));
+}
+
 __global__ void fill_value_kernel(float* dst, int64_t n, float v) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
@@ -1065,6 +1078,12 @@ void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s) {
 
 void fill_uniform(void* dst, DType type, int64_t n, float scale, uint64_t seed, cudaStream_t s) {
   fill_uniform_kernel<<<grid_for(n), 256, 0, s>>>(dst, type, n, scale, seed);
+}
+
+void synthetic_route(float* logits, const float* bias, const int* pos, int n, int n_experts,
+                     uint64_t seed, cudaStream_t s) {
+  const int total = n * n_experts;
+  synthetic_route_kernel<<<(total + 255) / 256, 256, 0, s>>>(logits, bias, pos, n, n_experts, seed);
 }
 
 void fill_value(float* dst, int64_t n, float value, cudaStream_t s) {

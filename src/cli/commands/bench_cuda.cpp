@@ -3,6 +3,10 @@
 // CONFIG). Decode is compared with the memory-bandwidth roofline (weights + KV bytes read per
 // step / --roofline-gbps, default the H200's 4,100 GB/s), prefill with --roofline-tflops
 // (default 790, BF16 tensor cores).
+//
+// Decode feeds a fixed pseudo-random token stream rather than the argmax: random weights
+// tend to repeat one token, whose routing then repeats and would flatter an expert cache
+// (--residency host). Speed does not depend on which token is fed.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -65,8 +69,34 @@ Status cmd_bench_cuda(const Args& args) {
   model::HParams hp;
   Loaded m;
   std::string source;
+  // --routing model|uniform|zipf:S (synthetic weights): see SyntheticOptions.
+  const std::string routing = args.str_or("routing", "model");
+  double route_skew = 0;
+  if (routing.rfind("zipf:", 0) == 0) {
+    char* end = nullptr;
+    route_skew = std::strtod(routing.c_str() + 5, &end);
+    if (*end || !(route_skew > 0 && route_skew <= 100))
+      return make_error("--routing: '" + routing + "': zipf:S needs an exponent S in (0, 100]");
+  } else if (routing != "model" && routing != "uniform") {
+    return make_error("--routing: '" + routing + "' is not one of model, uniform, zipf:S");
+  }
   if (!synthetic.empty()) {
     if (args.has("model")) return make_error("give --model or --synthetic, not both");
+    // The GPU expert cache on random weights: experts in pinned host memory.
+    const std::string residency = args.str_or("residency", "resident");
+    if (residency == "host") so.gpu_experts.residency = runtime::GpuResidency::kHost;
+    else if (residency != "resident")
+      return make_error("--residency: synthetic weights are 'resident' or 'host' (they have no "
+                        "files to map or stream)");
+    TS_ASSIGN(int64_t slots, args.integer_or("expert-cache-slots", 0, 1, 1 << 20));
+    so.gpu_experts.slots_per_layer = int(slots);
+    TS_ASSIGN(so.gpu_experts.cache_gb, args.number_or("gpu-expert-cache-gb", 0, 1e-6, 1e6));
+    const std::string policy = args.str_or("cache-policy", "lru");
+    if (policy == "lfu") so.gpu_experts.policy = experts::CachePolicy::kLfu;
+    else if (policy != "lru") return make_error("--cache-policy: '" + policy + "' is not one of lru, lfu");
+    if (residency == "resident" && (slots || so.gpu_experts.cache_gb > 0 || args.has("cache-policy")))
+      return make_error("--expert-cache-slots, --gpu-expert-cache-gb and --cache-policy need "
+                        "--residency host");
     DType dtype;
     if (dtype_s == "bf16") dtype = DType::kBF16;
     else if (dtype_s == "f16") dtype = DType::kF16;
@@ -79,15 +109,19 @@ Status cmd_bench_cuda(const Args& args) {
     std::stringstream ss;
     ss << f.rdbuf();
     TS_ASSIGN(hp, model::parse_hparams(ss.str(), synthetic));
-    TS_ASSIGN(engine, cuda::make_synthetic_cuda_session(hp, so, device.index,
-                                                         {.dtype = dtype, .seed = uint64_t(seed)}));
+    TS_ASSIGN(engine, cuda::make_synthetic_cuda_session(
+                          hp, so, device.index,
+                          {.dtype = dtype, .seed = uint64_t(seed),
+                           .sampled_routing = routing != "model", .zipf = route_skew}));
     source = synthetic + " (random " + dtype_s + " weights on the device)";
   } else {
+    if (routing != "model") return make_error("--routing only applies to --synthetic weights");
     TS_ASSIGN(ModelFlags flags, read_model_flags(args));
     TS_TRY(args.check_all_used());
     TS_ASSIGN(m, load_model(flags));
     hp = m.model->hp();
-    TS_ASSIGN(engine, runtime::make_engine(*m.model, *m.pool, so, device));
+    flags.device = device;
+    TS_ASSIGN(engine, make_session(flags, m, so));
     source = m.model->dir() + (quant ? " (quantized to Q8_0 at load)" : "");
   }
   const cuda::CudaBenchInfo info = cuda::bench_info(*engine);
@@ -105,12 +139,48 @@ Status cmd_bench_cuda(const Args& args) {
                       {"cuda_graphs", info.graphs},
                       {"roofline_gbps", roofline_gbps},
                       {"roofline_tflops", roofline_tflops}};
+  // The GPU expert cache's counters over one timed run.
+  runtime::ExpertCacheReport cache0;
+  auto cache_begin = [&] { cache0 = engine->expert_cache().value_or(runtime::ExpertCacheReport{}); };
+  auto cache_json = [&](double seconds, int64_t tokens, const char* indent) -> nlohmann::json {
+    const auto c = engine->expert_cache();
+    if (!c) return nullptr;
+    const double req = double(c->requests - cache0.requests);
+    const double bytes = double(c->copied_bytes - cache0.copied_bytes);
+    const double copy_s = (c->copy_ms - cache0.copy_ms) / 1e3;
+    nlohmann::json out = {{"hit_rate", req > 0 ? double(c->hits - cache0.hits) / req : 1.0},
+                          {"h2d_bytes_per_token", bytes / double(tokens)},
+                          {"h2d_gbps_copying", copy_s > 0 ? bytes / copy_s / 1e9 : 0.0},
+                          {"h2d_gbps_overall", bytes / seconds / 1e9},
+                          {"copy_share", copy_s / seconds}};
+    if (!json)
+      std::printf("%sexpert cache: hit rate %.1f%%, %.1f MB/token host->device, %.1f GB/s while "
+                  "copying, %.1f GB/s over the run, copying %.0f%% of the time\n",
+                  indent, 100.0 * out["hit_rate"].get<double>(), bytes / double(tokens) / 1e6,
+                  out["h2d_gbps_copying"].get<double>(), bytes / seconds / 1e9,
+                  100.0 * copy_s / seconds);
+    return out;
+  };
   if (!json)
     std::printf("%s on %s\nweights read per decode token %.3f GB, KV %.1f KB per position, "
                 "%.1f GiB on the device\n",
                 source.c_str(), engine->device_name().c_str(), double(info.decode_weight_bytes) / 1e9,
                 double(info.kv_bytes_per_position) / 1e3,
                 double(info.device_bytes) / double(1ull << 30));
+  if (const auto c = engine->expert_cache()) {
+    j["expert_cache"] = {{"residency", c->residency},
+                         {"slots_per_layer", c->slots_per_layer},
+                         {"fraction", double(c->slots_per_layer) / double(std::max(1, hp.n_experts))},
+                         {"expert_bytes", info.expert_bytes},
+                         {"routing", routing}};
+    if (!json)
+      std::printf("experts in %s memory, GPU cache %d of %d slots per layer (%.0f%%), %.2f MB "
+                  "per expert%s\n",
+                  c->residency == "host" ? "pinned host" : "file", c->slots_per_layer,
+                  hp.n_experts, 100.0 * c->slots_per_layer / std::max(1, hp.n_experts),
+                  double(info.expert_bytes) / 1e6,
+                  (", routing: " + routing).c_str());
+  }
   // Warm-up: one short prefill and a few decode steps (graph capture, cuBLAS heuristics).
   {
     const std::vector<int> p = prompt_of(std::min<int64_t>(64, max_ctx - 8));
@@ -123,11 +193,11 @@ Status cmd_bench_cuda(const Args& args) {
   for (int64_t ctx : contexts) {
     engine->reset();
     TS_TRY(engine->forward(prompt_of(ctx), nullptr));
-    int next = runtime::argmax(engine->last_logits());
+    cache_begin();
     const auto t0 = Clock::now();
     for (int64_t i = 0; i < n_gen; ++i) {
+      int next = int((uint64_t(ctx + i) * 2654435761ull + 97) % uint64_t(hp.vocab));
       TS_TRY(engine->forward(std::span<const int>(&next, 1), nullptr));
-      next = runtime::argmax(engine->last_logits());
     }
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     const double tps = double(n_gen) / s;
@@ -144,6 +214,7 @@ Status cmd_bench_cuda(const Args& args) {
                   "%.0f GB/s (roofline %.0f tok/s)\n",
                   (long long)ctx, tps, bytes / 1e9, gbps, 100.0 * gbps / roofline_gbps,
                   roofline_gbps, roofline_gbps * 1e9 / bytes);
+    decode.back()["expert_cache"] = cache_json(s, n_gen, "        ");
   }
   nlohmann::json prefill = nlohmann::json::array();
   // FLOPs per prompt token: 2 per active weight (dense, lm head once, top_k experts) plus
@@ -158,6 +229,7 @@ Status cmd_bench_cuda(const Args& args) {
   for (int64_t n : prompts) {
     engine->reset();
     const std::vector<int> p = prompt_of(n);
+    cache_begin();
     const auto t0 = Clock::now();
     TS_TRY(engine->forward(p, nullptr));
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -172,6 +244,7 @@ Status cmd_bench_cuda(const Args& args) {
       std::printf("prefill %6lld tokens: %8.0f tok/s (%.3f s), %6.1f TFLOP/s = %4.1f%% of %.0f\n",
                   (long long)n, double(n) / s, s, tflops, 100.0 * tflops / roofline_tflops,
                   roofline_tflops);
+    prefill.back()["expert_cache"] = cache_json(s, n, "        ");
   }
   if (profile) {
     // Where the time goes: every launch timed with events (graphs off), decode at the first

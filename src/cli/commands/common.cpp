@@ -1,7 +1,9 @@
 #include "cli/commands/common.h"
 
 #include <cstdio>
+#include <fstream>
 #include <map>
+#include <sstream>
 
 #include <cmath>
 
@@ -32,9 +34,26 @@ nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engi
   s.hits -= since.store.hits;
   s.bytes_read -= since.store.bytes_read;
   const double t = double(std::max<int64_t>(1, tokens_processed));
+  std::string residency(experts::residency_name(model.experts().residency()));
+  int slots = model.slots_per_layer();
+  nlohmann::json gpu_cache = nullptr;
+  if (const auto c = session.expert_cache()) {
+    // The GPU's expert cache is the one that hits or misses; the store only feeds it.
+    residency = c->residency;
+    slots = c->slots_per_layer;
+    const uint64_t bytes = c->copied_bytes - since.cache.copied_bytes;
+    const double ms = c->copy_ms - since.cache.copy_ms;
+    s.requests = c->requests - since.cache.requests;
+    s.hits = c->hits - since.cache.hits;
+    gpu_cache = {{"h2d_bytes", bytes},
+                 {"h2d_bytes_per_token", double(bytes) / t},
+                 {"copy_ms", ms},
+                 {"h2d_gbps", ms > 0 ? double(bytes) / (ms * 1e-3) / 1e9 : 0.0}};
+  }
   return {
-      {"residency", std::string(experts::residency_name(model.experts().residency()))},
-      {"slots_per_layer", model.slots_per_layer()},
+      {"residency", residency},
+      {"slots_per_layer", slots},
+      {"gpu_expert_cache", gpu_cache},
       {"attention_ms", p.attention_us / 1e3},
       {"router_ms", p.router_us / 1e3},
       {"expert_io_ms", p.expert_io_us / 1e3},
@@ -67,6 +86,52 @@ void print_stats(const nlohmann::json& j) {
                double(j["storage_bytes_read"].get<uint64_t>()) / 1e6,
                j["storage_bytes_per_token"].get<double>() / 1e6,
                (long long)j["tokens"].get<int64_t>());
+  if (!j["gpu_expert_cache"].is_null()) {
+    const nlohmann::json& g = j["gpu_expert_cache"];
+    std::fprintf(stderr,
+                 "stats: GPU expert cache %d slots/layer, host->device %.1f MB (%.2f MB/token), "
+                 "%.1f GB/s while copying\n",
+                 j["slots_per_layer"].get<int>(), double(g["h2d_bytes"].get<uint64_t>()) / 1e6,
+                 g["h2d_bytes_per_token"].get<double>() / 1e6, g["h2d_gbps"].get<double>());
+  }
+}
+
+Result<std::vector<std::vector<uint64_t>>> read_cache_warm(const std::string& path,
+                                                           const model::HParams& hp) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return make_error("--cache-warm: cannot read " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object())
+    return make_error(path + ": not a JSON object (--cache-warm takes --router-hist's output)");
+  for (const char* key : {"n_layers", "n_experts"})
+    if (!j.contains(key) || !j[key].is_number_integer())
+      return make_error(path + ": field '" + key + "' is missing or not an integer");
+  if (j["n_layers"].get<int64_t>() != hp.n_layers || j["n_experts"].get<int64_t>() != hp.n_experts)
+    return make_error(path + ": a histogram of " + std::to_string(j["n_layers"].get<int64_t>()) +
+                      " layers x " + std::to_string(j["n_experts"].get<int64_t>()) +
+                      " experts, the model has " + std::to_string(hp.n_layers) + " x " +
+                      std::to_string(hp.n_experts));
+  if (!j.contains("counts") || !j["counts"].is_array() ||
+      j["counts"].size() != size_t(hp.n_layers))
+    return make_error(path + ": field 'counts' must be an array of " +
+                      std::to_string(hp.n_layers) + " rows");
+  std::vector<std::vector<uint64_t>> out(size_t(hp.n_layers));
+  for (int l = 0; l < hp.n_layers; ++l) {
+    const nlohmann::json& row = j["counts"][size_t(l)];
+    if (row.is_null()) continue;
+    if (!row.is_array() || row.size() != size_t(hp.n_experts))
+      return make_error(path + ": counts[" + std::to_string(l) + "] must be null or " +
+                        std::to_string(hp.n_experts) + " counts");
+    for (const nlohmann::json& c : row) {
+      if (!c.is_number_unsigned() && !(c.is_number_integer() && c.get<int64_t>() >= 0))
+        return make_error(path + ": counts[" + std::to_string(l) +
+                          "] holds something that is not a count");
+      out[size_t(l)].push_back(c.get<uint64_t>());
+    }
+  }
+  return out;
 }
 
 Status write_router_hist(const std::string& path, const runtime::LoadedModel& model,

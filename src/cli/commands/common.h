@@ -28,6 +28,8 @@ struct ModelFlags {
   runtime::Device device;  // --device cpu|cuda[:N]
   bool quantize_q8_0 = false;  // --quant q8_0 (CUDA: quantize float matrices at load)
   runtime::LoadOptions load;
+  runtime::GpuExpertOptions gpu;  // --residency host|streamed on --device cuda
+  std::string cache_warm;         // --cache-warm HIST.json (read once the model is known)
   bool stats = false;       // --stats or TURBOSPARK_PHASES=1: phase summary on stderr
   std::string router_hist;  // --router-hist FILE: per-layer per-expert selection counts
   // Interventions (runtime/interventions.h), validated against the model after loading.
@@ -52,24 +54,56 @@ inline Result<ModelFlags> read_model_flags(const Args& args) {
                         "pack: turbospark pack --experts-quant q8_0 --dense-quant q8_0");
     f.quantize_q8_0 = true;
   }
-  TS_ASSIGN(f.load.residency, experts::parse_residency(args.str_or("residency", "mapped")));
+  // --residency: on the CPU where the experts live; on CUDA resident and mapped put every
+  // expert in GPU memory (the host side is only where they load from), host and streamed put
+  // a GPU expert cache in front of pinned host memory or the model's files.
+  const std::string residency = args.str_or("residency", "mapped");
+  const bool cuda = f.device.kind == runtime::DeviceKind::kCuda;
+  if (residency == "host") {
+    if (!cuda)
+      return make_error("--residency host (experts in pinned host memory behind a GPU cache) "
+                        "needs --device cuda; on the CPU use resident, mapped or streamed");
+    f.gpu.residency = runtime::GpuResidency::kHost;
+    f.load.residency = experts::Residency::kMapped;
+  } else {
+    auto r = experts::parse_residency(residency);
+    if (!r.ok())
+      return make_error("--residency: '" + residency + "' is not one of resident, mapped, "
+                        "streamed, host (host: --device cuda only)");
+    f.load.residency = r.value();
+    if (cuda && f.load.residency == experts::Residency::kStreamed)
+      f.gpu.residency = runtime::GpuResidency::kStreamed;
+  }
+  const bool gpu_cache = f.gpu.residency != runtime::GpuResidency::kResident;
+  const bool streamed = f.load.residency == experts::Residency::kStreamed;
   TS_ASSIGN(int64_t slots, args.integer_or("expert-cache-slots", 0, 1, 1 << 20));
   TS_ASSIGN(f.load.expert_cache_mb, args.integer_or("expert-cache-mb", 0, 1, int64_t(1) << 40));
+  TS_ASSIGN(f.gpu.cache_gb, args.number_or("gpu-expert-cache-gb", 0, 1e-6, 1e6));
   std::string policy = args.str_or("cache-policy", "lru");
   if (policy == "lru") f.load.streamed.policy = experts::CachePolicy::kLru;
   else if (policy == "lfu") f.load.streamed.policy = experts::CachePolicy::kLfu;
   else return make_error("--cache-policy: '" + policy + "' is not one of lru, lfu");
+  f.gpu.policy = f.load.streamed.policy;
   f.load.streamed.direct_io = args.has("direct-io");
   TS_ASSIGN(int64_t io_threads, args.integer_or("io-threads", 4, 1, 256));
   f.load.streamed.io_threads = int(io_threads);
-  const bool streamed = f.load.residency == experts::Residency::kStreamed;
-  if (!streamed && (slots || f.load.expert_cache_mb || args.has("cache-policy") ||
-                    f.load.streamed.direct_io))
-    return make_error("--expert-cache-slots, --expert-cache-mb, --cache-policy and --direct-io "
-                      "need --residency streamed");
-  if (slots && f.load.expert_cache_mb)
-    return make_error("give --expert-cache-slots or --expert-cache-mb, not both");
-  if (slots) f.load.streamed.slots_per_layer = int(slots);
+  f.cache_warm = args.str_or("cache-warm", "");
+  if (!streamed && !gpu_cache && (slots || f.load.expert_cache_mb || args.has("cache-policy")))
+    return make_error("--expert-cache-slots, --expert-cache-mb and --cache-policy need "
+                      "--residency streamed (or host on --device cuda)");
+  if (!streamed && f.load.streamed.direct_io)
+    return make_error("--direct-io needs --residency streamed");
+  if (!gpu_cache && (f.gpu.cache_gb > 0 || !f.cache_warm.empty()))
+    return make_error("--gpu-expert-cache-gb and --cache-warm need --device cuda with "
+                      "--residency host or streamed");
+  if (gpu_cache && f.load.expert_cache_mb)
+    return make_error("--expert-cache-mb sizes the CPU's cache; on --device cuda give "
+                      "--gpu-expert-cache-gb or --expert-cache-slots");
+  if (slots && (f.load.expert_cache_mb || f.gpu.cache_gb > 0))
+    return make_error("give --expert-cache-slots or a cache size, not both");
+  // On CUDA the slots are the GPU's; the streamed store then only stages reads.
+  if (slots && gpu_cache) f.gpu.slots_per_layer = int(slots);
+  else if (slots) f.load.streamed.slots_per_layer = int(slots);
   const char* env = std::getenv("TURBOSPARK_PHASES");
   f.stats = args.has("stats") || (env && std::string(env) == "1");
   f.router_hist = args.str_or("router-hist", "");
@@ -96,10 +130,19 @@ inline Result<Loaded> load_model(const ModelFlags& flags) {
 }
 
 // The session for the --device flag.
+// --cache-warm: a router histogram (--router-hist's JSON) for this model, as counts per
+// [layer][expert]; errors name the file and the field.
+Result<std::vector<std::vector<uint64_t>>> read_cache_warm(const std::string& path,
+                                                           const model::HParams& hp);
+
 inline Result<std::unique_ptr<runtime::Engine>> make_session(const ModelFlags& flags,
                                                              const Loaded& m,
                                                              runtime::SessionOptions options) {
   options.quantize_q8_0 = flags.quantize_q8_0;
+  options.gpu_experts = flags.gpu;
+  if (!flags.cache_warm.empty()) {
+    TS_ASSIGN(options.gpu_experts.warm, read_cache_warm(flags.cache_warm, m.model->hp()));
+  }
   return runtime::make_engine(*m.model, *m.pool, std::move(options), flags.device);
 }
 
@@ -108,6 +151,7 @@ inline Result<std::unique_ptr<runtime::Engine>> make_session(const ModelFlags& f
 struct RunCounters {
   runtime::PhaseTimes phases;
   experts::StoreStats store;
+  runtime::ExpertCacheReport cache;  // the engine's own expert cache, if any
 };
 nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
                           int64_t tokens_processed, const RunCounters& since);

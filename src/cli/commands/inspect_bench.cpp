@@ -101,7 +101,8 @@ Status cmd_bench(const Args& args) {
     session.reset();
   }
   // Stats cover the timed passes only (the store's counters live as long as the model).
-  const RunCounters since{session.phases(), m.model->experts().stats()};
+  const RunCounters since{session.phases(), m.model->experts().stats(),
+                          session.expert_cache().value_or(runtime::ExpertCacheReport{})};
   auto t0 = Clock::now();
   TS_TRY(session.forward(prompt, nullptr));
   double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();

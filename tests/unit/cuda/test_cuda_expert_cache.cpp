@@ -1,0 +1,222 @@
+// The GPU expert cache (--residency host|streamed on CUDA) on every fixture: logits
+// byte-identical to resident mode for the expert-grouped prefill, the GEMV-sized chunks and
+// token-by-token decode, for caches from 1 slot (fewer than top_k: the step's other experts
+// go through staging) to every expert, LRU and LFU, cold and warm, from pinned host memory
+// and from the files (the streamed ExpertStore); hit counters that add up; --cache-warm.
+// Skipped where no CUDA device is present (CI); run on the GPU machine by tests/gpu/run.sh.
+#include <gtest/gtest.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/thread_pool.h"
+#include "runtime/engine.h"
+#include "runtime/model.h"
+#include "runtime/sampler.h"
+#include "runtime/session.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using ts::runtime::GpuResidency;
+
+fs::path data_dir() {
+  const char* env = std::getenv("TS_TEST_DATA_DIR");
+  return fs::path(env && *env ? env : TS_TEST_DATA_DIR);
+}
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+std::vector<std::string> fixture_names() {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(data_dir() / "models"))
+    if (fs::exists(e.path() / "ref.json")) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// What one engine produced: every prefill row (one chunk: the grouped MoE when the prompt
+// is longer than the GEMV limit), every row of a prefill in chunks of 3 (the per-slot
+// kernels), and the last logits of each decode step after the prompt.
+struct Outputs {
+  std::vector<float> prefill, chunked, decode;
+};
+
+class CudaExpertCache : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    dir_ = (data_dir() / "models" / GetParam()).string();
+    auto m = ts::runtime::LoadedModel::load(dir_);
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    model_ = std::move(m.value());
+    std::ifstream f(dir_ + "/ref.json");
+    prompt_ = nlohmann::json::parse(f).at("prompt_ids").get<std::vector<int>>();
+    if (model_->hp().n_experts == 0) GTEST_SKIP() << "no routed experts";
+  }
+
+  std::unique_ptr<ts::runtime::Engine> engine(const ts::runtime::LoadedModel& m,
+                                              ts::runtime::GpuExpertOptions g, int chunk) {
+    ts::runtime::SessionOptions o{.n_ctx = int(prompt_.size()) + kDecode, .prefill_chunk = chunk};
+    o.gpu_experts = std::move(g);
+    auto e = ts::runtime::make_engine(m, pool_, std::move(o), {ts::runtime::DeviceKind::kCuda, 0});
+    EXPECT_TRUE(e.ok()) << e.error().message;
+    return e.ok() ? std::move(e.value()) : nullptr;
+  }
+
+  // Prefill + decode on one engine, then the prefill again (warm cache), then a chunked
+  // prefill on a second engine; the warm repeat must equal the cold run.
+  Outputs run(const ts::runtime::LoadedModel& m, const ts::runtime::GpuExpertOptions& g) {
+    Outputs o;
+    auto s = engine(m, g, 0);
+    if (!s) return o;
+    EXPECT_TRUE(s->forward(prompt_, &o.prefill).ok());
+    for (int i = 0; i < kDecode; ++i) {
+      int next = ts::runtime::argmax(s->last_logits());
+      EXPECT_TRUE(s->forward(std::span<const int>(&next, 1), nullptr).ok());
+      o.decode.insert(o.decode.end(), s->last_logits().begin(), s->last_logits().end());
+    }
+    std::vector<float> again;
+    s->reset();
+    EXPECT_TRUE(s->forward(prompt_, &again).ok());
+    EXPECT_EQ(0, std::memcmp(again.data(), o.prefill.data(), again.size() * 4))
+        << "warm repeat differs";
+    auto c = engine(m, g, 3);
+    if (c) {
+      EXPECT_TRUE(c->forward(prompt_, &o.chunked).ok());
+    }
+    return o;
+  }
+
+  static void expect_same(const Outputs& a, const Outputs& b, const std::string& what) {
+    ASSERT_EQ(a.prefill.size(), b.prefill.size()) << what;
+    ASSERT_EQ(a.decode.size(), b.decode.size()) << what;
+    ASSERT_EQ(a.chunked.size(), b.chunked.size()) << what;
+    EXPECT_EQ(0, std::memcmp(a.prefill.data(), b.prefill.data(), a.prefill.size() * 4))
+        << what << ": prefill";
+    EXPECT_EQ(0, std::memcmp(a.decode.data(), b.decode.data(), a.decode.size() * 4))
+        << what << ": decode";
+    EXPECT_EQ(0, std::memcmp(a.chunked.data(), b.chunked.data(), a.chunked.size() * 4))
+        << what << ": chunks of 3";
+  }
+
+  static constexpr int kDecode = 6;
+  ts::ThreadPool pool_{2};
+  std::string dir_;
+  std::unique_ptr<ts::runtime::LoadedModel> model_;
+  std::vector<int> prompt_;
+};
+
+TEST_P(CudaExpertCache, HostModeByteIdenticalToResidentForEveryCacheSize) {
+  const auto& hp = model_->hp();
+  const Outputs base = run(*model_, {});
+  ASSERT_FALSE(base.prefill.empty());
+  for (int slots : {1, std::max(1, hp.top_k - 1), hp.top_k, hp.n_experts})
+    for (auto policy : {ts::experts::CachePolicy::kLru, ts::experts::CachePolicy::kLfu}) {
+      ts::runtime::GpuExpertOptions g{.residency = GpuResidency::kHost, .slots_per_layer = slots,
+                                      .policy = policy};
+      expect_same(base, run(*model_, g),
+                  "host, " + std::to_string(slots) + " slots, " +
+                      (policy == ts::experts::CachePolicy::kLru ? "lru" : "lfu"));
+    }
+}
+
+// Misses read from the checkpoint files by the streamed ExpertStore (1 or 2 host slots, so
+// several reads per step), into GPU caches of 1 slot and of half the experts.
+TEST_P(CudaExpertCache, StreamedModeByteIdenticalToResident) {
+  const auto& hp = model_->hp();
+  const Outputs base = run(*model_, {});
+  for (int store_slots : {1, 2}) {
+    ts::runtime::LoadOptions lo;
+    lo.residency = ts::experts::Residency::kStreamed;
+    lo.streamed.slots_per_layer = store_slots;
+    auto m = ts::runtime::LoadedModel::load(dir_, lo);
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    for (int slots : {1, std::max(1, hp.n_experts / 2)}) {
+      ts::runtime::GpuExpertOptions g{.residency = GpuResidency::kStreamed, .slots_per_layer = slots};
+      expect_same(base, run(*m.value(), g),
+                  "streamed (" + std::to_string(store_slots) + " host slots), " +
+                      std::to_string(slots) + " GPU slots");
+    }
+  }
+}
+
+// Counters: a cache that holds every expert misses only on first use, so a second identical
+// prefill hits everything and copies nothing; a 1-slot cache misses and copies on every run.
+TEST_P(CudaExpertCache, HitCountersAddUp) {
+  const auto& hp = model_->hp();
+  auto full = engine(*model_, {.residency = GpuResidency::kHost, .slots_per_layer = hp.n_experts}, 0);
+  ASSERT_TRUE(full);
+  ASSERT_TRUE(full->forward(prompt_, nullptr).ok());
+  const ts::runtime::ExpertCacheReport first = full->expert_cache().value();
+  EXPECT_EQ(first.hits, 0u);
+  EXPECT_GT(first.requests, 0u);
+  EXPECT_GT(first.copied_bytes, 0u);
+  full->reset();
+  ASSERT_TRUE(full->forward(prompt_, nullptr).ok());
+  const ts::runtime::ExpertCacheReport second = full->expert_cache().value();
+  EXPECT_EQ(second.requests - first.requests, first.requests);
+  EXPECT_EQ(second.hits - first.hits, first.requests);
+  EXPECT_EQ(second.copied_bytes, first.copied_bytes);
+  EXPECT_EQ(second.slots_per_layer, hp.n_experts);
+  EXPECT_EQ(second.residency, "host");
+
+  auto one = engine(*model_, {.residency = GpuResidency::kHost, .slots_per_layer = 1}, 0);
+  ASSERT_TRUE(one);
+  ASSERT_TRUE(one->forward(prompt_, nullptr).ok());
+  one->reset();
+  ASSERT_TRUE(one->forward(prompt_, nullptr).ok());
+  const ts::runtime::ExpertCacheReport r = one->expert_cache().value();
+  EXPECT_EQ(r.requests, second.requests);
+  EXPECT_LT(r.hits, r.requests);
+  EXPECT_GT(r.copied_bytes, first.copied_bytes);
+}
+
+// --cache-warm: the histogram of a resident run fills a full-size cache with every expert
+// the prompt uses, so the same prompt then hits on every request and copies nothing.
+TEST_P(CudaExpertCache, WarmStartFromARouterHistogram) {
+  const auto& hp = model_->hp();
+  auto res = engine(*model_, {}, 0);
+  ASSERT_TRUE(res);
+  ASSERT_TRUE(res->forward(prompt_, nullptr).ok());
+  const std::vector<uint64_t> hist = res->router_hist();
+  ts::runtime::GpuExpertOptions g{.residency = GpuResidency::kHost, .slots_per_layer = hp.n_experts};
+  for (int l = 0; l < hp.n_layers; ++l)
+    g.warm.emplace_back(hist.begin() + l * hp.n_experts, hist.begin() + (l + 1) * hp.n_experts);
+  auto warm = engine(*model_, g, 0);
+  ASSERT_TRUE(warm);
+  std::vector<float> a, b;
+  ASSERT_TRUE(warm->forward(prompt_, &a).ok());
+  const ts::runtime::ExpertCacheReport r = warm->expert_cache().value();
+  EXPECT_GT(r.requests, 0u);
+  EXPECT_EQ(r.hits, r.requests);
+  EXPECT_EQ(r.copied_bytes, 0u);
+  res->reset();
+  ASSERT_TRUE(res->forward(prompt_, &b).ok());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4));
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaExpertCache, ::testing::ValuesIn(fixture_names()),
+                         [](const auto& info) { return info.param; });
+
+TEST(CudaExpertCacheErrors, CacheSmallerThanOneExpertIsAClearError) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto m = ts::runtime::LoadedModel::load((data_dir() / "models" / "olmoe").string());
+  ASSERT_TRUE(m.ok());
+  ts::ThreadPool pool(1);
+  ts::runtime::SessionOptions o{.n_ctx = 16};
+  o.gpu_experts = {.residency = GpuResidency::kHost, .cache_gb = 1e-9};
+  auto e = ts::runtime::make_engine(*m.value(), pool, std::move(o),
+                                    {ts::runtime::DeviceKind::kCuda, 0});
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.error().message.find("--gpu-expert-cache-gb"), std::string::npos)
+      << e.error().message;
+}
+
+}  // namespace
