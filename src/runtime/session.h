@@ -30,6 +30,9 @@ struct GpuExpertOptions {
   int slots_per_layer = 0;  // --expert-cache-slots; 0: from cache_gb, else all that fits
   double cache_gb = 0;      // --gpu-expert-cache-gb (1e9 bytes) over all MoE layers
   experts::CachePolicy policy = experts::CachePolicy::kLru;
+  // Prefill chunks that use most experts load each MoE layer's uncached experts whole while
+  // the layer before computes (host residency); off: each expert as its GEMMs reach it.
+  bool layer_prefetch = true;
   // --cache-warm: selection counts [n_layers][n_experts] (empty rows for dense layers); the
   // most selected experts of each layer fill its slots before the first token.
   std::vector<std::vector<uint64_t>> warm;

@@ -343,6 +343,7 @@ class CudaSession final : public runtime::Engine {
   }
   int attention_splits(int n, int max_keys) const;
   bool graph_eligible() const;
+  bool segments_eligible() const;
 
   // The GPU expert cache (--residency host|streamed); see "GPU expert cache" below.
   bool cached() const { return opt_.gpu_experts.residency != runtime::GpuResidency::kResident; }
@@ -357,6 +358,12 @@ class CudaSession final : public runtime::Engine {
   void point_expert(int layer, int e, uint8_t* at);
   Status copy_experts(int layer, std::span<const int> ids, std::span<uint8_t* const> dst);
   Status bind_step(int layer, int n);
+  Status bind_ids(int layer, int n);
+  bool prefetch_applies(int n) const;
+  Status prefetch_layer(int layer);
+  Status begin_segment();
+  Status end_segment();
+  Status decode_segments();
   Status sync_expert_table(int layer);
   void collect_copy_times();
 
@@ -430,6 +437,17 @@ class CudaSession final : public runtime::Engine {
   uint8_t* layer_tmp_ = nullptr;  // a layer's experts while they are built at load
   size_t layer_tmp_bytes_ = 0;
   runtime::ExpertCacheReport cache_report_;
+  // Decode with the cache: the step as CUDA graph segments split where the host binds a MoE
+  // layer's experts (segment i ends with MoE layer i's ids copied to the host).
+  // Prefill with the cache, chunks that use most experts: each MoE layer's uncached experts
+  // copied whole into one of two layer buffers while the layer before computes.
+  uint8_t* pf_buf_[2] = {nullptr, nullptr};
+  int pf_layer_[2] = {-1, -1};
+  int pf_turn_ = 0;
+  cudaEvent_t pf_ready_[2] = {nullptr, nullptr}, pf_free_[2] = {nullptr, nullptr};
+  std::vector<cudaGraphExec_t> segments_;
+  std::vector<int> segment_layers_;
+  bool capturing_segments_ = false;
   bool sampled_routing_ = false;  // bench --routing uniform|zipf:S
   uint64_t route_seed_ = 0;
 };
@@ -445,9 +463,12 @@ CudaSession::~CudaSession() {
       if (e) cudaEventDestroy(e);
   }
   for (cudaEvent_t e : staging_free_) cudaEventDestroy(e);
+  for (cudaEvent_t e : {pf_ready_[0], pf_ready_[1], pf_free_[0], pf_free_[1]})
+    if (e) cudaEventDestroy(e);
   if (loaded_) cudaEventDestroy(loaded_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (graph_) cudaGraphExecDestroy(graph_);
+  for (cudaGraphExec_t g : segments_) cudaGraphExecDestroy(g);
   if (blas_) cublasDestroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
   for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_),
@@ -879,6 +900,15 @@ Status CudaSession::init_expert_cache() {
     CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     staging_free_.push_back(ev);
   }
+  if (go.layer_prefetch && !streamed() &&
+      int64_t(chunk_) * hp_.top_k >= 2 * int64_t(hp_.n_experts)) {
+    for (int b = 0; b < 2; ++b) {
+      TS_ASSIGN(void* p, arena_.alloc(expert_bytes * size_t(hp_.n_experts)));
+      pf_buf_[b] = static_cast<uint8_t*>(p);
+      CUDA_TRY(cudaEventCreateWithFlags(&pf_ready_[b], cudaEventDisableTiming));
+      CUDA_TRY(cudaEventCreateWithFlags(&pf_free_[b], cudaEventDisableTiming));
+    }
+  }
   const double per_slot_row = double(expert_bytes) * moe_layers;  // one slot in every layer
   int slots = go.slots_per_layer;
   if (slots == 0 && go.cache_gb > 0) {
@@ -1026,7 +1056,39 @@ Status CudaSession::bind_step(int layer, int n) {
   const int k = hp_.top_k;
   CUDA_TRY(cudaMemcpyAsync(h_ids_, sel_ids_, size_t(n) * size_t(k) * 4, cudaMemcpyDeviceToHost,
                            stream_));
+  if (capturing_segments_) {
+    // Decode graph segments: what was captured since the last break runs now (it ends with
+    // the ids' copy), and capture resumes after the binding, for the MoE kernels on.
+    TS_TRY(end_segment());
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+    TS_TRY(bind_ids(layer, n));
+    return begin_segment();
+  }
   CUDA_TRY(cudaStreamSynchronize(stream_));
+  return bind_ids(layer, n);
+}
+
+Status CudaSession::begin_segment() {
+  CUDA_TRY(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  return {};
+}
+
+// Ends the capture, keeps the graph and launches it.
+Status CudaSession::end_segment() {
+  cudaGraph_t g = nullptr;
+  CUDA_TRY(cudaStreamEndCapture(stream_, &g));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t inst = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  if (inst != cudaSuccess) return cuda_error("cudaGraphInstantiate", inst, __FILE__, __LINE__);
+  segments_.push_back(exec);
+  CUDA_TRY(cudaGraphLaunch(exec, stream_));
+  return {};
+}
+
+// Binds the ids in h_ids_ (n tokens' top-k, copied from the device and synchronized).
+Status CudaSession::bind_ids(int layer, int n) {
+  const int k = hp_.top_k;
   std::vector<int> ids;  // distinct, in rank order of first use
   for (int i = 0; i < n * k; ++i)
     if (std::find(ids.begin(), ids.end(), h_ids_[i]) == ids.end()) ids.push_back(h_ids_[i]);
@@ -1067,6 +1129,46 @@ Status CudaSession::bind_step(int layer, int n) {
   TS_TRY(copy_experts(layer, miss, dst));
   // The expert-grouped prefill binds through the host views only: the device table may lag.
   return C.table_stale ? sync_expert_table(layer) : Status{};
+}
+
+// Whole-layer prefetch pays when a chunk is expected to use most experts: n * top_k
+// selections of n_experts reach ~86% of them at twice as many selections as experts.
+bool CudaSession::prefetch_applies(int n) const {
+  return cached() && pf_buf_[0] && n > kGemvMaxTokens &&
+         int64_t(n) * hp_.top_k >= 2 * int64_t(hp_.n_experts);
+}
+
+// Copies every expert of `layer` that its cache does not hold into the next layer buffer,
+// once the layer that used that buffer last is done with it. Consecutive experts go as one
+// copy (the host image and the buffer share the layout).
+Status CudaSession::prefetch_layer(int layer) {
+  if (layer < 0 || pf_layer_[0] == layer || pf_layer_[1] == layer) return {};
+  const int b = pf_turn_;
+  pf_turn_ ^= 1;
+  if (pf_layer_[b] >= 0) return make_error("internal: prefetch buffer still bound");
+  CachedLayer& C = cached_[size_t(layer)];
+  const size_t eb = w_.layers[size_t(layer)].expert_bytes;
+  CUDA_TRY(cudaStreamWaitEvent(copy_stream_, pf_free_[b], 0));
+  if (!C.copies_timed) {
+    CUDA_TRY(cudaEventRecord(C.copy_begin, copy_stream_));
+    C.copies_timed = true;
+  }
+  for (int e = 0; e < hp_.n_experts;) {
+    if (C.cache->slot_of(e) >= 0) {
+      ++e;
+      continue;
+    }
+    int end = e + 1;
+    while (end < hp_.n_experts && C.cache->slot_of(end) < 0) ++end;
+    CUDA_TRY(cudaMemcpyAsync(pf_buf_[b] + size_t(e) * eb, C.host + size_t(e) * eb,
+                             size_t(end - e) * eb, cudaMemcpyHostToDevice, copy_stream_));
+    cache_report_.copied_bytes += uint64_t(end - e) * eb;
+    e = end;
+  }
+  CUDA_TRY(cudaEventRecord(C.copy_end, copy_stream_));
+  CUDA_TRY(cudaEventRecord(pf_ready_[b], copy_stream_));
+  pf_layer_[b] = layer;
+  return {};
 }
 
 void CudaSession::collect_copy_times() {
@@ -1116,6 +1218,54 @@ Status CudaSession::forward(std::span<const int> tokens, std::vector<float>* all
   return {};
 }
 
+bool CudaSession::segments_eligible() const {
+  if (!use_graphs_ || prof_.on() || iv_.trace_router || !iv_.capture_layers.empty()) return false;
+  for (const auto& ops : iv_.steer)
+    if (!ops.empty()) return false;
+  return true;
+}
+
+// A decode step with the GPU expert cache. The first one runs under capture, broken into
+// segments at each MoE layer's binding (bind_step); later ones replay the segments, binding
+// between them. Capture needs the same launches every step: the attention split count is
+// fixed for the whole context, as for the single decode graph.
+Status CudaSession::decode_segments() {
+  if (segments_.empty()) {
+    graph_splits_ = attention_splits(1, n_ctx_);
+    capturing_segments_ = true;
+    Status st = [&]() -> Status {
+      TS_TRY(begin_segment());
+      CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, 4, cudaMemcpyHostToDevice, stream_));
+      CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
+      TS_TRY(run_layers(1, false, true));
+      CUDA_TRY(cudaMemcpyAsync(h_logits_, logits_, size_t(hp_.vocab) * 4, cudaMemcpyDeviceToHost,
+                               stream_));
+      return end_segment();
+    }();
+    capturing_segments_ = false;
+    if (!st.ok()) {
+      // Leave no capture open and no partial set of segments.
+      cudaGraph_t g = nullptr;
+      if (cudaStreamEndCapture(stream_, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+      cudaGetLastError();
+      for (cudaGraphExec_t e : segments_) cudaGraphExecDestroy(e);
+      segments_.clear();
+      return st;
+    }
+    segment_layers_.clear();
+    for (int l = 0; l < hp_.n_layers; ++l)
+      if (w_.layers[size_t(l)].is_moe) segment_layers_.push_back(l);
+    return {};
+  }
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    CUDA_TRY(cudaGraphLaunch(segments_[i], stream_));
+    if (i == segment_layers_.size()) break;
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+    TS_TRY(bind_ids(segment_layers_[i], 1));
+  }
+  return {};
+}
+
 bool CudaSession::graph_eligible() const {
   // The cache plans on the host between layers: no graph.
   if (!use_graphs_ || cached() || prof_.on() || iv_.trace_router || !iv_.capture_layers.empty()) return false;
@@ -1128,7 +1278,9 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   std::copy_n(tokens, n, h_tokens_);
   *h_pos_ = pos_;
   const bool all_rows = logits_out != nullptr;
-  if (n == 1 && !all_rows && graph_eligible()) {
+  if (n == 1 && !all_rows && cached() && segments_eligible()) {
+    TS_TRY(decode_segments());
+  } else if (n == 1 && !all_rows && graph_eligible()) {
     // A decode step is the same launches every time (the position is read on the device):
     // capture it once, replay it after.
     if (!graph_) {
@@ -1179,7 +1331,17 @@ Status CudaSession::run_layers(int n, bool all_rows, bool last_chunk) {
   TS_TRY(prof_.time("embed", double(n) * double(w_.embed.row_bytes()), stream_,
                     [&] { return launch([&] { embed_rows(w_.embed, tokens_, n, x_, stream_); }); }));
   TS_TRY(layer_boundary(-1, n, last_chunk));
+  const bool prefetch = prefetch_applies(n);
+  pf_layer_[0] = pf_layer_[1] = -1;  // nothing survives a chunk that failed part way
+  auto next_moe = [&](int l) {
+    for (int j = l + 1; j < hp_.n_layers; ++j)
+      if (w_.layers[size_t(j)].is_moe) return j;
+    return -1;
+  };
+  if (prefetch) TS_TRY(prefetch_layer(next_moe(-1)));
   for (int l = 0; l < hp_.n_layers; ++l) {
+    // The next MoE layer's experts load while this layer computes.
+    if (prefetch) TS_TRY(prefetch_layer(next_moe(l)));
     TS_TRY(attention_block(l, n));
     const DevLayer& L = w_.layers[size_t(l)];
     if (L.is_moe) {
@@ -1425,12 +1587,32 @@ Status CudaSession::grouped_experts(int layer, int n) {
     }
   }
   size_t ring = 0;
+  // A prefetched layer: the misses are already on their way into the layer buffer.
+  int pf = -1;
+  for (int b = 0; b < 2; ++b)
+    if (cached() && pf_layer_[b] == layer) pf = b;
+  if (pf >= 0) {
+    // Used misses enter the cache as they would without the prefetch (a device-to-device
+    // copy into a slot by policy); the rest are read where they landed.
+    CUDA_TRY(cudaStreamWaitEvent(stream_, pf_ready_[pf], 0));
+    experts::SlotCache::Plan plan;
+    for (int e = 0; e < hp_.n_experts; ++e) {
+      if (count[size_t(e) + 1] == count[size_t(e)] || hit[size_t(e)]) continue;
+      uint8_t* at = pf_buf_[pf] + size_t(e) * L.expert_bytes;
+      if (C.cache->plan(std::span<const int>(&e, 1), &plan)) {
+        uint8_t* slot = C.slots + size_t(plan.slot[0]) * L.expert_bytes;
+        CUDA_TRY(cudaMemcpyAsync(slot, at, L.expert_bytes, cudaMemcpyDeviceToDevice, stream_));
+        at = slot;
+      }
+      point_expert(layer, e, at);
+    }
+  }
   for (int e = 0; e < hp_.n_experts; ++e) {
     const int m = count[size_t(e) + 1] - count[size_t(e)];
     if (m == 0) continue;
     const int off = count[size_t(e)];
     int staged = -1;
-    if (cached() && !hit[size_t(e)]) {
+    if (cached() && !hit[size_t(e)] && pf < 0) {
       experts::SlotCache::Plan plan;
       uint8_t* dst = nullptr;
       if (C.cache->plan(std::span<const int>(&e, 1), &plan)) {
@@ -1458,6 +1640,10 @@ Status CudaSession::grouped_experts(int layer, int n) {
     }
     TS_TRY(gemm(x.down, he, m, yg + size_t(off) * size_t(d), false));
     if (staged >= 0) CUDA_TRY(cudaEventRecord(staging_free_[size_t(staged)], stream_));
+  }
+  if (pf >= 0) {
+    CUDA_TRY(cudaEventRecord(pf_free_[pf], stream_));
+    pf_layer_[pf] = -1;
   }
   slot_sum(yg, group_row_of_, sel_w_, n, k, d, moe_out_, stream_);
   return {};

@@ -1,6 +1,6 @@
 // The GPU expert cache (--residency host|streamed on CUDA) on every fixture: logits
-// byte-identical to resident mode for the expert-grouped prefill, the GEMV-sized chunks and
-// token-by-token decode, for caches from 1 slot (fewer than top_k: the step's other experts
+// byte-identical to resident mode for the expert-grouped prefill (whole-layer prefetch and
+// per-expert staging), the GEMV-sized chunks and token-by-token decode (graph segments), for caches from 1 slot (fewer than top_k: the step's other experts
 // go through staging) to every expert, LRU and LFU, cold and warm, from pinned host memory
 // and from the files (the streamed ExpertStore); hit counters that add up; --cache-warm.
 // Skipped where no CUDA device is present (CI); run on the GPU machine by tests/gpu/run.sh.
@@ -125,6 +125,13 @@ TEST_P(CudaExpertCache, HostModeByteIdenticalToResidentForEveryCacheSize) {
                   "host, " + std::to_string(slots) + " slots, " +
                       (policy == ts::experts::CachePolicy::kLru ? "lru" : "lfu"));
     }
+  // Prefill without the whole-layer prefetch: each miss streams through the staging ring
+  // (or a free slot) as the grouped GEMMs reach its expert.
+  for (int slots : {1, hp.top_k}) {
+    ts::runtime::GpuExpertOptions g{.residency = GpuResidency::kHost, .slots_per_layer = slots,
+                                    .layer_prefetch = false};
+    expect_same(base, run(*model_, g), "host, no prefetch, " + std::to_string(slots) + " slots");
+  }
 }
 
 // Misses read from the checkpoint files by the streamed ExpertStore (1 or 2 host slots, so
@@ -149,9 +156,11 @@ TEST_P(CudaExpertCache, StreamedModeByteIdenticalToResident) {
 
 // Counters: a cache that holds every expert misses only on first use, so a second identical
 // prefill hits everything and copies nothing; a 1-slot cache misses and copies on every run.
+// (Per-expert loading: the whole-layer prefetch also copies experts the chunk does not use.)
 TEST_P(CudaExpertCache, HitCountersAddUp) {
   const auto& hp = model_->hp();
-  auto full = engine(*model_, {.residency = GpuResidency::kHost, .slots_per_layer = hp.n_experts}, 0);
+  auto full = engine(*model_, {.residency = GpuResidency::kHost, .slots_per_layer = hp.n_experts,
+                               .layer_prefetch = false}, 0);
   ASSERT_TRUE(full);
   ASSERT_TRUE(full->forward(prompt_, nullptr).ok());
   const ts::runtime::ExpertCacheReport first = full->expert_cache().value();
@@ -176,6 +185,17 @@ TEST_P(CudaExpertCache, HitCountersAddUp) {
   EXPECT_EQ(r.requests, second.requests);
   EXPECT_LT(r.hits, r.requests);
   EXPECT_GT(r.copied_bytes, first.copied_bytes);
+
+  // With the prefetch, what a chunk used still enters the cache: the repeat hits everything.
+  auto pf = engine(*model_, {.residency = GpuResidency::kHost, .slots_per_layer = hp.n_experts}, 0);
+  ASSERT_TRUE(pf);
+  ASSERT_TRUE(pf->forward(prompt_, nullptr).ok());
+  const ts::runtime::ExpertCacheReport p1 = pf->expert_cache().value();
+  pf->reset();
+  ASSERT_TRUE(pf->forward(prompt_, nullptr).ok());
+  const ts::runtime::ExpertCacheReport p2 = pf->expert_cache().value();
+  EXPECT_EQ(p1.requests, first.requests);
+  EXPECT_EQ(p2.hits - p1.hits, p1.requests);
 }
 
 // --cache-warm: the histogram of a resident run fills a full-size cache with every expert
@@ -186,7 +206,8 @@ TEST_P(CudaExpertCache, WarmStartFromARouterHistogram) {
   ASSERT_TRUE(res);
   ASSERT_TRUE(res->forward(prompt_, nullptr).ok());
   const std::vector<uint64_t> hist = res->router_hist();
-  ts::runtime::GpuExpertOptions g{.residency = GpuResidency::kHost, .slots_per_layer = hp.n_experts};
+  ts::runtime::GpuExpertOptions g{.residency = GpuResidency::kHost, .slots_per_layer = hp.n_experts,
+                                  .layer_prefetch = false};
   for (int l = 0; l < hp.n_layers; ++l)
     g.warm.emplace_back(hist.begin() + l * hp.n_experts, hist.begin() + (l + 1) * hp.n_experts);
   auto warm = engine(*model_, g, 0);
