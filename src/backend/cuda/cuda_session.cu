@@ -170,7 +170,13 @@ class Uploader {
       fill_uniform(dst, type, rows * cols, scale, seed, s_);
       return {};
     }
-    if (type != DType::kQ8_0) return make_error("synthetic weights: only F32, F16, BF16, Q8_0");
+    if (type == DType::kQ4_K) {
+      if (cols % 256) return make_error("synthetic Q4_K weights need rows of 256-multiples");
+      fill_q4_k_random(dst, rows * cols, scale, seed, s_);
+      return {};
+    }
+    if (type != DType::kQ8_0)
+      return make_error("synthetic weights: only F32, F16, BF16, Q8_0, Q4_K");
     TS_TRY(ensure_staging(0, size_t(rows * cols) * 4));
     fill_uniform(f32_, DType::kF32, rows * cols, scale, seed, s_);
     quantize_q8_0(f32_, dst, rows * cols, s_);
@@ -325,6 +331,10 @@ class CudaSession final : public runtime::Engine {
 
   CudaBenchInfo info() const;
   KernelProfiler& profiler() { return prof_; }
+  void sample_routing(uint64_t seed) {
+    sampled_routing_ = true;
+    route_seed_ = seed;
+  }
 
  private:
   Status forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk);
@@ -1737,6 +1747,10 @@ Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
   TS_TRY(s->synthesize(synthetic));
   TS_TRY(s->init(name));
   return std::unique_ptr<runtime::Engine>(std::move(s));
+}
+
+void set_sampled_routing(runtime::Engine& engine, uint64_t seed) {
+  if (auto* s = dynamic_cast<CudaSession*>(&engine)) s->sample_routing(seed);
 }
 
 void set_profiling(runtime::Engine& engine, bool on) {

@@ -56,6 +56,9 @@ struct KernelStat {
   int64_t calls = 0;
   double bytes = 0;
 };
+// bench --routing uniform on a model directory: each token's top-k drawn afresh (see
+// SyntheticOptions::sampled_routing). Call before the first forward.
+void set_sampled_routing(runtime::Engine& engine, uint64_t seed);
 void set_profiling(runtime::Engine& engine, bool on);  // also clears the table
 std::vector<KernelStat> profile_table(const runtime::Engine& engine);
 

@@ -903,6 +903,23 @@ __global__ void fill_uniform_kernel(void* dst, DType type, int64_t n, float scal
   }
 }
 
+// Random Q4_K blocks for synthetic weights: d = 2 * scale / (15 * 63), dmin = scale / 63,
+// and random bytes for the packed 6-bit scales/mins and the nibbles, so every value lies in
+// [-scale, 2 * scale].
+__global__ void fill_q4k_kernel(uint8_t* dst, int64_t n_blocks, float scale, uint64_t seed) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < n_blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    uint8_t* blk = dst + b * 144;
+    const __half d = __float2half(2.0f * scale / (15.0f * 63.0f)), dmin = __float2half(scale / 63.0f);
+    memcpy(blk, &d, 2);
+    memcpy(blk + 2, &dmin, 2);
+    for (int i = 0; i < 140; i += 4) {
+      const uint32_t z = uint32_t(mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(b) * 64 + i));
+      memcpy(blk + 4 + i, &z, 4);
+    }
+  }
+}
+
 // logits[t, e] = bias[e] + Gumbel noise from a hash of (seed, position, e): top-k of these is
 // a draw without replacement from softmax(bias), new for every position.
 __global__ void synthetic_route_kernel(float* logits, const float* bias, const int* pos, int n,
@@ -1078,6 +1095,11 @@ void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s) {
 
 void fill_uniform(void* dst, DType type, int64_t n, float scale, uint64_t seed, cudaStream_t s) {
   fill_uniform_kernel<<<grid_for(n), 256, 0, s>>>(dst, type, n, scale, seed);
+}
+
+void fill_q4_k_random(void* dst, int64_t n, float scale, uint64_t seed, cudaStream_t s) {
+  const int64_t blocks = n / 256;
+  fill_q4k_kernel<<<grid_for(blocks), 256, 0, s>>>(static_cast<uint8_t*>(dst), blocks, scale, seed);
 }
 
 void synthetic_route(float* logits, const float* bias, const int* pos, int n, int n_experts,

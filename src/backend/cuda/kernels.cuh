@@ -148,6 +148,8 @@ void to_f32(const DevMatrix& w, float* dst, cudaStream_t s);
 // Uniform(-scale, scale) from a counter hash, written as `type` (F32, F16, BF16).
 void fill_uniform(void* dst, DType type, int64_t n, float scale, uint64_t seed, cudaStream_t s);
 void fill_value(float* dst, int64_t n, float value, cudaStream_t s);
+// n values (a multiple of 256) as random Q4_K blocks in about [-scale, 2 * scale].
+void fill_q4_k_random(void* dst, int64_t n, float scale, uint64_t seed, cudaStream_t s);
 // bench --routing: router logits [n, n_experts] replaced by bias[e] (null: 0) plus Gumbel
 // noise hashed from (seed, pos[0] + t, e), so top-k samples softmax(bias) afresh per position.
 void synthetic_route(float* logits, const float* bias, const int* pos, int n, int n_experts,

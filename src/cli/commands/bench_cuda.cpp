@@ -102,7 +102,8 @@ Status cmd_bench_cuda(const Args& args) {
     else if (dtype_s == "f16") dtype = DType::kF16;
     else if (dtype_s == "f32") dtype = DType::kF32;
     else if (dtype_s == "q8_0") dtype = DType::kQ8_0;
-    else return make_error("--dtype: '" + dtype_s + "' is not one of bf16, f16, f32, q8_0");
+    else if (dtype_s == "q4_k") dtype = DType::kQ4_K;
+    else return make_error("--dtype: '" + dtype_s + "' is not one of bf16, f16, f32, q8_0, q4_k");
     TS_TRY(args.check_all_used());
     std::ifstream f(synthetic, std::ios::binary);
     if (!f) return make_error("--synthetic: cannot read " + synthetic);
@@ -115,13 +116,14 @@ Status cmd_bench_cuda(const Args& args) {
                            .sampled_routing = routing != "model", .zipf = route_skew}));
     source = synthetic + " (random " + dtype_s + " weights on the device)";
   } else {
-    if (routing != "model") return make_error("--routing only applies to --synthetic weights");
+    if (route_skew > 0) return make_error("--routing zipf:S needs --synthetic weights");
     TS_ASSIGN(ModelFlags flags, read_model_flags(args));
     TS_TRY(args.check_all_used());
     TS_ASSIGN(m, load_model(flags));
     hp = m.model->hp();
     flags.device = device;
     TS_ASSIGN(engine, make_session(flags, m, so));
+    if (routing == "uniform") cuda::set_sampled_routing(*engine, uint64_t(seed) * 7919);
     source = m.model->dir() + (quant ? " (quantized to Q8_0 at load)" : "");
   }
   const cuda::CudaBenchInfo info = cuda::bench_info(*engine);
