@@ -396,6 +396,7 @@ class CudaSession final : public runtime::Engine {
         *v_ = nullptr, *att_ = nullptr, *partial_ = nullptr, *router_ = nullptr,
         *sel_w_ = nullptr, *h1_ = nullptr, *h2_ = nullptr, *moe_out_ = nullptr,
         *shared_out_ = nullptr, *shared_z_ = nullptr, *logits_ = nullptr, *slot_rows_ = nullptr;
+  GroupTile* group_tiles_ = nullptr;
   int *sel_ids_ = nullptr, *tokens_ = nullptr, *pos_dev_ = nullptr, *group_src_ = nullptr,
       *group_row_of_ = nullptr;
   // Q8 activations for Q8_0 GEMVs: qx_ holds a GEMV input (xn, attention output), qh_ the
@@ -722,6 +723,8 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(sel_w_, arena_.alloc_n<float>(c * k));
   TS_ASSIGN(group_src_, arena_.alloc_n<int>(c * k));
   TS_ASSIGN(group_row_of_, arena_.alloc_n<int>(c * k));
+  TS_ASSIGN(group_tiles_, arena_.alloc_n<GroupTile>(c * k / size_t(kGroupTile) +
+                                                     size_t(std::max(1, hp.n_experts)) + 1));
   TS_ASSIGN(slot_rows_, arena_.alloc_n<float>(c * k * d));
   TS_ASSIGN(h1_, arena_.alloc_n<float>(c * k * hidden));
   TS_ASSIGN(h2_, arena_.alloc_n<float>(c * k * hidden));
@@ -1580,6 +1583,36 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // to the ring's length, so loading the next experts overlaps computing this one.
   void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
   gather_rows(xn_, group_src_, ns, d, xg, gate_in, stream_);
+  // BF16 and Q8_0 experts run as two grouped tensor-core launches over tiles of each
+  // expert's rows (all experts at once when all are bound together, else expert by expert);
+  // other types run three cuBLAS GEMMs per expert.
+  const bool tiled = grouped_supports(L.experts[0].gate.dtype, d) &&
+                     grouped_supports(L.experts[0].up.dtype, d) &&
+                     grouped_supports(L.experts[0].down.dtype, de);
+  std::vector<GroupTile> tiles;
+  std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
+  if (tiled) {
+    for (int e = 0; e < hp_.n_experts; ++e) {
+      first_tile[size_t(e)] = int(tiles.size());
+      for (int off = count[size_t(e)]; off < count[size_t(e) + 1]; off += kGroupTile)
+        tiles.push_back({e, off, std::min(kGroupTile, count[size_t(e) + 1] - off)});
+    }
+    first_tile[size_t(hp_.n_experts)] = int(tiles.size());
+    CUDA_TRY(cudaMemcpyAsync(group_tiles_, tiles.data(), tiles.size() * sizeof(GroupTile),
+                             cudaMemcpyHostToDevice, stream_));
+  }
+  // Phase 1 into h2_ (BF16 [ns, de]), phase 2 into slot_rows_, for tiles [t0, t0 + nt).
+  const auto run_tiles = [&](int t0, int nt, const DevMlp* one) {
+    GroupedArgs a{.tiles = group_tiles_ + t0, .n_tiles = nt, .w0 = L.gate_tab, .w1 = L.up_tab,
+                  .direct0 = one ? one->gate.data : nullptr,
+                  .direct1 = one ? one->up.data : nullptr, .dtype = L.experts[0].gate.dtype,
+                  .x = xg, .n = de, .k = d, .out = h2_};
+    grouped_gate_up(a, stream_);
+    a = GroupedArgs{.tiles = group_tiles_ + t0, .n_tiles = nt, .w0 = L.down_tab,
+                    .direct0 = one ? one->down.data : nullptr, .dtype = L.experts[0].down.dtype,
+                    .x = h2_, .n = d, .k = de, .out = slot_rows_};
+    grouped_down(a, stream_);
+  };
   float* yg = slot_rows_;
   CachedLayer& C = cached_[size_t(layer)];
   std::vector<bool> hit;
@@ -1617,9 +1650,14 @@ Status CudaSession::grouped_experts(int layer, int n) {
       point_expert(layer, e, at);
     }
   }
+  if (tiled && (!cached() || pf >= 0)) {
+    // Every used expert is bound (resident, cached, or in the prefetched layer buffer).
+    if (cached() && C.table_stale) TS_TRY(sync_expert_table(layer));
+    run_tiles(0, int(tiles.size()), nullptr);
+  }
   for (int e = 0; e < hp_.n_experts; ++e) {
     const int m = count[size_t(e) + 1] - count[size_t(e)];
-    if (m == 0) continue;
+    if (m == 0 || (tiled && (!cached() || pf >= 0))) continue;
     const int off = count[size_t(e)];
     int staged = -1;
     if (cached() && !hit[size_t(e)] && pf < 0) {
@@ -1638,6 +1676,11 @@ Status CudaSession::grouped_experts(int layer, int n) {
       CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
     }
     const DevMlp& x = L.experts[size_t(e)];
+    if (tiled) {
+      run_tiles(first_tile[size_t(e)], first_tile[size_t(e) + 1] - first_tile[size_t(e)], &x);
+      if (staged >= 0) CUDA_TRY(cudaEventRecord(staging_free_[size_t(staged)], stream_));
+      continue;
+    }
     const void* xe = static_cast<const uint8_t*>(xg) + size_t(off) * size_t(d) * gate_es;
     TS_TRY(gemm(x.gate, xe, m, h1_, false));
     TS_TRY(gemm(x.up, xe, m, h2_, false));

@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -957,6 +958,131 @@ void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
   }
 }
 
+
+// ---- expert-grouped GEMMs (prefill) on tensor cores
+// A block computes a [kGroupTile rows, kGroupTile outputs] tile of one expert with 4 warps
+// (32 x 32 each, 2 x 2 WMMA fragments of 16 x 16), stepping through the weight columns 32 at a
+// time (one Q8_0 block): the x rows and the weight rows of the step are staged as BF16 in
+// shared memory. Every output element is a sum over columns in one fixed order, so results
+// do not depend on where the weights live.
+constexpr int kGK = 32;              // columns per step
+constexpr int kGLd = kGK + 8;        // shared row stride in BF16 (80 bytes: WMMA needs 32-byte
+                                     // aligned fragment rows, the pad spreads banks)
+constexpr int kGCLd = kGroupTile + 4;  // epilogue row stride in floats
+
+// Rows r0.. (up to `rows` of them) of a [*, k] BF16 matrix, columns k0..k0+31, into s; rows
+// past `rows` and columns past k are zero. k is a multiple of 8.
+__device__ __forceinline__ void stage_bf16(const uint8_t* base, int rows, int k, int k0,
+                                           __nv_bfloat16* s) {
+  for (int c = threadIdx.x; c < kGroupTile * (kGK / 8); c += blockDim.x) {
+    const int r = c / (kGK / 8), q = c % (kGK / 8), col = k0 + q * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows && col < k) v = *reinterpret_cast<const uint4*>(base + (size_t(r) * k + col) * 2);
+    *reinterpret_cast<uint4*>(s + r * kGLd + q * 8) = v;
+  }
+}
+
+// The same for Q8_0 rows (k a multiple of 32): one block per row, two threads per block.
+__device__ __forceinline__ void stage_q8_0(const uint8_t* base, int rows, int k, int k0,
+                                           __nv_bfloat16* s) {
+  for (int c = threadIdx.x; c < kGroupTile * 2; c += blockDim.x) {
+    const int r = c / 2, half = c % 2;
+    __nv_bfloat16* dst = s + r * kGLd + half * 16;
+    if (r >= rows) {
+      for (int i = 0; i < 16; ++i) dst[i] = __float2bfloat16(0.0f);
+      continue;
+    }
+    const uint8_t* blk = base + size_t(r) * size_t(k / 32) * 34 + size_t(k0 / 32) * 34;
+    const float d = f16_bits(blk[0] | (uint32_t(blk[1]) << 8));
+    // Blocks are 34 bytes apart: 2-byte loads.
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(blk + 2 + half * 16);
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t two = q[i];
+      dst[2 * i] = __float2bfloat16(d * float(int8_t(two & 0xff)));
+      dst[2 * i + 1] = __float2bfloat16(d * float(int8_t(two >> 8)));
+    }
+  }
+}
+
+__device__ __forceinline__ void stage_weights(const void* w, DType t, int n, int k, int n0, int k0,
+                                              __nv_bfloat16* s) {
+  const int rows = min(kGroupTile, n - n0);
+  if (t == DType::kQ8_0)
+    stage_q8_0(static_cast<const uint8_t*>(w) + size_t(n0) * size_t(k / 32) * 34, rows, k, k0, s);
+  else
+    stage_bf16(static_cast<const uint8_t*>(w) + size_t(n0) * size_t(k) * 2, rows, k, k0, s);
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedArgs a) {
+  namespace wmma = nvcuda::wmma;
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  constexpr int kStage = kGroupTile * kGLd;  // BF16 elements per staged tile
+  constexpr int kEpi = kGroupTile * kGCLd;   // floats per epilogue tile
+  constexpr size_t kIn = size_t(3 * kStage * 2), kOut = size_t((kGateUp ? 2 : 1) * kEpi * 4);
+  constexpr size_t kBytes = kIn > kOut ? kIn : kOut;
+  __shared__ __align__(128) unsigned char smem[kBytes];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
+  __nv_bfloat16* w0s = xs + kStage;
+  __nv_bfloat16* w1s = w0s + kStage;
+
+  const GroupTile tile = a.tiles[blockIdx.y];
+  const int n0 = blockIdx.x * kGroupTile;
+  const void* w0 = a.direct0 ? a.direct0 : a.w0[tile.expert];
+  const void* w1 = kGateUp ? (a.direct1 ? a.direct1 : a.w1[tile.expert]) : nullptr;
+  const uint8_t* x = static_cast<const uint8_t*>(a.x) + size_t(tile.row0) * size_t(a.k) * 2;
+  const int warp = threadIdx.x / 32, wr = (warp / 2) * 32, wc = (warp % 2) * 32;
+
+  Acc acc0[2][2], acc1[2][2];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      wmma::fill_fragment(acc0[i][j], 0.0f);
+      wmma::fill_fragment(acc1[i][j], 0.0f);
+    }
+  for (int k0 = 0; k0 < a.k; k0 += kGK) {
+    stage_bf16(x, tile.m, a.k, k0, xs);
+    stage_weights(w0, a.dtype, a.n, a.k, n0, k0, w0s);
+    if (kGateUp) stage_weights(w1, a.dtype, a.n, a.k, n0, k0, w1s);
+    __syncthreads();
+    for (int kk = 0; kk < kGK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], xs + (wr + 16 * i) * kGLd + kk, kGLd);
+      for (int j = 0; j < 2; ++j) {
+        // W rows are output columns: W^T as a column-major [k, n] operand.
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, w0s + (wc + 16 * j) * kGLd + kk, kGLd);
+        for (int i = 0; i < 2; ++i) wmma::mma_sync(acc0[i][j], fa[i], fb, acc0[i][j]);
+        if (kGateUp) {
+          wmma::load_matrix_sync(fb, w1s + (wc + 16 * j) * kGLd + kk, kGLd);
+          for (int i = 0; i < 2; ++i) wmma::mma_sync(acc1[i][j], fa[i], fb, acc1[i][j]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* c0 = reinterpret_cast<float*>(smem);
+  float* c1 = c0 + kEpi;
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const int at = (wr + 16 * i) * kGCLd + wc + 16 * j;
+      wmma::store_matrix_sync(c0 + at, acc0[i][j], kGCLd, wmma::mem_row_major);
+      if (kGateUp) wmma::store_matrix_sync(c1 + at, acc1[i][j], kGCLd, wmma::mem_row_major);
+    }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kGroupTile * kGroupTile; e += blockDim.x) {
+    const int r = e / kGroupTile, c = e % kGroupTile, col = n0 + c;
+    if (r >= tile.m || col >= a.n) continue;
+    const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
+    if (kGateUp) {
+      // silu(g) * u as silu_mul_kernel computes it, rounded as convert_f32 rounds.
+      const float g = c0[r * kGCLd + c], u = c1[r * kGCLd + c];
+      static_cast<__nv_bfloat16*>(a.out)[o] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+    } else {
+      static_cast<float*>(a.out)[o] = c0[r * kGCLd + c];
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- host launchers
@@ -1087,6 +1213,24 @@ void slot_sum(const float* rows, const int* row_of, const float* weights, int n,
               float* out, cudaStream_t s) {
   const dim3 grid(unsigned((d + 255) / 256), unsigned(n));
   slot_sum_kernel<<<grid, 256, 0, s>>>(rows, row_of, weights, k, d, out);
+}
+
+bool grouped_supports(DType type, int64_t cols) {
+  if (type == DType::kBF16) return cols % 8 == 0;
+  if (type == DType::kQ8_0) return cols % 32 == 0;
+  return false;
+}
+
+void grouped_gate_up(const GroupedArgs& a, cudaStream_t s) {
+  if (a.n_tiles == 0) return;
+  const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
+  grouped_gemm_kernel<true><<<grid, 128, 0, s>>>(a);
+}
+
+void grouped_down(const GroupedArgs& a, cudaStream_t s) {
+  if (a.n_tiles == 0) return;
+  const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
+  grouped_gemm_kernel<false><<<grid, 128, 0, s>>>(a);
 }
 
 void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s) {

@@ -141,6 +141,38 @@ void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s);
 void slot_sum(const float* rows, const int* row_of, const float* weights, int n, int k, int d,
               float* out, cudaStream_t s);
 
+// Expert-grouped GEMMs on tensor cores (BF16 x BF16, F32 accumulation) for prefill: the
+// chunk's (token, rank) rows are sorted by expert and cut into tiles of up to kGroupTile rows
+// of one expert; one launch runs every tile. Weights are read in place as BF16 or Q8_0
+// blocks (dequantized to BF16 in shared memory, the value dequantize_bf16 gives).
+constexpr int kGroupTile = 64;
+struct GroupTile {
+  int expert;  // index into the weight tables
+  int row0;    // first sorted row
+  int m;       // rows, 1..kGroupTile
+};
+struct GroupedArgs {
+  const GroupTile* tiles = nullptr;  // device
+  int n_tiles = 0;
+  // Per-expert weight addresses (device tables): phase 1 gate / up, phase 2 down (w1 null).
+  const void* const* w0 = nullptr;
+  const void* const* w1 = nullptr;
+  // When set, every tile uses these addresses instead of the tables (one expert's tiles).
+  const void* direct0 = nullptr;
+  const void* direct1 = nullptr;
+  DType dtype = DType::kBF16;
+  const void* x = nullptr;  // BF16 [rows, k]: the sorted rows
+  int n = 0;                // output columns (rows of each weight matrix)
+  int k = 0;                // weight columns
+  void* out = nullptr;      // phase 1: BF16 [rows, n]; phase 2: F32 [rows, n]
+};
+// Whether the grouped kernels take weights of `type` with `cols` columns (BF16: a multiple
+// of 8; Q8_0: of 32).
+bool grouped_supports(DType type, int64_t cols);
+// Phase 1: out = bf16(silu(x W0^T) * (x W1^T)) (gate, up). Phase 2: out = x W0^T (down).
+void grouped_gate_up(const GroupedArgs& a, cudaStream_t s);
+void grouped_down(const GroupedArgs& a, cudaStream_t s);
+
 // F32 -> Q8_0 blocks (llama.cpp's reference rounding); n a multiple of 32.
 void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s);
 // Any float matrix -> F32 (for quantizing at load).
