@@ -1461,7 +1461,8 @@ Status CudaSession::attention_block(int layer, int n) {
     return launch([&] {
   attention({.q = q_, .k_cache = k_cache_ + layer_off, .v_cache = v_cache_ + layer_off,
              .out = att_, .partial = partial_, .pos = pos_dev_, .n = n, .n_heads = hp_.n_heads,
-             .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim, .n_splits = splits},
+             .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim, .n_splits = splits,
+             .tensor_cores = L.wq.dtype != DType::kF32},
             stream_);
     });
   }));

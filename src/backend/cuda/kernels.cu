@@ -624,6 +624,143 @@ __global__ void attention_prefill_kernel(AttentionArgs a) {
   }
 }
 
+// Prefill attention on tensor cores (BF16 WMMA, F32 accumulation). A block takes kFaQ
+// queries of one head, 16 per warp, and walks the keys in tiles of kFaK twice: pass 1 finds
+// each query's softmax max and sum (online, scalars only), pass 2 forms the normalized
+// probabilities P (BF16) and accumulates O += P V in fragments, so O never needs rescaling.
+// Scores are recomputed in pass 2 (1.5x the QK^T work) instead of keeping O in shared memory.
+constexpr int kFaQ = 64, kFaK = 64, kFaHd = 128;
+constexpr int kFaLd = kFaHd + 8;   // BF16 row stride of the Q / K / V tiles
+constexpr int kFaSLd = kFaK + 4;   // F32 row stride of the score tile
+constexpr int kFaPLd = kFaK + 8;   // BF16 row stride of the probability tile
+constexpr size_t kFaSmem = size_t(kFaQ + 2 * kFaK) * kFaLd * 2 + size_t(kFaQ) * kFaSLd * 4 +
+                           size_t(kFaQ) * kFaPLd * 2;
+
+// Rows [r0, r0 + rows) of a [*, stride] F32 matrix, columns [col0, col0 + HD), as BF16 in
+// s[row][0..HD) (row stride kFaLd); rows past `valid` are zero. Every load of a thread is
+// issued before the first is used (float4, fully unrolled), so a tile costs one memory latency.
+template <int HD, int ROWS>
+__device__ __forceinline__ void fa_stage(const float* src, size_t stride, int r0, int valid,
+                                         size_t col0, __nv_bfloat16* s) {
+  constexpr int kVec = ROWS * HD / 4, kPer = (kVec + 127) / 128;
+  float4 v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = threadIdx.x + 128 * i, r = e / (HD / 4), c4 = e % (HD / 4);
+    v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < kVec && r0 + r < valid)
+      v[i] = *reinterpret_cast<const float4*>(src + size_t(r0 + r) * stride + col0 + size_t(c4) * 4);
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = threadIdx.x + 128 * i, r = e / (HD / 4), c4 = e % (HD / 4);
+    if (e >= kVec) continue;
+    __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(s + r * kFaLd + c4 * 4);
+    d[0] = __floats2bfloat162_rn(v[i].x, v[i].y);
+    d[1] = __floats2bfloat162_rn(v[i].z, v[i].w);
+  }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(128) attention_tc_kernel(AttentionArgs a) {
+  namespace wmma = nvcuda::wmma;
+  extern __shared__ __align__(128) unsigned char fa_smem[];
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(fa_smem);
+  __nv_bfloat16* ks = qs + kFaQ * kFaLd;
+  __nv_bfloat16* vs = ks + kFaK * kFaLd;
+  float* ss = reinterpret_cast<float*>(vs + kFaK * kFaLd);
+  __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(ss + kFaQ * kFaSLd);
+  constexpr int hd = HD, nj = HD / 16;
+  const int h = blockIdx.x, t0 = blockIdx.y * kFaQ;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
+  const int g = h / (a.n_heads / a.n_kv_heads), kv_dim = a.n_kv_heads * hd, q_dim = a.n_heads * hd;
+  const int pos0 = *a.pos, nq = min(kFaQ, a.n - t0), last_key = pos0 + t0 + nq - 1;
+  const float scale = rsqrtf(float(hd));
+  fa_stage<HD, kFaQ>(a.q + size_t(t0) * q_dim, size_t(q_dim), 0, nq, size_t(h) * hd, qs);
+  // Lanes 2r and 2r + 1 own row r0 + r of the warp, keys [0, 32) and [32, 64) of a tile.
+  const int my_row = r0 + lane / 2, half = lane % 2, qpos = pos0 + t0 + my_row;
+  const int warp_last = pos0 + t0 + r0 + 15;  // the warp's last query position
+  float m_run = -INFINITY, l_run = 0.0f, inv_l = 0.0f;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[kFaHd / 16];
+#pragma unroll
+  for (int j = 0; j < kFaHd / 16; ++j) wmma::fill_fragment(o[j], 0.0f);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int k0 = 0; k0 <= last_key; k0 += kFaK) {
+      __syncthreads();  // the previous tile is no longer read
+      const size_t base = size_t(k0) * kv_dim;
+      fa_stage<HD, kFaK>(a.k_cache + base, size_t(kv_dim), 0, last_key + 1 - k0, size_t(g) * hd, ks);
+      if (pass == 1)
+        fa_stage<HD, kFaK>(a.v_cache + base, size_t(kv_dim), 0, last_key + 1 - k0, size_t(g) * hd, vs);
+      __syncthreads();
+      if (k0 > warp_last) continue;  // every key of the tile is after the warp's queries
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[kFaK / 16];
+#pragma unroll
+      for (int j = 0; j < kFaK / 16; ++j) wmma::fill_fragment(s[j], 0.0f);
+      for (int kk = 0; kk < hd; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fq;
+        wmma::load_matrix_sync(fq, qs + r0 * kFaLd + kk, kFaLd);
+#pragma unroll
+        for (int j = 0; j < kFaK / 16; ++j) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fk;
+          wmma::load_matrix_sync(fk, ks + 16 * j * kFaLd + kk, kFaLd);
+          wmma::mma_sync(s[j], fq, fk, s[j]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kFaK / 16; ++j)
+        wmma::store_matrix_sync(ss + r0 * kFaSLd + 16 * j, s[j], kFaSLd, wmma::mem_row_major);
+      __syncwarp();
+      const float* srow = ss + my_row * kFaSLd + half * 32;
+      const int key0 = k0 + half * 32;
+      if (pass == 0) {
+        float mt = -INFINITY;
+        for (int c = 0; c < 32; ++c)
+          if (key0 + c <= qpos) mt = fmaxf(mt, srow[c] * scale);
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+        const float m_new = fmaxf(m_run, mt);
+        float sum = 0.0f;
+        for (int c = 0; c < 32; ++c)
+          if (key0 + c <= qpos) sum += expf(srow[c] * scale - m_new);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        l_run = (m_run == -INFINITY ? 0.0f : l_run * expf(m_run - m_new)) + sum;
+        m_run = m_new;
+      } else {
+        __nv_bfloat16* prow = ps + my_row * kFaPLd + half * 32;
+        for (int c = 0; c < 32; ++c)
+          prow[c] = __float2bfloat16(key0 + c <= qpos ? expf(srow[c] * scale - m_run) * inv_l : 0.0f);
+        __syncwarp();
+#pragma unroll
+        for (int kk = 0; kk < kFaK; kk += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fp;
+          wmma::load_matrix_sync(fp, ps + r0 * kFaPLd + kk, kFaPLd);
+#pragma unroll
+          for (int j = 0; j < kFaHd / 16; ++j) {
+            if (j >= nj) break;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fv;
+            wmma::load_matrix_sync(fv, vs + kk * kFaLd + 16 * j, kFaLd);
+            wmma::mma_sync(o[j], fp, fv, o[j]);
+          }
+        }
+      }
+      __syncwarp();  // the score / probability rows are rewritten by the next tile
+    }
+    inv_l = 1.0f / l_run;
+  }
+  // Output rows through shared memory (the K / V tiles are free): each warp its 16 rows.
+  __syncthreads();
+  float* orow = reinterpret_cast<float*>(ks) + size_t(r0) * (kFaHd + 4);
+#pragma unroll
+  for (int j = 0; j < kFaHd / 16; ++j) {
+    if (j >= nj) break;
+    wmma::store_matrix_sync(orow + 16 * j, o[j], kFaHd + 4, wmma::mem_row_major);
+  }
+  __syncwarp();
+  for (int i = lane; i < 16 * hd; i += 32) {
+    const int r = i / hd, dim = i % hd;
+    if (r0 + r < nq) a.out[size_t(t0 + r0 + r) * q_dim + size_t(h) * hd + dim] = orow[r * (kFaHd + 4) + dim];
+  }
+}
+
 // One warp per token; lane i holds experts i, i + 32, ...
 __global__ void route_kernel(RouteArgs a) {
   constexpr int kPer = kMaxExperts / 32;
@@ -970,47 +1107,65 @@ constexpr int kGLd = kGK + 8;        // shared row stride in BF16 (80 bytes: WMM
                                      // aligned fragment rows, the pad spreads banks)
 constexpr int kGCLd = kGroupTile + 4;  // epilogue row stride in floats
 
-// Rows r0.. (up to `rows` of them) of a [*, k] BF16 matrix, columns k0..k0+31, into s; rows
-// past `rows` and columns past k are zero. k is a multiple of 8.
-__device__ __forceinline__ void stage_bf16(const uint8_t* base, int rows, int k, int k0,
-                                           __nv_bfloat16* s) {
-  for (int c = threadIdx.x; c < kGroupTile * (kGK / 8); c += blockDim.x) {
-    const int r = c / (kGK / 8), q = c % (kGK / 8), col = k0 + q * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows && col < k) v = *reinterpret_cast<const uint4*>(base + (size_t(r) * k + col) * 2);
-    *reinterpret_cast<uint4*>(s + r * kGLd + q * 8) = v;
+// A thread's share of one 32-column step of a [kGroupTile, 32] tile, held in registers so
+// the next step's loads are in flight while the current step computes: BF16 rows as two
+// 16-byte chunks; Q8_0 rows as half a block (d and 16 quants).
+struct StepRegs {
+  uint4 v[2];
+  uint16_t d;
+};
+
+// Rows [0, rows) of a [*, k] BF16 matrix at base, columns k0..k0+31 (zero past rows / k; k a
+// multiple of 8).
+__device__ __forceinline__ void load_bf16(const uint8_t* base, int rows, int k, int k0, StepRegs& r) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = threadIdx.x + 128 * i, row = c / (kGK / 8), col = k0 + (c % (kGK / 8)) * 8;
+    r.v[i] = make_uint4(0, 0, 0, 0);
+    if (row < rows && col < k) r.v[i] = *reinterpret_cast<const uint4*>(base + (size_t(row) * k + col) * 2);
   }
 }
-
-// The same for Q8_0 rows (k a multiple of 32): one block per row, two threads per block.
-__device__ __forceinline__ void stage_q8_0(const uint8_t* base, int rows, int k, int k0,
-                                           __nv_bfloat16* s) {
-  for (int c = threadIdx.x; c < kGroupTile * 2; c += blockDim.x) {
-    const int r = c / 2, half = c % 2;
-    __nv_bfloat16* dst = s + r * kGLd + half * 16;
-    if (r >= rows) {
-      for (int i = 0; i < 16; ++i) dst[i] = __float2bfloat16(0.0f);
-      continue;
-    }
-    const uint8_t* blk = base + size_t(r) * size_t(k / 32) * 34 + size_t(k0 / 32) * 34;
-    const float d = f16_bits(blk[0] | (uint32_t(blk[1]) << 8));
-    // Blocks are 34 bytes apart: 2-byte loads.
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(blk + 2 + half * 16);
-    for (int i = 0; i < 8; ++i) {
-      const uint16_t two = q[i];
-      dst[2 * i] = __float2bfloat16(d * float(int8_t(two & 0xff)));
-      dst[2 * i + 1] = __float2bfloat16(d * float(int8_t(two >> 8)));
-    }
+__device__ __forceinline__ void store_bf16(const StepRegs& r, __nv_bfloat16* s) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = threadIdx.x + 128 * i, row = c / (kGK / 8), q = c % (kGK / 8);
+    *reinterpret_cast<uint4*>(s + row * kGLd + q * 8) = r.v[i];
   }
 }
+// Q8_0 rows (k a multiple of 32): thread t takes half of row t / 2's block.
+__device__ __forceinline__ void load_q8_0(const uint8_t* base, int rows, int k, int k0, StepRegs& r) {
+  const int row = threadIdx.x / 2, half = threadIdx.x % 2;
+  r.d = 0;
+  r.v[0] = make_uint4(0, 0, 0, 0);
+  if (row >= rows) return;
+  const uint8_t* blk = base + size_t(row) * size_t(k / 32) * 34 + size_t(k0 / 32) * 34;
+  // Blocks are 34 bytes apart: 2-byte loads.
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(blk + 2 + half * 16);
+  r.d = *reinterpret_cast<const uint16_t*>(blk);
+  r.v[0] = make_uint4(q[0] | uint32_t(q[1]) << 16, q[2] | uint32_t(q[3]) << 16,
+                      q[4] | uint32_t(q[5]) << 16, q[6] | uint32_t(q[7]) << 16);
+}
+__device__ __forceinline__ void store_q8_0(const StepRegs& r, __nv_bfloat16* s) {
+  const int row = threadIdx.x / 2, half = threadIdx.x % 2;
+  __nv_bfloat16* dst = s + row * kGLd + half * 16;
+  const float d = f16_bits(r.d);
+  const uint32_t w[4] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w};
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    dst[i] = __float2bfloat16(d * float(int8_t((w[i / 4] >> (8 * (i % 4))) & 0xff)));
+}
 
-__device__ __forceinline__ void stage_weights(const void* w, DType t, int n, int k, int n0, int k0,
-                                              __nv_bfloat16* s) {
+__device__ __forceinline__ void load_weights(const void* w, DType t, int n, int k, int n0, int k0,
+                                             StepRegs& r) {
   const int rows = min(kGroupTile, n - n0);
   if (t == DType::kQ8_0)
-    stage_q8_0(static_cast<const uint8_t*>(w) + size_t(n0) * size_t(k / 32) * 34, rows, k, k0, s);
+    load_q8_0(static_cast<const uint8_t*>(w) + size_t(n0) * size_t(k / 32) * 34, rows, k, k0, r);
   else
-    stage_bf16(static_cast<const uint8_t*>(w) + size_t(n0) * size_t(k) * 2, rows, k, k0, s);
+    load_bf16(static_cast<const uint8_t*>(w) + size_t(n0) * size_t(k) * 2, rows, k, k0, r);
+}
+__device__ __forceinline__ void store_weights(const StepRegs& r, DType t, __nv_bfloat16* s) {
+  if (t == DType::kQ8_0) store_q8_0(r, s);
+  else store_bf16(r, s);
 }
 
 template <bool kGateUp>
@@ -1039,11 +1194,20 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedArgs a) {
       wmma::fill_fragment(acc0[i][j], 0.0f);
       wmma::fill_fragment(acc1[i][j], 0.0f);
     }
+  StepRegs rx, r0w, r1w;
+  load_bf16(x, tile.m, a.k, 0, rx);
+  load_weights(w0, a.dtype, a.n, a.k, n0, 0, r0w);
+  if (kGateUp) load_weights(w1, a.dtype, a.n, a.k, n0, 0, r1w);
   for (int k0 = 0; k0 < a.k; k0 += kGK) {
-    stage_bf16(x, tile.m, a.k, k0, xs);
-    stage_weights(w0, a.dtype, a.n, a.k, n0, k0, w0s);
-    if (kGateUp) stage_weights(w1, a.dtype, a.n, a.k, n0, k0, w1s);
+    store_bf16(rx, xs);
+    store_weights(r0w, a.dtype, w0s);
+    if (kGateUp) store_weights(r1w, a.dtype, w1s);
     __syncthreads();
+    if (k0 + kGK < a.k) {  // the next step's loads overlap this step's MMAs
+      load_bf16(x, tile.m, a.k, k0 + kGK, rx);
+      load_weights(w0, a.dtype, a.n, a.k, n0, k0 + kGK, r0w);
+      if (kGateUp) load_weights(w1, a.dtype, a.n, a.k, n0, k0 + kGK, r1w);
+    }
     for (int kk = 0; kk < kGK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
       for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], xs + (wr + 16 * i) * kGLd + kk, kGLd);
@@ -1151,6 +1315,13 @@ void rope_kv_append(const RopeKvArgs& a, cudaStream_t s) {
 }
 
 void attention(const AttentionArgs& a, cudaStream_t s) {
+  if (a.tensor_cores && a.n >= kTcAttentionMin && (a.head_dim == 64 || a.head_dim == 128)) {
+    // Per device, so set at every launch (a host-side call); a failure shows at the launch.
+    const auto kernel = a.head_dim == 64 ? attention_tc_kernel<64> : attention_tc_kernel<128>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFaSmem));
+    kernel<<<dim3(unsigned(a.n_heads), unsigned((a.n + kFaQ - 1) / kFaQ)), 128, kFaSmem, s>>>(a);
+    return;
+  }
   if (a.n > 1 && a.head_dim <= kPrefillHd && a.head_dim % 4 == 0) {
     attention_prefill_kernel<<<dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)),
                                32 * kAttnWarps, 0, s>>>(a);

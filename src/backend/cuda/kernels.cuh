@@ -88,7 +88,12 @@ struct AttentionArgs {
   float* partial;        // [n, n_heads, n_splits, head_dim + 2] scratch
   const int* pos;
   int n, n_heads, n_kv_heads, head_dim, n_splits;
+  // Chunks of kTcAttentionMin+ tokens with head_dim 64 or 128: Q, K, V and
+  // the probabilities rounded to BF16 for tensor cores, F32 accumulation and softmax (for
+  // models whose weights are not F32; F32 models keep the F32 kernels).
+  bool tensor_cores = false;
 };
+constexpr int kTcAttentionMin = 16;
 void attention(const AttentionArgs& a, cudaStream_t s);
 constexpr int kMaxHeadDim = 256;
 

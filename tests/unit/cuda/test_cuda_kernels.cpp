@@ -245,6 +245,51 @@ TEST_P(CudaAttention, RopeAndAttentionMatchCpu) {
 }
 INSTANTIATE_TEST_SUITE_P(Tokens, CudaAttention, ::testing::Values(1, 5, 40));
 
+// Tensor-core prefill attention against a double-precision causal softmax: head dims 64 and
+// 128, GQA, query counts off the 64-query tile, a chunk that starts after earlier positions.
+TEST(CudaKernels, TensorCoreAttentionMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    int n, pos0, n_heads, n_kv, hd;
+  };
+  for (const Case c : {Case{100, 0, 4, 2, 128}, Case{70, 37, 2, 1, 64}, Case{16, 200, 4, 4, 128},
+                       Case{130, 5, 8, 2, 64}}) {
+    const int qd = c.n_heads * c.hd, kvd = c.n_kv * c.hd, n_ctx = c.pos0 + c.n;
+    const std::vector<float> q = randn(size_t(c.n * qd), 51), kc = randn(size_t(n_ctx * kvd), 52),
+                             vc = randn(size_t(n_ctx * kvd), 53);
+    std::vector<float> want(size_t(c.n * qd));
+    for (int t = 0; t < c.n; ++t)
+      for (int h = 0; h < c.n_heads; ++h) {
+        const int g = h / (c.n_heads / c.n_kv), last = c.pos0 + t;
+        std::vector<double> sc(size_t(last + 1));
+        double mx = -1e300, sum = 0;
+        for (int j = 0; j <= last; ++j) {
+          double dot = 0;
+          for (int i = 0; i < c.hd; ++i)
+            dot += double(q[size_t(t * qd + h * c.hd + i)]) * kc[size_t(j * kvd + g * c.hd + i)];
+          sc[size_t(j)] = dot / std::sqrt(double(c.hd));
+          mx = std::max(mx, sc[size_t(j)]);
+        }
+        for (double& v : sc) sum += (v = std::exp(v - mx));
+        for (int i = 0; i < c.hd; ++i) {
+          double o = 0;
+          for (int j = 0; j <= last; ++j) o += sc[size_t(j)] * vc[size_t(j * kvd + g * c.hd + i)];
+          want[size_t(t * qd + h * c.hd + i)] = float(o / sum);
+        }
+      }
+    Dev dq(q), dkc(kc), dvc(vc), dpos(std::vector<int>{c.pos0}), dout(want.size() * 4);
+    ts::cuda::attention({.q = dq.as<float>(), .k_cache = dkc.as<float>(), .v_cache = dvc.as<float>(),
+                         .out = dout.as<float>(), .partial = nullptr, .pos = dpos.as<int>(),
+                         .n = c.n, .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd,
+                         .n_splits = 1, .tensor_cores = true},
+                        nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    // BF16 inputs and probabilities: about 2^-8 relative.
+    EXPECT_LE(max_rel(dout.get<float>(), want), 2e-2)
+        << "n " << c.n << " pos0 " << c.pos0 << " hd " << c.hd;
+  }
+}
+
 TEST(CudaKernels, RouteMatchesSelectExperts) {
   SKIP_WITHOUT_GPU();
   for (int n_experts : {8, 60, 128, 300}) {
