@@ -367,14 +367,14 @@ class CudaSession final : public runtime::Engine {
   Status warm_expert_cache();
   void point_expert(int layer, int e, uint8_t* at);
   Status copy_experts(int layer, std::span<const int> ids, std::span<uint8_t* const> dst);
-  Status bind_step(int layer, int n);
-  Status bind_ids(int layer, int n);
+  Status bind_step(int layer, int n, const MoeArgs* hits);
+  Status bind_ids(int layer, int n, const MoeArgs* hits);
   bool prefetch_applies(int n) const;
   Status prefetch_layer(int layer);
   Status begin_segment();
   Status end_segment();
   Status decode_segments();
-  Status sync_expert_table(int layer);
+  Status sync_expert_table(int layer, bool wait = true);
   void collect_copy_times();
 
   model::HParams hp_;
@@ -397,6 +397,10 @@ class CudaSession final : public runtime::Engine {
         *sel_w_ = nullptr, *h1_ = nullptr, *h2_ = nullptr, *moe_out_ = nullptr,
         *shared_out_ = nullptr, *shared_z_ = nullptr, *logits_ = nullptr, *slot_rows_ = nullptr;
   GroupTile* group_tiles_ = nullptr;
+  // Per slot of a GEMV-sized step: 1 where phase 1 ran early (its expert hit), pinned mirror.
+  int* slot_hit_ = nullptr;
+  int* h_slot_hit_ = nullptr;
+  std::vector<MoeArgs> segment_hits_;  // per layer: phase 1 of the captured decode step
   int *sel_ids_ = nullptr, *tokens_ = nullptr, *pos_dev_ = nullptr, *group_src_ = nullptr,
       *group_row_of_ = nullptr;
   // Q8 activations for Q8_0 GEMVs: qx_ holds a GEMV input (xn, attention output), qh_ the
@@ -483,7 +487,7 @@ CudaSession::~CudaSession() {
   if (blas_) cublasDestroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
   for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_),
-                  static_cast<void*>(h_ids_), static_cast<void*>(h_logits_)})
+                  static_cast<void*>(h_ids_), static_cast<void*>(h_slot_hit_), static_cast<void*>(h_logits_)})
     if (p) cudaFreeHost(p);
 }
 
@@ -781,6 +785,9 @@ Status CudaSession::init(const std::string& device_name) {
   CUDA_TRY(cudaMallocHost(&h_tokens_, c * 4));
   CUDA_TRY(cudaMallocHost(&h_pos_, 4));
   CUDA_TRY(cudaMallocHost(&h_ids_, c * k * 4));
+  CUDA_TRY(cudaMallocHost(&h_slot_hit_, size_t(kGemvMaxTokens) * k * 4));
+  TS_ASSIGN(slot_hit_, arena_.alloc_n<int>(size_t(kGemvMaxTokens) * k));
+  segment_hits_.resize(size_t(hp.n_layers));
   CUDA_TRY(cudaMallocHost(&h_logits_, size_t(hp.vocab) * 4));
   last_logits_.assign(size_t(hp.vocab), 0.0f);
   iv_ = std::move(opt_.interventions);
@@ -1053,19 +1060,19 @@ Status CudaSession::copy_experts(int layer, std::span<const int> ids,
 
 // The device table of `layer` from its host mirror, on the copy stream after the copies; the
 // compute stream waits for both.
-Status CudaSession::sync_expert_table(int layer) {
+Status CudaSession::sync_expert_table(int layer, bool wait) {
   const size_t ne = size_t(hp_.n_experts);
   CachedLayer& C = cached_[size_t(layer)];
   CUDA_TRY(cudaMemcpyAsync(C.tab_dev, C.tab_host, 3 * ne * sizeof(void*), cudaMemcpyHostToDevice,
                            copy_stream_));
   C.table_stale = false;
   CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
-  CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
+  if (wait) CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
   return {};
 }
 
 // A GEMV-sized step (n <= kGemvMaxTokens): binds every distinct selected expert of `layer`.
-Status CudaSession::bind_step(int layer, int n) {
+Status CudaSession::bind_step(int layer, int n, const MoeArgs* hits) {
   const int k = hp_.top_k;
   CUDA_TRY(cudaMemcpyAsync(h_ids_, sel_ids_, size_t(n) * size_t(k) * 4, cudaMemcpyDeviceToHost,
                            stream_));
@@ -1074,11 +1081,12 @@ Status CudaSession::bind_step(int layer, int n) {
     // the ids' copy), and capture resumes after the binding, for the MoE kernels on.
     TS_TRY(end_segment());
     CUDA_TRY(cudaStreamSynchronize(stream_));
-    TS_TRY(bind_ids(layer, n));
+    if (hits) segment_hits_[size_t(layer)] = *hits;
+    TS_TRY(bind_ids(layer, n, hits));
     return begin_segment();
   }
   CUDA_TRY(cudaStreamSynchronize(stream_));
-  return bind_ids(layer, n);
+  return bind_ids(layer, n, hits);
 }
 
 Status CudaSession::begin_segment() {
@@ -1100,13 +1108,17 @@ Status CudaSession::end_segment() {
 }
 
 // Binds the ids in h_ids_ (n tokens' top-k, copied from the device and synchronized).
-Status CudaSession::bind_ids(int layer, int n) {
+// With `hits` (phase 1's arguments for this step), slot_mask_ marks the slots whose expert
+// hit and phase 1 runs for them now, on the compute stream, while the misses are copied; the
+// caller's phase 1 then runs the other slots (mask value 0) after the copies.
+Status CudaSession::bind_ids(int layer, int n, const MoeArgs* hits) {
   const int k = hp_.top_k;
   std::vector<int> ids;  // distinct, in rank order of first use
   for (int i = 0; i < n * k; ++i)
     if (std::find(ids.begin(), ids.end(), h_ids_[i]) == ids.end()) ids.push_back(h_ids_[i]);
   CachedLayer& C = cached_[size_t(layer)];
   const DevLayer& D = w_.layers[size_t(layer)];
+  const bool fresh_table = !C.table_stale;
   // The previous step of this layer is finished (the stream was just synchronized).
   C.cache->unprotect_all();
   std::vector<bool> hit(ids.size());
@@ -1140,8 +1152,28 @@ Status CudaSession::bind_ids(int layer, int n) {
   }
   for (size_t i = 0; i < miss.size(); ++i) point_expert(layer, miss[i], dst[i]);
   TS_TRY(copy_experts(layer, miss, dst));
+  // Early phase 1 needs the hits' device table entries to be current: not after a grouped
+  // prefill left the table stale.
+  const bool early = hits && fresh_table && !miss.empty() && miss.size() < ids.size();
+  if (hits) {
+    // (The previous step's copy of this buffer is done: the stream was synchronized.)
+    for (int s = 0; s < n * k; ++s)
+      h_slot_hit_[s] = early && hit[size_t(std::find(ids.begin(), ids.end(), h_ids_[s]) - ids.begin())];
+    CUDA_TRY(cudaMemcpyAsync(slot_hit_, h_slot_hit_, size_t(n) * size_t(k) * 4,
+                             cudaMemcpyHostToDevice, stream_));
+  }
   // The expert-grouped prefill binds through the host views only: the device table may lag.
-  return C.table_stale ? sync_expert_table(layer) : Status{};
+  if (!C.table_stale) return {};
+  TS_TRY(sync_expert_table(layer, /*wait=*/false));
+  if (early) {
+    // The hits' table entries and slots are not touched by the copies (the table copy
+    // rewrites their entries with the same addresses).
+    MoeArgs a = *hits;
+    a.mask_value = 1;
+    moe_gate_up(a, stream_);
+  }
+  CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
+  return {};
 }
 
 // Whole-layer prefetch pays when a chunk is expected to use most experts: n * top_k
@@ -1274,7 +1306,7 @@ Status CudaSession::decode_segments() {
     CUDA_TRY(cudaGraphLaunch(segments_[i], stream_));
     if (i == segment_layers_.size()) break;
     CUDA_TRY(cudaStreamSynchronize(stream_));
-    TS_TRY(bind_ids(segment_layers_[i], 1));
+    TS_TRY(bind_ids(segment_layers_[i], 1, &segment_hits_[size_t(segment_layers_[i])]));
   }
   return {};
 }
@@ -1508,7 +1540,6 @@ Status CudaSession::moe_block(int layer, int n) {
                         std::vector<float>(wts.begin() + long(t) * k, wts.begin() + long(t + 1) * k)});
   }
   if (n <= kGemvMaxTokens) {
-    if (cached()) TS_TRY(bind_step(layer, n));
     MoeArgs a{.gate = L.gate_tab, .up = L.up_tab, .down = L.down_tab,
                     .gate_dtype = L.experts[0].gate.dtype, .down_dtype = L.experts[0].down.dtype,
                     .ids = sel_ids_, .weights = sel_w_, .xn = xn_, .h = h1_, .out = moe_out_,
@@ -1520,6 +1551,12 @@ Status CudaSession::moe_block(int layer, int n) {
       quantize_act(xn_, int64_t(n) * d, qx_, stream_);
       a.xq = qx_.q;
       a.xd = qx_.d;
+    }
+    if (cached()) {
+      // Phase 1 of the slots that hit runs during the binding (bind_ids); below, the rest.
+      a.slot_mask = slot_hit_;
+      a.mask_value = 0;
+      TS_TRY(bind_step(layer, n, &a));
     }
     const double up_bytes = double(n) * k * double(L.experts[0].gate.n_bytes()) * 2;
     const double down_bytes = double(n) * k * double(L.experts[0].down.n_bytes());

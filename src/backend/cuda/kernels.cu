@@ -821,7 +821,7 @@ template <DType T>
 __global__ void moe_gate_up_kernel(MoeArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
-  if (r >= a.d_expert) return;
+  if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
   const int e = a.ids[s], t = s / a.top_k;
   const size_t rb = dtype_row_bytes_dev(T, a.d_model);
   const float* x = a.xn + size_t(t) * a.d_model;

@@ -129,6 +129,10 @@ struct MoeArgs {
   const float* xd = nullptr;
   const int8_t* hq = nullptr;
   const float* hd = nullptr;
+  // Phase 1 only for the slots s with slot_mask[s] == mask_value (null: every slot): with
+  // the GPU expert cache, the slots whose experts hit run while the misses are copied.
+  const int* slot_mask = nullptr;
+  int mask_value = 0;
 };
 // phase 1: h[t, r] = silu(gate_e . xn[t]) * (up_e . xn[t]), e = ids[t, r]
 void moe_gate_up(const MoeArgs& a, cudaStream_t s);
