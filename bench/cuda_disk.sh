@@ -38,3 +38,6 @@ run disk-resident
 run disk-host-13 --residency host --expert-cache-slots 13
 run disk-streamed-13 --residency streamed --direct-io --expert-cache-slots 13 --io-threads 8
 run disk-streamed-64 --residency streamed --direct-io --expert-cache-slots 64 --io-threads 8
+# Buffered reads after the runs above: the pack is in the page cache, so this is the
+# pread + H2D path at memory speed (the store's slots are pinned by the CUDA session).
+run disk-streamed-13-pagecache --residency streamed --expert-cache-slots 13 --io-threads 8

@@ -112,6 +112,12 @@ class StreamedStore final : public ExpertStore {
 
   int max_batch(int layer) const override { return layers_[size_t(layer)].cache->n_slots(); }
   Residency residency() const override { return Residency::kStreamed; }
+  std::vector<std::span<uint8_t>> slot_memory() const override {
+    std::vector<std::span<uint8_t>> out;
+    for (const Layer& L : layers_)
+      if (L.memory) out.emplace_back(L.memory.get(), L.slot_bytes * size_t(L.cache->n_slots()));
+    return out;
+  }
 
   Status acquire(int layer, std::span<const int> ids,
                  std::span<model::ExpertWeights> out) override {

@@ -47,6 +47,9 @@ class ExpertStore {
   }
   virtual StoreStats stats() const { return stats_; }
   virtual Residency residency() const = 0;
+  // The memory the store reads experts into (the streamed store's slots; empty for others),
+  // e.g. for a GPU backend to pin it so copies from the slots run at the link's rate.
+  virtual std::vector<std::span<uint8_t>> slot_memory() const { return {}; }
 
  protected:
   StoreStats stats_;

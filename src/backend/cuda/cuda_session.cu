@@ -400,6 +400,7 @@ class CudaSession final : public runtime::Engine {
   // Per slot of a GEMV-sized step: 1 where phase 1 ran early (its expert hit), pinned mirror.
   int* slot_hit_ = nullptr;
   int* h_slot_hit_ = nullptr;
+  bool slot_hit_set_ = true;  // slot_hit_ may hold ones (it starts uninitialized)
   std::vector<MoeArgs> segment_hits_;  // per layer: phase 1 of the captured decode step
   int *sel_ids_ = nullptr, *tokens_ = nullptr, *pos_dev_ = nullptr, *group_src_ = nullptr,
       *group_row_of_ = nullptr;
@@ -440,6 +441,8 @@ class CudaSession final : public runtime::Engine {
     bool table_stale = false;  // tab_host changed since tab_dev was written
   };
   experts::ExpertStore* store_ = nullptr;  // streamed: where misses are read from
+  std::vector<void*> pinned_store_;         // its slot memory, registered by this session
+  double used_fraction_ = 1.0;              // of the experts, by the last grouped MoE layer
   std::vector<CachedLayer> cached_;
   int slots_per_layer_ = 0;
   // Device expert buffers outside the cache: experts a step needs beyond its layer's free
@@ -470,6 +473,7 @@ class CudaSession final : public runtime::Engine {
 CudaSession::~CudaSession() {
   if (stream_) cudaStreamSynchronize(stream_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
+  for (void* p : pinned_store_) cudaHostUnregister(p);
   free_layer_memory();
   for (CachedLayer& C : cached_) {
     if (C.host) cudaFreeHost(C.host);
@@ -959,6 +963,17 @@ Status CudaSession::init_expert_cache() {
     CUDA_TRY(cudaEventCreate(&C.copy_begin));
     CUDA_TRY(cudaEventCreate(&C.copy_end));
   }
+  if (streamed()) {
+    // The store's reader threads read into its slots; pinned, the copies from them are true
+    // async DMA at the link's rate. Another session may have pinned them already (then they
+    // stay as they are); without pinning the copies still work, staged by the driver.
+    for (std::span<uint8_t> m : store_->slot_memory()) {
+      if (cudaHostRegister(m.data(), m.size(), cudaHostRegisterDefault) == cudaSuccess)
+        pinned_store_.push_back(m.data());
+      else
+        cudaGetLastError();
+    }
+  }
   cache_report_.residency = streamed() ? "streamed" : "host";
   cache_report_.slots_per_layer = slots_per_layer_;
   return warm_expert_cache();
@@ -1155,12 +1170,15 @@ Status CudaSession::bind_ids(int layer, int n, const MoeArgs* hits) {
   // Early phase 1 needs the hits' device table entries to be current: not after a grouped
   // prefill left the table stale.
   const bool early = hits && fresh_table && !miss.empty() && miss.size() < ids.size();
-  if (hits) {
-    // (The previous step's copy of this buffer is done: the stream was synchronized.)
-    for (int s = 0; s < n * k; ++s)
+  if (early || (hits && slot_hit_set_)) {
+    // The mask: this step's hits, or all zero again (copied only when it changes; the
+    // previous copy from this buffer is done: the stream was synchronized).
+    const int rows = early ? n * k : kGemvMaxTokens * k;
+    for (int s = 0; s < rows; ++s)
       h_slot_hit_[s] = early && hit[size_t(std::find(ids.begin(), ids.end(), h_ids_[s]) - ids.begin())];
-    CUDA_TRY(cudaMemcpyAsync(slot_hit_, h_slot_hit_, size_t(n) * size_t(k) * 4,
-                             cudaMemcpyHostToDevice, stream_));
+    CUDA_TRY(cudaMemcpyAsync(slot_hit_, h_slot_hit_, size_t(rows) * 4, cudaMemcpyHostToDevice,
+                             stream_));
+    slot_hit_set_ = early;
   }
   // The expert-grouped prefill binds through the host views only: the device table may lag.
   if (!C.table_stale) return {};
@@ -1383,10 +1401,12 @@ Status CudaSession::run_layers(int n, bool all_rows, bool last_chunk) {
       if (w_.layers[size_t(j)].is_moe) return j;
     return -1;
   };
-  if (prefetch) TS_TRY(prefetch_layer(next_moe(-1)));
+  if (prefetch && used_fraction_ >= 0.5) TS_TRY(prefetch_layer(next_moe(-1)));
   for (int l = 0; l < hp_.n_layers; ++l) {
     // The next MoE layer's experts load while this layer computes.
-    if (prefetch) TS_TRY(prefetch_layer(next_moe(l)));
+    // Routing that concentrates on few experts makes a whole-layer copy mostly waste: the
+    // next layer is prefetched only while the last grouped layer used half its experts.
+    if (prefetch && used_fraction_ >= 0.5) TS_TRY(prefetch_layer(next_moe(l)));
     TS_TRY(attention_block(l, n));
     const DevLayer& L = w_.layers[size_t(l)];
     if (L.is_moe) {
@@ -1598,6 +1618,9 @@ Status CudaSession::grouped_experts(int layer, int n) {
   std::vector<int> count(size_t(hp_.n_experts) + 1, 0);
   std::vector<int> src(static_cast<size_t>(ns)), row_of(static_cast<size_t>(ns));
   for (int s = 0; s < ns; ++s) ++count[size_t(h_ids_[s]) + 1];
+  int used = 0;
+  for (int e = 0; e < hp_.n_experts; ++e) used += count[size_t(e) + 1] > 0;
+  used_fraction_ = double(used) / double(hp_.n_experts);
   for (int e = 0; e < hp_.n_experts; ++e) count[size_t(e) + 1] += count[size_t(e)];
   std::vector<int> fill(count.begin(), count.end() - 1);
   for (int s = 0; s < ns; ++s) {
