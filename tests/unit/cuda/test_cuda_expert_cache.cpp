@@ -19,29 +19,16 @@
 #include "runtime/model.h"
 #include "runtime/sampler.h"
 #include "runtime/session.h"
+#include "cuda_test_util.h"
 
 namespace {
 
+using ts_test::have_gpu;
+using ts_test::data_dir;
+using ts_test::fixture_names;
+
 namespace fs = std::filesystem;
 using ts::runtime::GpuResidency;
-
-fs::path data_dir() {
-  const char* env = std::getenv("TS_TEST_DATA_DIR");
-  return fs::path(env && *env ? env : TS_TEST_DATA_DIR);
-}
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-std::vector<std::string> fixture_names() {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(data_dir() / "models"))
-    if (fs::exists(e.path() / "ref.json")) out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 // What one engine produced: every prefill row (one chunk: the grouped MoE when the prompt
 // is longer than the GEMV limit), every row of a prefill in chunks of 3 (the per-slot

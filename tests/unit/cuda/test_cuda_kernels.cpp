@@ -14,15 +14,13 @@
 #include "backend/cuda/kernels.cuh"
 #include "core/thread_pool.h"
 #include "model/router.h"
+#include "cuda_test_util.h"
 
 namespace {
 
-using ts::DType;
+using ts_test::have_gpu;
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using ts::DType;
 
 #define SKIP_WITHOUT_GPU() \
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device"

@@ -20,31 +20,15 @@
 #include "runtime/model.h"
 #include "runtime/sampler.h"
 #include "runtime/session.h"
+#include "cuda_test_util.h"
 
 namespace {
 
+using ts_test::have_gpu;
+using ts_test::data_dir;
+using ts_test::fixture_names;
+
 namespace fs = std::filesystem;
-
-// The fixtures; TS_TEST_DATA_DIR in the environment overrides the build-time path (the GPU
-// machine runs binaries built elsewhere).
-fs::path data_dir() {
-  const char* env = std::getenv("TS_TEST_DATA_DIR");
-  return fs::path(env && *env ? env : TS_TEST_DATA_DIR);
-}
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-std::vector<std::string> fixture_names() {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(data_dir() / "models"))
-    if (fs::exists(e.path() / "ref.json") && fs::exists(e.path() / "logits.npy"))
-      out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 double rel_err(const float* a, const float* b, size_t n) {
   double num = 0, den = 0;
