@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "core/thread_pool.h"
 
@@ -67,8 +69,15 @@ struct AlignedFree {
 class StreamedStore final : public ExpertStore {
  public:
   StreamedStore(ExpertSource source, StreamedOptions opt)
-      : source_(std::move(source)), opt_(opt), readers_(opt.io_threads) {}
+      : source_(std::move(source)), opt_(opt), readers_(opt.io_threads),
+        driver_([this] { drive(); }) {}
   ~StreamedStore() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    driver_.join();
     for (int fd : fds_)
       if (fd >= 0) ::close(fd);
   }
@@ -121,6 +130,14 @@ class StreamedStore final : public ExpertStore {
 
   Status acquire(int layer, std::span<const int> ids,
                  std::span<model::ExpertWeights> out) override {
+    TS_TRY(acquire_begin(layer, ids, out));
+    for (size_t i = 0; i < ids.size(); ++i) TS_TRY(wait_ready(layer, i));
+    return {};
+  }
+
+  Status acquire_begin(int layer, std::span<const int> ids,
+                       std::span<model::ExpertWeights> out) override {
+    finish_batch();  // a batch not released: its reads must end before slots move
     Layer& L = layers_[size_t(layer)];
     SlotCache::Plan plan;
     if (!L.cache->plan(ids, &plan))
@@ -129,50 +146,20 @@ class StreamedStore final : public ExpertStore {
                         " slots for layer " + std::to_string(layer));
     stats_.requests += ids.size();
     stats_.hits += ids.size() - plan.miss.size();
-    auto t0 = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(mu_);
+    batch_ = Batch{};
+    batch_.layer = layer;
+    batch_.remaining.assign(ids.size(), 0);
     // One job per (miss, piece); each reads into its own slot range.
-    struct Job {
-      int file;
-      uint64_t offset, n_bytes;
-      uint8_t* dst;
-      int expert, slot;
-    };
-    std::vector<Job> jobs;
     for (int i : plan.miss) {
       const ExpertLocation& loc = source_.layers[size_t(layer)][size_t(ids[size_t(i)])];
       uint8_t* slot = L.memory.get() + uint64_t(plan.slot[size_t(i)]) * L.slot_bytes;
-      for (const ExpertPiece& p : loc.pieces)
-        jobs.push_back({p.file, p.file_offset, p.n_bytes, slot + p.slot_offset, ids[size_t(i)],
-                        plan.slot[size_t(i)]});
-    }
-    std::mutex mu;
-    std::string failure;
-    readers_.parallel_for(int64_t(jobs.size()), 1, [&](int64_t b, int64_t e) {
-      for (int64_t j = b; j < e; ++j) {
-        const Job& job = jobs[size_t(j)];
-        uint64_t done = 0;
-        while (done < job.n_bytes) {
-          ssize_t r = ::pread(fds_[size_t(job.file)], job.dst + done, job.n_bytes - done,
-                              off_t(job.offset + done));
-          if (r <= 0) {
-            std::lock_guard<std::mutex> lock(mu);
-            failure = "reading expert " + std::to_string(job.expert) + " of layer " +
-                      std::to_string(layer) + " from " + source_.files[size_t(job.file)] +
-                      " at offset " + std::to_string(job.offset + done) + ": " +
-                      (r == 0 ? std::string("unexpected end of file") : std::strerror(errno));
-            break;
-          }
-          done += uint64_t(r);
-        }
+      for (const ExpertPiece& p : loc.pieces) {
+        batch_.jobs.push_back({p.file, p.file_offset, p.n_bytes, slot + p.slot_offset,
+                               ids[size_t(i)], plan.slot[size_t(i)], i});
+        ++batch_.remaining[size_t(i)];
       }
-    });
-    stats_.io_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-    if (!failure.empty()) {
-      for (const Job& job : jobs) L.cache->invalidate(job.slot);
-      L.cache->unprotect_all();
-      return make_error(failure);
     }
-    for (const Job& job : jobs) stats_.bytes_read += job.n_bytes;
     for (size_t i = 0; i < ids.size(); ++i) {
       const ExpertLocation& loc = source_.layers[size_t(layer)][size_t(ids[i])];
       const uint8_t* slot = L.memory.get() + uint64_t(plan.slot[i]) * L.slot_bytes;
@@ -181,12 +168,118 @@ class StreamedStore final : public ExpertStore {
         m->data = slot + reinterpret_cast<uintptr_t>(m->data);
       out[i] = w;
     }
+    batch_.done = batch_.jobs.empty();
+    if (!batch_.done) cv_.notify_all();  // the driver starts the reads
     return {};
   }
 
-  void release(int layer) override { layers_[size_t(layer)].cache->unprotect_all(); }
+  bool ready(int layer, size_t i) const override {
+    (void)layer;
+    std::lock_guard<std::mutex> lock(mu_);
+    return i < batch_.remaining.size() && batch_.remaining[i] == 0 && batch_.failure.empty();
+  }
+
+  Status wait_ready(int layer, size_t i) override {
+    (void)layer;
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return batch_.done || batch_.remaining[i] == 0 || !batch_.failure.empty(); });
+    if (batch_.failure.empty()) return {};
+    cv_.wait(lock, [&] { return batch_.done; });
+    give_up(lock);
+    return make_error(batch_.failure);
+  }
+
+  void release(int layer) override {
+    finish_batch();
+    layers_[size_t(layer)].cache->unprotect_all();
+  }
 
  private:
+  struct Job {
+    int file;
+    uint64_t offset, n_bytes;
+    uint8_t* dst;
+    int expert, slot, index;  // index: into the batch's ids
+  };
+  // The reads of the batch in flight (at most one: a batch is released before the next).
+  struct Batch {
+    int layer = -1;
+    std::vector<Job> jobs;
+    std::vector<int> remaining;  // per ids index: pieces not yet read
+    std::string failure;
+    bool done = true;            // every job has ended
+    bool given_up = false;
+    bool running = false;        // taken by the driver
+  };
+
+  // The driver thread runs each batch's reads on the reader pool, counting pieces down as
+  // they land, so the session computes on ready experts meanwhile.
+  void drive() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || (!batch_.done && !batch_.running); });
+      if (stop_) return;
+      batch_.running = true;
+      const int layer = batch_.layer;
+      const std::vector<Job> jobs = batch_.jobs;
+      lock.unlock();
+      const auto t0 = std::chrono::steady_clock::now();
+      readers_.parallel_for(int64_t(jobs.size()), 1, [&](int64_t b, int64_t e) {
+        for (int64_t j = b; j < e; ++j) {
+          const Job& job = jobs[size_t(j)];
+          std::string error = read_job(job, layer);
+          std::lock_guard<std::mutex> guard(mu_);
+          if (!error.empty()) {
+            if (batch_.failure.empty()) batch_.failure = error;
+          } else {
+            --batch_.remaining[size_t(job.index)];
+            stats_.bytes_read += job.n_bytes;
+          }
+          cv_.notify_all();
+        }
+      });
+      lock.lock();
+      stats_.io_us +=
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      batch_.done = true;
+      batch_.running = false;
+      cv_.notify_all();
+    }
+  }
+
+  // Reads one piece; the error text names the expert, layer, file and offset.
+  std::string read_job(const Job& job, int layer) const {
+    uint64_t done = 0;
+    while (done < job.n_bytes) {
+      ssize_t r = ::pread(fds_[size_t(job.file)], job.dst + done, job.n_bytes - done,
+                          off_t(job.offset + done));
+      if (r <= 0)
+        return "reading expert " + std::to_string(job.expert) + " of layer " +
+               std::to_string(layer) + " from " + source_.files[size_t(job.file)] +
+               " at offset " + std::to_string(job.offset + done) + ": " +
+               (r == 0 ? std::string("unexpected end of file") : std::strerror(errno));
+      done += uint64_t(r);
+    }
+    return {};
+  }
+
+  // After a failed read (the batch is done): no slot of the batch keeps an expert it may
+  // not hold, and nothing stays protected.
+  void give_up(std::unique_lock<std::mutex>&) {
+    if (batch_.given_up) return;
+    batch_.given_up = true;
+    Layer& L = layers_[size_t(batch_.layer)];
+    for (const Job& job : batch_.jobs) L.cache->invalidate(job.slot);
+    L.cache->unprotect_all();
+  }
+
+  // Waits for the batch in flight, if any, to end.
+  void finish_batch() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return batch_.done; });
+    if (!batch_.failure.empty()) give_up(lock);
+  }
+
   struct Layer {
     std::unique_ptr<SlotCache> cache;
     std::unique_ptr<uint8_t, AlignedFree> memory;
@@ -197,6 +290,11 @@ class StreamedStore final : public ExpertStore {
   ThreadPool readers_;
   std::vector<int> fds_;
   std::vector<Layer> layers_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Batch batch_;
+  bool stop_ = false;
+  std::thread driver_;  // last: it starts in the constructor and uses the members above
 };
 
 }  // namespace

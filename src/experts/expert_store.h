@@ -40,6 +40,25 @@ class ExpertStore {
   virtual Status acquire(int layer, std::span<const int> ids,
                          std::span<model::ExpertWeights> out) = 0;
   virtual void release(int layer) { (void)layer; }
+  // acquire() in two steps, so compute can start on the experts already in memory while the
+  // others are still being read: acquire_begin() plans and starts the reads and fills out[]
+  // (a view is usable once its expert is ready); wait_ready(layer, i) blocks until ids[i]
+  // is in. A failed read makes wait_ready return the error (the batch is then given up:
+  // its slots invalidated, nothing protected); release() waits for reads still in flight.
+  virtual Status acquire_begin(int layer, std::span<const int> ids,
+                               std::span<model::ExpertWeights> out) {
+    return acquire(layer, ids, out);
+  }
+  virtual bool ready(int layer, size_t i) const {
+    (void)layer;
+    (void)i;
+    return true;
+  }
+  virtual Status wait_ready(int layer, size_t i) {
+    (void)layer;
+    (void)i;
+    return {};
+  }
   // The most experts one acquire() may hold at once (the cache's slots per layer).
   virtual int max_batch(int layer) const {
     (void)layer;

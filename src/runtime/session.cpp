@@ -266,15 +266,30 @@ Status Session::moe_block(int layer, int n) {
   experts::ExpertStore& store = model_.experts();
   const size_t batch = size_t(std::max(1, store.max_batch(layer)));
   std::vector<model::ExpertWeights> views(std::min(batch, used.size()));
+  std::vector<size_t> order;
   for (size_t b0 = 0; b0 < used.size(); b0 += batch) {
     const size_t nb = std::min(batch, used.size() - b0);
     t0 = Clock::now();
-    Status st = store.acquire(layer, std::span<const int>(used.data() + b0, nb),
-                              std::span<model::ExpertWeights>(views.data(), nb));
+    Status st = store.acquire_begin(layer, std::span<const int>(used.data() + b0, nb),
+                                    std::span<model::ExpertWeights>(views.data(), nb));
     phases_.expert_io_us += us_since(t0);
     if (!st.ok()) return st;
-    t0 = Clock::now();
-    for (size_t u = 0; u < nb; ++u) {
+    // Experts already in memory first; the others as their reads land (streamed store).
+    order.clear();
+    std::vector<bool> in_now(nb);
+    for (size_t u = 0; u < nb; ++u) in_now[u] = store.ready(layer, u);
+    for (bool first : {true, false})
+      for (size_t u = 0; u < nb; ++u)
+        if (in_now[u] == first) order.push_back(u);
+    for (size_t u : order) {
+      t0 = Clock::now();
+      st = store.wait_ready(layer, u);
+      phases_.expert_io_us += us_since(t0);
+      if (!st.ok()) {
+        store.release(layer);
+        return st;
+      }
+      t0 = Clock::now();
       const auto& slots = slots_of[size_t(used[b0 + u])];
       const int m = int(slots.size());
       // phase 1: gate|up + activation over the tokens routed to this expert.
@@ -288,9 +303,9 @@ Status Session::moe_block(int layer, int n) {
       linear(pool_, views[u].down, h1_.data(), m, h3_.data());
       for (int i = 0; i < m; ++i)
         std::copy_n(h3_.data() + size_t(i) * d, d, slots_.data() + size_t(slots[size_t(i)]) * d);
+      phases_.expert_compute_us += us_since(t0);
     }
     store.release(layer);
-    phases_.expert_compute_us += us_since(t0);
   }
   t0 = Clock::now();
   // phase 2 (second half): weighted sum in router rank order.

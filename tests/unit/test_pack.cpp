@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -74,6 +76,53 @@ TEST_F(Pack, LogitsByteIdenticalToSourceInEveryMode) {
           << ts::experts::residency_name(r) << (direct ? " O_DIRECT" : "");
     }
   }
+}
+
+// A read that fails while streaming (an expert file cut short after the pack was opened) is
+// an error naming the expert, layer and file, never garbage; the failed batch leaves no slot
+// claiming an expert it does not hold, so once the file is whole again the same model gives
+// the resident logits byte for byte. Runs with reads overlapping compute (several slots).
+TEST_F(Pack, StreamedReadFailureIsAClearErrorAndTheCacheRecovers) {
+  const std::vector<float> ref = logits(src_, {});
+  ASSERT_FALSE(ref.empty());
+  ts::runtime::LoadOptions opt;
+  opt.residency = ts::experts::Residency::kStreamed;
+  opt.streamed.slots_per_layer = 3;
+  auto m = ts::runtime::LoadedModel::load(pack_, opt);
+  ASSERT_TRUE(m.ok()) << m.error().message;
+  std::string victim;
+  for (const auto& e : fs::directory_iterator(pack_))
+    if (e.path().filename().string().rfind("experts-", 0) == 0 &&
+        (victim.empty() || e.path().string() < victim))
+      victim = e.path().string();
+  ASSERT_FALSE(victim.empty());
+  std::string bytes;
+  {
+    std::ifstream f(victim, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  fs::resize_file(victim, 0);  // same inode: the store's open descriptor sees it
+  std::vector<int> prompt;
+  for (int i = 0; i < 40; ++i) prompt.push_back((i * 37 + 11) % 512);
+  ts::ThreadPool pool(2);
+  {
+    ts::runtime::Session s(*m.value(), pool, {.n_ctx = 64});
+    std::vector<float> out;
+    ts::Status st = s.forward(prompt, &out);
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.error().message.find("reading expert"), std::string::npos) << st.error().message;
+    EXPECT_NE(st.error().message.find(victim), std::string::npos) << st.error().message;
+    EXPECT_NE(st.error().message.find("unexpected end of file"), std::string::npos) << st.error().message;
+  }
+  {
+    std::ofstream f(victim, std::ios::binary | std::ios::in | std::ios::out);
+    f.write(bytes.data(), std::streamsize(bytes.size()));
+  }
+  ts::runtime::Session s(*m.value(), pool, {.n_ctx = 64});
+  std::vector<float> out;
+  ASSERT_TRUE(s.forward(prompt, &out).ok());
+  ASSERT_EQ(out.size(), ref.size());
+  EXPECT_EQ(0, std::memcmp(out.data(), ref.data(), ref.size() * 4));
 }
 
 TEST_F(Pack, VerifyPassesThenCatchesAFlippedByte) {
