@@ -144,9 +144,9 @@ class StreamedStore final : public ExpertStore {
       return make_error("expert cache: " + std::to_string(ids.size()) +
                         " experts requested at once with " + std::to_string(L.cache->n_slots()) +
                         " slots for layer " + std::to_string(layer));
+    std::lock_guard<std::mutex> lock(mu_);
     stats_.requests += ids.size();
     stats_.hits += ids.size() - plan.miss.size();
-    std::lock_guard<std::mutex> lock(mu_);
     batch_ = Batch{};
     batch_.layer = layer;
     batch_.remaining.assign(ids.size(), 0);
@@ -171,6 +171,11 @@ class StreamedStore final : public ExpertStore {
     batch_.done = batch_.jobs.empty();
     if (!batch_.done) cv_.notify_all();  // the driver starts the reads
     return {};
+  }
+
+  StoreStats stats() const override {
+    std::lock_guard<std::mutex> lock(mu_);  // the readers count bytes as they land
+    return stats_;
   }
 
   bool ready(int layer, size_t i) const override {
