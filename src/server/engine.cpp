@@ -73,7 +73,7 @@ void Engine::run() {
       }
     }
     if (r.ok())
-      metrics_.record_generation(*r, opt_.model->experts().stats());
+      metrics_.record_generation(*r, opt_.model->experts().stats(), session_->expert_cache());
     else
       metrics_.count_failure();
     if (opt_.log_stats && r.ok())

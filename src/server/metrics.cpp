@@ -19,7 +19,8 @@ void Metrics::count_failure() {
   ++failures_;
 }
 
-void Metrics::record_generation(const runtime::Generation& g, const experts::StoreStats& store) {
+void Metrics::record_generation(const runtime::Generation& g, const experts::StoreStats& store,
+                                const std::optional<runtime::ExpertCacheReport>& gpu) {
   std::lock_guard lock(mu_);
   ++generations_;
   if (g.stop_reason == runtime::StopReason::kCancelled) ++cancelled_;
@@ -30,6 +31,7 @@ void Metrics::record_generation(const runtime::Generation& g, const experts::Sto
   decode_s_ += g.decode_s;
   if (g.generated > 0 && g.decode_s > 0) last_decode_tok_s_ = double(g.generated) / g.decode_s;
   store_ = store;
+  gpu_ = gpu;
 }
 
 std::string Metrics::prometheus(int queue_depth, int running) const {
@@ -82,6 +84,24 @@ std::string Metrics::prometheus(int queue_depth, int running) const {
   metric("turbospark_expert_bytes_read_total", "counter",
          "Bytes the expert store read from storage (streamed residency).",
          double(store_.bytes_read));
+  if (gpu_) {
+    metric("turbospark_gpu_expert_cache_slots_per_layer", "gauge",
+           "GPU expert cache slots per MoE layer (experts in host memory or files behind it).",
+           gpu_->slots_per_layer);
+    metric("turbospark_gpu_expert_requests_total", "counter",
+           "Distinct experts the GPU expert cache was asked for, per layer and step.",
+           double(gpu_->requests));
+    metric("turbospark_gpu_expert_hits_total", "counter", "Of those, already in a GPU slot.",
+           double(gpu_->hits));
+    metric("turbospark_gpu_expert_cache_hit_rate", "gauge",
+           "GPU expert cache hits / requests (1 when none).",
+           gpu_->requests ? double(gpu_->hits) / double(gpu_->requests) : 1.0);
+    metric("turbospark_gpu_expert_h2d_bytes_total", "counter",
+           "Expert bytes copied host -> device into the GPU expert cache.",
+           double(gpu_->copied_bytes));
+    metric("turbospark_gpu_expert_copy_seconds_total", "counter",
+           "Time the copy stream spent copying experts.", gpu_->copy_ms / 1e3);
+  }
   metric("turbospark_stream_bytes_total", "counter", "Bytes of SSE frames sent to clients.",
          double(stream_bytes_));
   return out;

@@ -6,9 +6,11 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "experts/expert_store.h"
+#include "runtime/engine.h"
 #include "runtime/generate.h"
 
 namespace ts::server {
@@ -17,7 +19,9 @@ class Metrics {
  public:
   void count_response(const std::string& route, int status);
   void add_stream_bytes(uint64_t n);
-  void record_generation(const runtime::Generation& g, const experts::StoreStats& store);
+  // gpu: the GPU expert cache's counters (--device cuda with --residency host / streamed).
+  void record_generation(const runtime::Generation& g, const experts::StoreStats& store,
+                         const std::optional<runtime::ExpertCacheReport>& gpu = std::nullopt);
   void count_failure();
   // queue_depth: jobs waiting; running: 0 or 1 (one engine thread).
   std::string prometheus(int queue_depth, int running) const;
@@ -31,6 +35,7 @@ class Metrics {
   double prefill_s_ = 0, decode_s_ = 0;
   double last_decode_tok_s_ = 0;
   experts::StoreStats store_;
+  std::optional<runtime::ExpertCacheReport> gpu_;
 };
 
 }  // namespace ts::server

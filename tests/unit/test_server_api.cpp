@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "server/api.h"
+#include "server/metrics.h"
 #include "tokenizer/chat_template.h"
 
 namespace {
@@ -396,6 +397,31 @@ TEST(ServerApi, RealDeepSeekV3Template) {
   expect_real_template_renders("deepseek_v3",
                                {"<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather",
                                 "{\"city\": \"Paris\"}", "<｜tool▁output▁begin｜>21 C"});
+}
+
+// /metrics: the expert store's counters always; the GPU expert cache's only when the engine
+// has one (CUDA with --residency host / streamed), with its hit rate computed.
+TEST(ServerMetrics, GpuExpertCacheCountersAppearOnlyWithAGpuCache) {
+  ts::server::Metrics m;
+  ts::runtime::Generation g{.prompt_tokens = 5, .generated = 4, .decode_s = 0.5};
+  ts::experts::StoreStats store{.requests = 10, .hits = 4, .bytes_read = 123};
+  m.record_generation(g, store);
+  std::string text = m.prometheus(0, 0);
+  EXPECT_NE(text.find("turbospark_expert_requests_total 10\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("turbospark_expert_cache_hit_rate 0.40000000000000002\n"), std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("turbospark_gpu_expert"), std::string::npos) << text;
+  m.record_generation(g, store,
+                      ts::runtime::ExpertCacheReport{.residency = "host", .slots_per_layer = 64,
+                                                     .requests = 200, .hits = 150,
+                                                     .copied_bytes = 5000, .copy_ms = 250});
+  text = m.prometheus(0, 0);
+  for (const char* line :
+       {"turbospark_gpu_expert_cache_slots_per_layer 64\n", "turbospark_gpu_expert_requests_total 200\n",
+        "turbospark_gpu_expert_hits_total 150\n", "turbospark_gpu_expert_cache_hit_rate 0.75\n",
+        "turbospark_gpu_expert_h2d_bytes_total 5000\n",
+        "turbospark_gpu_expert_copy_seconds_total 0.25\n", "turbospark_completion_tokens_total 8\n"})
+    EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;
 }
 
 }  // namespace
