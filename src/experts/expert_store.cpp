@@ -119,7 +119,10 @@ class StreamedStore final : public ExpertStore {
     return {};
   }
 
-  int max_batch(int layer) const override { return layers_[size_t(layer)].cache->n_slots(); }
+  int max_batch(int layer) const override {
+    const Layer& L = layers_[size_t(layer)];
+    return L.cache ? L.cache->n_slots() : 0;  // 0: a dense layer, no experts
+  }
   Residency residency() const override { return Residency::kStreamed; }
   std::vector<std::span<uint8_t>> slot_memory() const override {
     std::vector<std::span<uint8_t>> out;
@@ -176,6 +179,17 @@ class StreamedStore final : public ExpertStore {
   StoreStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);  // the readers count bytes as they land
     return stats_;
+  }
+
+  Status warm(int layer, std::span<const int> ids) override {
+    if (!layers_[size_t(layer)].cache || ids.empty()) return {};
+    const StoreStats before = stats();
+    std::vector<model::ExpertWeights> views(ids.size());
+    TS_TRY(acquire(layer, ids, views));
+    release(layer);
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_ = before;
+    return {};
   }
 
   bool ready(int layer, size_t i) const override {

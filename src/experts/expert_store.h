@@ -65,6 +65,13 @@ class ExpertStore {
     return INT_MAX;
   }
   virtual StoreStats stats() const { return stats_; }
+  // --cache-warm: brings ids (at most max_batch(layer)) into the layer's cache before the
+  // first token, not counted in the statistics. Stores without a cache do nothing.
+  virtual Status warm(int layer, std::span<const int> ids) {
+    (void)layer;
+    (void)ids;
+    return {};
+  }
   virtual Residency residency() const = 0;
   // The memory the store reads experts into (the streamed store's slots; empty for others),
   // e.g. for a GPU backend to pin it so copies from the slots run at the link's rate.

@@ -117,6 +117,36 @@ TEST_F(Cli, BadDeviceFlagsAreClearErrors) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// --cache-warm on the CPU's streamed store: the histogram of a first run fills each layer's
+// slots before the next run's first token; the logits are byte-identical to a cold run and
+// the warm run hits more (its warm-up reads are not counted).
+TEST_F(Cli, CacheWarmOnTheCpuStreamedStore) {
+  const fs::path hist = tmp_ / "hist.json", cold = tmp_ / "cold.npy", warm = tmp_ / "warm.npy";
+  const std::string tokens = " --tokens 5,6,7,8,9,10,11,12,13,14,15,16";
+  const std::string streamed = " --residency streamed --expert-cache-slots 2 --stats";
+  RunResult r = run("logits --model " + model_ + tokens + " --out " + (tmp_ / "h.npy").string() +
+                    " --router-hist " + hist.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  RunResult c = run("logits --model " + model_ + tokens + streamed + " --out " + cold.string());
+  ASSERT_EQ(c.code, 0) << c.err;
+  RunResult w = run("logits --model " + model_ + tokens + streamed + " --cache-warm " +
+                    hist.string() + " --out " + warm.string());
+  ASSERT_EQ(w.code, 0) << w.err;
+  EXPECT_EQ(read_all(cold), read_all(warm));
+  auto hits = [](const std::string& err) {
+    const size_t at = err.find(", hits ");
+    return at == std::string::npos ? -1L : std::stol(err.substr(at + 7));
+  };
+  EXPECT_GE(hits(c.err), 0) << c.err;
+  EXPECT_GT(hits(w.err), hits(c.err)) << "cold: " << c.err << "\nwarm: " << w.err;
+  // A histogram of another shape is refused, naming the file.
+  fs::path other = tmp_ / "other.json";
+  std::ofstream(other) << R"({"n_layers": 1, "n_experts": 4, "counts": [[1, 2, 3, 4]]})";
+  expect_error(run("logits --model " + model_ + tokens + streamed + " --cache-warm " +
+                   other.string() + " --out " + (tmp_ / "x.npy").string()),
+               other.string());
+}
+
 // The GPU expert cache's flags: each combination that cannot mean anything is an error that
 // names the flag, before any model is loaded.
 TEST_F(Cli, GpuExpertCacheFlagsAreClearErrors) {

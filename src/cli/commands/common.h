@@ -93,9 +93,12 @@ inline Result<ModelFlags> read_model_flags(const Args& args) {
                       "--residency streamed (or host on --device cuda)");
   if (!streamed && f.load.streamed.direct_io)
     return make_error("--direct-io needs --residency streamed");
-  if (!gpu_cache && (f.gpu.cache_gb > 0 || !f.cache_warm.empty()))
-    return make_error("--gpu-expert-cache-gb and --cache-warm need --device cuda with "
-                      "--residency host or streamed");
+  if (!gpu_cache && f.gpu.cache_gb > 0)
+    return make_error("--gpu-expert-cache-gb needs --device cuda with --residency host or "
+                      "streamed");
+  if (!gpu_cache && !streamed && !f.cache_warm.empty())
+    return make_error("--cache-warm needs an expert cache: --residency streamed (or host on "
+                      "--device cuda)");
   if (gpu_cache && f.load.expert_cache_mb)
     return make_error("--expert-cache-mb sizes the CPU's cache; on --device cuda give "
                       "--gpu-expert-cache-gb or --expert-cache-slots");
@@ -135,13 +138,22 @@ inline Result<Loaded> load_model(const ModelFlags& flags) {
 Result<std::vector<std::vector<uint64_t>>> read_cache_warm(const std::string& path,
                                                            const model::HParams& hp);
 
+// --cache-warm on the CPU's streamed store: each layer's slots filled with its most selected
+// experts (ties: lower id), before the first token and outside the statistics.
+Status warm_store(experts::ExpertStore& store, const std::vector<std::vector<uint64_t>>& counts);
+
 inline Result<std::unique_ptr<runtime::Engine>> make_session(const ModelFlags& flags,
                                                              const Loaded& m,
                                                              runtime::SessionOptions options) {
   options.quantize_q8_0 = flags.quantize_q8_0;
   options.gpu_experts = flags.gpu;
   if (!flags.cache_warm.empty()) {
-    TS_ASSIGN(options.gpu_experts.warm, read_cache_warm(flags.cache_warm, m.model->hp()));
+    TS_ASSIGN(auto counts, read_cache_warm(flags.cache_warm, m.model->hp()));
+    if (flags.gpu.residency != runtime::GpuResidency::kResident) {
+      options.gpu_experts.warm = std::move(counts);
+    } else {
+      TS_TRY(warm_store(m.model->experts(), counts));
+    }
   }
   return runtime::make_engine(*m.model, *m.pool, std::move(options), flags.device);
 }
