@@ -1,5 +1,7 @@
 #include "experts/expert_cache.h"
 
+#include <algorithm>
+
 #include "core/status.h"
 
 namespace ts::experts {
@@ -79,5 +81,15 @@ void SlotCache::invalidate(int slot) {
 }
 
 void SlotCache::unprotect_all() { std::fill(protected_.begin(), protected_.end(), false); }
+
+std::vector<int> most_selected(std::span<const uint64_t> counts, int n) {
+  std::vector<int> order;
+  for (size_t e = 0; e < counts.size(); ++e)
+    if (counts[e] > 0) order.push_back(int(e));
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return counts[size_t(a)] > counts[size_t(b)]; });
+  order.resize(std::min(order.size(), size_t(std::max(0, n))));
+  return order;
+}
 
 }  // namespace ts::experts

@@ -45,4 +45,8 @@ class SlotCache {
   std::vector<bool> protected_;      // [n_slots]
 };
 
+// --cache-warm: the experts of one layer with a positive count, most selected first (ties:
+// lower id), at most n of them.
+std::vector<int> most_selected(std::span<const uint64_t> counts, int n);
+
 }  // namespace ts::experts

@@ -240,7 +240,8 @@ class StreamedStore final : public ExpertStore {
       if (stop_) return;
       batch_.running = true;
       const int layer = batch_.layer;
-      const std::vector<Job> jobs = batch_.jobs;
+      // Nothing rewrites the jobs until the batch is done (acquire_begin waits for that).
+      const std::vector<Job>& jobs = batch_.jobs;
       lock.unlock();
       const auto t0 = std::chrono::steady_clock::now();
       readers_.parallel_for(int64_t(jobs.size()), 1, [&](int64_t b, int64_t e) {

@@ -988,12 +988,7 @@ Status CudaSession::warm_expert_cache() {
   for (size_t l = 0; l < w_.layers.size() && l < warm.size(); ++l) {
     CachedLayer& C = cached_[l];
     if (!C.cache || warm[l].empty()) continue;
-    std::vector<int> order;
-    for (int e = 0; e < hp_.n_experts && size_t(e) < warm[l].size(); ++e)
-      if (warm[l][size_t(e)] > 0) order.push_back(e);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return warm[l][size_t(a)] > warm[l][size_t(b)]; });
-    order.resize(std::min(order.size(), size_t(slots_per_layer_)));
+    const std::vector<int> order = experts::most_selected(warm[l], slots_per_layer_);
     experts::SlotCache::Plan plan;
     if (!C.cache->plan(order, &plan)) return make_error("internal: warm plan");
     std::vector<int> ids;
@@ -1401,12 +1396,15 @@ Status CudaSession::run_layers(int n, bool all_rows, bool last_chunk) {
       if (w_.layers[size_t(j)].is_moe) return j;
     return -1;
   };
-  if (prefetch && used_fraction_ >= 0.5) TS_TRY(prefetch_layer(next_moe(-1)));
+  // The next MoE layer's experts load while this layer computes. Routing that concentrates
+  // on few experts makes a whole-layer copy mostly waste: the next layer is prefetched only
+  // while the last grouped layer used half its experts.
+  auto prefetch_after = [&](int l) {
+    return prefetch && used_fraction_ >= 0.5 ? prefetch_layer(next_moe(l)) : Status{};
+  };
+  TS_TRY(prefetch_after(-1));
   for (int l = 0; l < hp_.n_layers; ++l) {
-    // The next MoE layer's experts load while this layer computes.
-    // Routing that concentrates on few experts makes a whole-layer copy mostly waste: the
-    // next layer is prefetched only while the last grouped layer used half its experts.
-    if (prefetch && used_fraction_ >= 0.5) TS_TRY(prefetch_layer(next_moe(l)));
+    TS_TRY(prefetch_after(l));
     TS_TRY(attention_block(l, n));
     const DevLayer& L = w_.layers[size_t(l)];
     if (L.is_moe) {
@@ -1711,14 +1709,16 @@ Status CudaSession::grouped_experts(int layer, int n) {
       point_expert(layer, e, at);
     }
   }
-  if (tiled && (!cached() || pf >= 0)) {
-    // Every used expert is bound (resident, cached, or in the prefetched layer buffer).
+  // Every used expert bound at once (resident, cached, or in the prefetched layer buffer):
+  // one pair of launches for all; otherwise expert by expert as each is bound.
+  const bool all_at_once = tiled && (!cached() || pf >= 0);
+  if (all_at_once) {
     if (cached() && C.table_stale) TS_TRY(sync_expert_table(layer));
     run_tiles(0, int(tiles.size()), nullptr);
   }
   for (int e = 0; e < hp_.n_experts; ++e) {
     const int m = count[size_t(e) + 1] - count[size_t(e)];
-    if (m == 0 || (tiled && (!cached() || pf >= 0))) continue;
+    if (m == 0 || all_at_once) continue;
     const int off = count[size_t(e)];
     int staged = -1;
     if (cached() && !hit[size_t(e)] && pf < 0) {

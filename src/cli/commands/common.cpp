@@ -1,6 +1,5 @@
 #include "cli/commands/common.h"
 
-#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -100,13 +99,7 @@ void print_stats(const nlohmann::json& j) {
 Status warm_store(experts::ExpertStore& store, const std::vector<std::vector<uint64_t>>& counts) {
   for (size_t l = 0; l < counts.size(); ++l) {
     if (counts[l].empty()) continue;
-    std::vector<int> order;
-    for (size_t e = 0; e < counts[l].size(); ++e)
-      if (counts[l][e] > 0) order.push_back(int(e));
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return counts[l][size_t(a)] > counts[l][size_t(b)]; });
-    order.resize(std::min(order.size(), size_t(std::max(0, store.max_batch(int(l))))));
-    TS_TRY(store.warm(int(l), order));
+    TS_TRY(store.warm(int(l), experts::most_selected(counts[l], store.max_batch(int(l)))));
   }
   return {};
 }
