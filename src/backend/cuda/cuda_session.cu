@@ -345,7 +345,9 @@ class CudaSession final : public runtime::Engine {
   Status grouped_experts(int layer, int n);
   Status dense_mlp(const DevMlp& mlp, int n, int d_hidden, float* out);
   // y[n, rows] (+)= x[n, cols] . W^T: the GEMV kernel for few tokens, cuBLAS beyond.
-  Status linear(const DevMatrix& w, const float* x, int n, float* y, bool accumulate = false);
+  // x_q8: x's Q8 blocks, already written (GEMV-sized n with Q8_0 weights only).
+  Status linear(const DevMatrix& w, const float* x, int n, float* y, bool accumulate = false,
+                const QAct* x_q8 = nullptr);
   // cuBLAS: y[n, rows] (+)= x . W^T where x is already in the GEMM input type of w.
   Status gemm(const DevMatrix& w, const void* x, int n, float* y, bool accumulate);
   DType gemm_input_type(DType w) const {
@@ -1451,8 +1453,11 @@ Status CudaSession::layer_boundary(int layer, int n, bool last_chunk) {
 }
 
 int CudaSession::attention_splits(int n, int max_keys) const {
-  // Enough blocks to fill the GPU (~4 per SM on 132 SMs) without splits of under 32 keys.
-  const int want = (528 + hp_.n_heads * n - 1) / (hp_.n_heads * n);
+  // Enough blocks to fill the GPU without splits of under 32 keys: ~4 per SM on 132 SMs
+  // for a block per query head, ~2 for a block per KV head (it scores its whole group).
+  const bool gqa = gqa_attention_applies(hp_.n_heads, hp_.n_kv_heads, hp_.head_dim);
+  const int per_split = (gqa ? hp_.n_kv_heads : hp_.n_heads) * n, target = gqa ? 264 : 528;
+  const int want = (target + per_split - 1) / per_split;
   int splits = std::clamp(want, 1, std::max(1, (max_keys + 31) / 32));
   splits = std::min(splits, std::max(1, partial_rows_ / n));
   return splits;
@@ -1461,20 +1466,22 @@ int CudaSession::attention_splits(int n, int max_keys) const {
 Status CudaSession::attention_block(int layer, int n) {
   const DevLayer& L = w_.layers[size_t(layer)];
   const int d = hp_.d_model, qd = hp_.q_dim(), kvd = hp_.kv_dim();
+  const bool qkv_gemv =
+      n <= kGemvMaxTokens && L.wk.dtype == L.wq.dtype && L.wv.dtype == L.wq.dtype;
+  // The norm also writes the Q8 copy the q|k|v GEMV reads.
+  const bool qkv_q8 = qkv_gemv && q8_activations(L.wq.dtype, L.wq.cols);
   TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
-    return launch([&] { rmsnorm(x_, L.attn_norm, xn_, n, d, hp_.rms_eps, stream_); });
+    return launch([&] {
+      rmsnorm(x_, L.attn_norm, xn_, n, d, hp_.rms_eps, stream_, qkv_q8 ? qx_ : QAct{});
+    });
   }));
   TS_TRY(prof_.time("qkv", double(L.wq.n_bytes() + L.wk.n_bytes() + L.wv.n_bytes()), stream_,
                     [&]() -> Status {
-                      if (n <= kGemvMaxTokens && L.wk.dtype == L.wq.dtype &&
-                          L.wv.dtype == L.wq.dtype) {
+                      if (qkv_gemv) {
                         const DevMatrix w[3] = {L.wq, L.wk, L.wv};
                         float* const y[3] = {q_, k_, v_};
                         GemvInput in{xn_};
-                        if (q8_activations(L.wq.dtype, L.wq.cols)) {
-                          quantize_act(xn_, int64_t(n) * d, qx_, stream_);
-                          in.q = qx_;
-                        }
+                        if (qkv_q8) in.q = qx_;
                         gemv_parts(w, y, 3, in, n, false, stream_);
                         return {};
                       }
@@ -1506,18 +1513,21 @@ Status CudaSession::attention_block(int layer, int n) {
     });
   }));
   const int splits = n == 1 && graph_splits_ > 0 ? graph_splits_ : attention_splits(n, pos_ + n);
+  // A Q8_0 wo reads the attention output as Q8 blocks, written by the attention's merge.
+  const bool wo_q8 = n <= kGemvMaxTokens && q8_activations(L.wo.dtype, L.wo.cols);
   const double kv_bytes = 2.0 * double(pos_ + n) * kvd * 4;
   TS_TRY(prof_.time("attention", kv_bytes, stream_, [&] {
     return launch([&] {
   attention({.q = q_, .k_cache = k_cache_ + layer_off, .v_cache = v_cache_ + layer_off,
              .out = att_, .partial = partial_, .pos = pos_dev_, .n = n, .n_heads = hp_.n_heads,
              .n_kv_heads = hp_.n_kv_heads, .head_dim = hp_.head_dim, .n_splits = splits,
-             .tensor_cores = L.wq.dtype != DType::kF32},
+             .tensor_cores = L.wq.dtype != DType::kF32, .out_q = wo_q8 ? qx_ : QAct{}},
             stream_);
     });
   }));
-  return prof_.time("wo", double(L.wo.n_bytes()), stream_,
-                    [&] { return linear(L.wo, att_, n, x_, /*accumulate=*/true); });
+  return prof_.time("wo", double(L.wo.n_bytes()), stream_, [&] {
+    return linear(L.wo, att_, n, x_, /*accumulate=*/true, wo_q8 ? &qx_ : nullptr);
+  });
 }
 
 Status CudaSession::dense_mlp(const DevMlp& mlp, int n, int d_hidden, float* out) {
@@ -1530,8 +1540,13 @@ Status CudaSession::dense_mlp(const DevMlp& mlp, int n, int d_hidden, float* out
 Status CudaSession::moe_block(int layer, int n) {
   const DevLayer& L = w_.layers[size_t(layer)];
   const int d = hp_.d_model, k = hp_.top_k;
+  // The norm also writes the Q8 copy the experts' gate|up GEMVs read (a Q8_0 router's
+  // GEMV re-quantizes the same rows to the same bytes).
+  const bool experts_q8 = n <= kGemvMaxTokens && q8_activations(L.experts[0].gate.dtype, d);
   TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
-    return launch([&] { rmsnorm(x_, L.ffn_norm, xn_, n, d, hp_.rms_eps, stream_); });
+    return launch([&] {
+      rmsnorm(x_, L.ffn_norm, xn_, n, d, hp_.rms_eps, stream_, experts_q8 ? qx_ : QAct{});
+    });
   }));
   TS_TRY(prof_.time("router", double(L.router.n_bytes()), stream_,
                     [&] { return linear(L.router, xn_, n, router_); }));
@@ -1565,8 +1580,7 @@ Status CudaSession::moe_block(int layer, int n) {
                     // Without a shared expert the sum goes straight onto the residual.
                     .accumulate = !L.shared.gate.present()};
     if (a.accumulate) a.out = x_;
-    if (q8_activations(a.gate_dtype, d)) {
-      quantize_act(xn_, int64_t(n) * d, qx_, stream_);
+    if (experts_q8) {
       a.xq = qx_.q;
       a.xd = qx_.d;
     }
@@ -1763,10 +1777,13 @@ Status CudaSession::grouped_experts(int layer, int n) {
   return {};
 }
 
-Status CudaSession::linear(const DevMatrix& w, const float* x, int n, float* y, bool accumulate) {
+Status CudaSession::linear(const DevMatrix& w, const float* x, int n, float* y, bool accumulate,
+                           const QAct* x_q8) {
   if (n <= kGemvMaxTokens) {
     GemvInput in{x};
-    if (q8_activations(w.dtype, w.cols)) {
+    if (x_q8) {
+      in.q = *x_q8;  // x already quantized by the kernel that wrote it
+    } else if (q8_activations(w.dtype, w.cols)) {
       quantize_act(x, int64_t(n) * w.cols, qx_, stream_);
       in.q = qx_;
     }

@@ -7,11 +7,53 @@
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <cstdlib>
+#include <string_view>
+#include <utility>
 
 namespace ts::cuda {
 namespace {
 
 // ---------------------------------------------------------------- device helpers
+
+// Programmatic dependent launch (sm_90): every kernel is launched with
+// programmaticStreamSerializationAllowed, so the next kernel in the stream (or graph) is
+// scheduled while this one finishes instead of after; each kernel's first statement,
+// pdl_wait(), blocks until the kernels before it have completed and their writes are
+// visible, then lets the next one launch. Every kernel calls it, so the ordering is as
+// strict as a plain stream's (completion is transitive: no kernel completes before its
+// predecessor). TS_PDL=0 launches plainly (to measure what it saves).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TS_PDL");
+    return !(e && std::string_view(e) == "0");
+  }();
+  return on;
+}
+
+template <class... P, class... A>
+void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                   A&&... args) {
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  // An error stays the runtime's last error, which the session checks after the step.
+  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
 
 __device__ __forceinline__ float bf16_bits(uint32_t h) { return __uint_as_float(h << 16); }
 __device__ __forceinline__ float f16_bits(uint32_t h) {
@@ -80,14 +122,34 @@ __device__ __forceinline__ void q8_0_block_dot(const uint16_t* blk, const float*
 // Instead the warp copies blocks [b0, b0 + nbt) (nbt <= 64) of the row into its shared tile
 // with coalesced 16-byte loads (rows of a multiple of 256 columns are 16-byte aligned), and
 // lanes then compute on whole blocks from the tile.
+//
+// The copies are cp.async (global -> shared without registers): all of a warp's 16-byte
+// pieces are in flight at once, rather than each load waiting for the store before it.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Starts the warp's copy of `bytes` (a multiple of 16; both ends 16-byte aligned) to dst.
+__device__ __forceinline__ void warp_copy_async(uint8_t* dst, const uint8_t* src, int bytes,
+                                                int lane) {
+  for (int i = lane * 16; i < bytes; i += 32 * 16) cp_async16(dst + i, src + i);
+}
+
+// Waits for the warp's copies and makes them visible to all its lanes.
+__device__ __forceinline__ void warp_copy_wait() {
+  cp_async_wait_all();
+  __syncwarp();
+}
+
 __device__ __forceinline__ const uint8_t* q8_0_tile(const uint8_t* row, int b0, int nbt,
                                                     int lane) {
   __shared__ __align__(16) uint8_t tiles[kRowWarps][64 * 34];
   uint8_t* tile = tiles[threadIdx.x / 32];
-  const uint4* src = reinterpret_cast<const uint4*>(row + size_t(b0) * 34);
-  __syncwarp();
-  for (int i = lane; i < nbt * 34 / 16; i += 32) reinterpret_cast<uint4*>(tile)[i] = __ldg(src + i);
-  __syncwarp();
+  __syncwarp();  // the previous tile is no longer read
+  warp_copy_async(tile, row + size_t(b0) * 34, nbt * 34, lane);
+  warp_copy_wait();
   return tile;
 }
 
@@ -202,6 +264,37 @@ __device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int 
 // acc[t] += row . x[t] for Q8_0 weights and Q8 activations (xq int8 [t][cols], xd one scale
 // per 32 values): per block d_w * d_x * sum(q_w * q_x), the integer sum by dp4a. Rows are
 // staged through a shared tile as in row_dot; precondition cols % 256 == 0.
+// Blocks [b0, b0 + nbt) of a row staged at `tile` (block b0 first): the lane's blocks
+// b0 + lane, b0 + lane + 32, ... in that order.
+template <int NT>
+__device__ __forceinline__ void q8q8_tile_dot(const uint8_t* tile, int b0, int nbt,
+                                              const int8_t* xq, const float* xd, int cols, int nt,
+                                              float (&acc)[NT], int lane) {
+  const int nb = cols / 32;
+  for (int b = lane; b < nbt; b += 32) {
+    const uint16_t* blk = reinterpret_cast<const uint16_t*>(tile + b * 34);
+    const float dw = f16_bits(blk[0]);
+    int w32[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w32[i] = int(uint32_t(blk[1 + 2 * i]) | uint32_t(blk[2 + 2 * i]) << 16);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < nt) {
+        const int4* xv = reinterpret_cast<const int4*>(xq + size_t(t) * cols + (b0 + b) * 32);
+        const int4 x0 = xv[0], x1 = xv[1];
+        int s = __dp4a(w32[0], x0.x, 0);
+        s = __dp4a(w32[1], x0.y, s);
+        s = __dp4a(w32[2], x0.z, s);
+        s = __dp4a(w32[3], x0.w, s);
+        s = __dp4a(w32[4], x1.x, s);
+        s = __dp4a(w32[5], x1.y, s);
+        s = __dp4a(w32[6], x1.z, s);
+        s = __dp4a(w32[7], x1.w, s);
+        acc[t] += dw * xd[size_t(t) * nb + b0 + b] * float(s);
+      }
+  }
+}
+
 template <int NT>
 __device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* xq,
                                              const float* xd, int cols, int nt, float (&acc)[NT],
@@ -209,31 +302,14 @@ __device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* x
   const int nb = cols / 32;
   for (int b0 = 0; b0 < nb; b0 += 64) {
     const int nbt = min(64, nb - b0);
-    const uint8_t* tile = q8_0_tile(row, b0, nbt, lane);
-    for (int b = lane; b < nbt; b += 32) {
-      const uint16_t* blk = reinterpret_cast<const uint16_t*>(tile + b * 34);
-      const float dw = f16_bits(blk[0]);
-      int w32[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) w32[i] = int(uint32_t(blk[1 + 2 * i]) | uint32_t(blk[2 + 2 * i]) << 16);
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-        if (t < nt) {
-          const int4* xv = reinterpret_cast<const int4*>(xq + size_t(t) * cols + (b0 + b) * 32);
-          const int4 x0 = xv[0], x1 = xv[1];
-          int s = __dp4a(w32[0], x0.x, 0);
-          s = __dp4a(w32[1], x0.y, s);
-          s = __dp4a(w32[2], x0.z, s);
-          s = __dp4a(w32[3], x0.w, s);
-          s = __dp4a(w32[4], x1.x, s);
-          s = __dp4a(w32[5], x1.y, s);
-          s = __dp4a(w32[6], x1.z, s);
-          s = __dp4a(w32[7], x1.w, s);
-          acc[t] += dw * xd[size_t(t) * nb + b0 + b] * float(s);
-        }
-    }
+    q8q8_tile_dot<NT>(q8_0_tile(row, b0, nbt, lane), b0, nbt, xq, xd, cols, nt, acc, lane);
   }
 }
+
+// Rows staged whole by the MoE kernels: up to this many bytes per warp (8 down rows of 1,024
+// columns, or a gate and an up row of 4,096), all copies in flight at once. Same lane order
+// as row_dot_q8q8, so the same sums to the bit.
+constexpr int kStagedBytes = 8 * 1088;
 
 // row . x for any weight type; Q8_0 rows take the Q8 activations (xq, xd) when given.
 template <DType T, int NT>
@@ -272,6 +348,7 @@ struct GemvParams {
 
 template <DType T, int NT>
 __global__ void gemv_kernel(GemvParams p) {
+  pdl_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int64_t r = int64_t(blockIdx.x) * kWarps + warp;
   if (r >= p.total_rows) return;
@@ -295,6 +372,7 @@ __global__ void gemv_kernel(GemvParams p) {
 
 __global__ void embed_kernel(const uint8_t* table, DType type, size_t row_bytes, const int* ids,
                              int d, float* x) {
+  pdl_wait();
   const int t = blockIdx.y;
   const uint8_t* row = table + size_t(ids[t]) * row_bytes;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d; i += gridDim.x * blockDim.x) {
@@ -306,7 +384,9 @@ __global__ void embed_kernel(const uint8_t* table, DType type, size_t row_bytes,
   }
 }
 
-__global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int cols, float eps) {
+__global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int cols, float eps,
+                               QAct q) {
+  pdl_wait();
   const float* xr = x + size_t(blockIdx.x) * cols;
   float* yr = y + size_t(blockIdx.x) * cols;
   float ss = 0;
@@ -322,22 +402,38 @@ __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int col
   }
   __syncthreads();
   const float inv = rsqrtf(part[0] / float(cols) + eps);
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) yr[i] = xr[i] * inv * w[i];
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+    const float v = xr[i] * inv * w[i];
+    yr[i] = v;
+    if (q.q) {
+      // A warp's lanes hold one whole Q8 block (blockDim and cols are multiples of 32):
+      // quantized exactly as quantize_act_kernel does.
+      float amax = fabsf(v);
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+      const size_t at = size_t(blockIdx.x) * cols + i;
+      q.q[at] = int8_t(__float2int_rn(v * id));
+      if (i % 32 == 0) q.d[at / 32] = db;
+    }
+  }
 }
 
 __global__ void add_bias_kernel(float* y, const float* b, int64_t total, int dim) {
+  pdl_wait();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x)
     y[i] += b[i % dim];
 }
 
 __global__ void add_kernel(float* x, const float* y, int64_t n) {
+  pdl_wait();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     x[i] += y[i];
 }
 
 __global__ void silu_mul_kernel(const float* g, const float* u, float* h, int64_t n) {
+  pdl_wait();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -345,6 +441,7 @@ __global__ void silu_mul_kernel(const float* g, const float* u, float* h, int64_
 
 __global__ void moe_residual_kernel(float* x, const float* moe, const float* shared,
                                     const float* shared_z, int n, int d) {
+  pdl_wait();
   const int64_t total = int64_t(n) * d;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -359,6 +456,7 @@ __global__ void moe_residual_kernel(float* x, const float* moe, const float* sha
 
 // grid (n, max(n_heads, n_kv_heads)), block head_dim / 2 threads.
 __global__ void rope_kv_kernel(RopeKvArgs a) {
+  pdl_wait();
   // Threads i >= half (the block is whole warps) only join the norm's reductions.
   const int t = blockIdx.x, h = blockIdx.y, half = a.head_dim / 2;
   const bool live = int(threadIdx.x) < half;
@@ -410,6 +508,7 @@ constexpr int kAttnWarps = 4;
 constexpr int kPerLane = kMaxHeadDim / 32;
 
 __global__ void attention_split_kernel(AttentionArgs a) {
+  pdl_wait();
   const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, g = h / group;
@@ -507,14 +606,124 @@ __global__ void attention_split_kernel(AttentionArgs a) {
   }
 }
 
+// Decode attention by KV head: grid (n_kv_heads, n_splits, n), block min(group, 8) warps. A
+// block takes the group of query heads sharing one KV head and a range of keys, and walks it
+// in tiles of 32 keys staged once in shared memory (so K and V are read once per KV head, not
+// once per query head). Lane j scores key j of the tile for each head of its warp (warp w of
+// W owns heads w, w + W, ...), then the warp updates that head's online softmax and output
+// (lane holds dims lane, lane + 32, ...). Writes (m, l, acc[head_dim]) per head and split for the merge.
+// Splits take whole tiles, so short contexts leave later splits empty (m = -inf).
+constexpr int kGqaTile = 32, kGqaMaxWarps = 8, kGqaMaxHeadsPerWarp = 4, kGqaPerLane = 4;  // head_dim <= 128
+
+__host__ __device__ constexpr size_t gqa_smem_floats(int group, int hd) {
+  return size_t(kGqaTile) * size_t(hd + 4) + size_t(kGqaTile) * size_t(hd) + size_t(group) * size_t(hd);
+}
+
+__global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(AttentionArgs a) {
+  pdl_wait();
+  extern __shared__ float4 gqa_smem4[];
+  float* smem = reinterpret_cast<float*>(gqa_smem4);
+  const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+  const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, kv_dim = a.n_kv_heads * hd;
+  const int ks = hd + 4;  // padded K row: lanes reading float4s of different keys miss banks
+  float* Ks = smem;
+  float* Vs = Ks + kGqaTile * ks;
+  float* qs = Vs + kGqaTile * hd;
+  const int n_keys = *a.pos + t + 1;
+  const int per = (n_keys + a.n_splits - 1) / a.n_splits;
+  const int chunk = (per + kGqaTile - 1) / kGqaTile * kGqaTile;
+  const int j0 = split * chunk, j1 = min(n_keys, j0 + chunk);
+  const float scale = rsqrtf(float(hd));
+  const int h0 = g * group;
+  for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
+    qs[i] = a.q[size_t(t) * a.n_heads * hd + size_t(h0) * hd + i];
+  float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
+#pragma unroll
+  for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
+    m[x] = -INFINITY;
+    l[x] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kGqaPerLane; ++i) acc[x][i] = 0.0f;
+  }
+  const int hd4 = hd / 4;
+  for (int jt = j0; jt < j1; jt += kGqaTile) {
+    const int nk = min(kGqaTile, j1 - jt);
+    __syncthreads();  // the previous tile is no longer read (and q is written, first time)
+    for (int i = threadIdx.x; i < kGqaTile * hd4; i += blockDim.x) {
+      const int j = i / hd4, c4 = i % hd4;
+      float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kv4;
+      if (j < nk) {
+        const size_t at = size_t(jt + j) * kv_dim + size_t(g) * hd;
+        kv4 = reinterpret_cast<const float4*>(a.k_cache + at)[c4];
+        vv4 = reinterpret_cast<const float4*>(a.v_cache + at)[c4];
+      }
+      reinterpret_cast<float4*>(Ks + j * ks)[c4] = kv4;
+      reinterpret_cast<float4*>(Vs + j * hd)[c4] = vv4;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
+      const int hh = warp + n_warps * x;
+      if (hh >= group) break;
+      const float4* q4 = reinterpret_cast<const float4*>(qs + hh * hd);
+      const float4* k4 = reinterpret_cast<const float4*>(Ks + lane * ks);
+      float s = 0.0f;
+#pragma unroll 8
+      for (int c = 0; c < hd4; ++c) s += dot4(q4[c], k4[c]);
+      s = lane < nk ? s * scale : -INFINITY;
+      float mt = s;
+      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+      const float m_new = fmaxf(m[x], mt);
+      const float corr = expf(m[x] - m_new);
+      const float p = lane < nk ? expf(s - m_new) : 0.0f;
+      l[x] = l[x] * corr + warp_sum(p);
+#pragma unroll
+      for (int i = 0; i < kGqaPerLane; ++i) acc[x][i] *= corr;
+#pragma unroll 4
+      for (int j = 0; j < nk; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, p, j);
+#pragma unroll
+        for (int i = 0; i < kGqaPerLane; ++i) {
+          const int dim = lane + 32 * i;
+          if (dim < hd) acc[x][i] += pj * Vs[j * hd + dim];
+        }
+      }
+      m[x] = m_new;
+    }
+  }
+#pragma unroll
+  for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
+    const int hh = warp + n_warps * x;
+    if (hh >= group) break;
+    float* out = a.partial + ((size_t(t) * a.n_heads + h0 + hh) * a.n_splits + split) * (hd + 2);
+#pragma unroll
+    for (int i = 0; i < kGqaPerLane; ++i) {
+      const int dim = lane + 32 * i;
+      if (dim < hd) out[2 + dim] = acc[x][i];
+    }
+    if (lane == 0) {
+      out[0] = m[x];
+      out[1] = l[x];
+    }
+  }
+}
+
 // grid (n_heads, n), block 128: merges the splits.
 __global__ void attention_merge_kernel(AttentionArgs a) {
+  pdl_wait();
   const int h = blockIdx.x, t = blockIdx.y, hd = a.head_dim;
   const float* part = a.partial + (size_t(t) * a.n_heads + h) * a.n_splits * (hd + 2);
+  // Splits past the last key are empty (m = -inf) and only trail: stop at the first.
   float M = -INFINITY;
-  for (int s = 0; s < a.n_splits; ++s) M = fmaxf(M, part[s * (hd + 2)]);
+  int used = 0;
+  for (; used < a.n_splits; ++used) {
+    const float ms = part[used * (hd + 2)];
+    if (ms == -INFINITY) break;
+    M = fmaxf(M, ms);
+  }
   float L = 0;
-  for (int s = 0; s < a.n_splits; ++s) {
+  for (int s = 0; s < used; ++s) {
     const float ms = part[s * (hd + 2)];
     if (ms > -INFINITY) L += part[s * (hd + 2) + 1] * expf(ms - M);
   }
@@ -522,11 +731,23 @@ __global__ void attention_merge_kernel(AttentionArgs a) {
   float* o = a.out + size_t(t) * a.n_heads * hd + size_t(h) * hd;
   for (int dim = threadIdx.x; dim < hd; dim += blockDim.x) {
     float v = 0;
-    for (int s = 0; s < a.n_splits; ++s) {
+    for (int s = 0; s < used; ++s) {
       const float ms = part[s * (hd + 2)];
       if (ms > -INFINITY) v += part[s * (hd + 2) + 2 + dim] * expf(ms - M);
     }
-    o[dim] = v * inv;
+    v *= inv;
+    o[dim] = v;
+    if (a.out_q.q) {
+      // head_dim % 32 == 0 (attention() checks): a warp's lanes hold one whole Q8 block of the
+      // output row, quantized exactly as quantize_act_kernel does.
+      float amax = fabsf(v);
+      for (int off = 16; off > 0; off >>= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+      const size_t at = size_t(t) * a.n_heads * hd + size_t(h) * hd + dim;
+      a.out_q.q[at] = int8_t(__float2int_rn(v * id));
+      if (at % 32 == 0) a.out_q.d[at / 32] = db;
+    }
   }
 }
 
@@ -537,6 +758,7 @@ __global__ void attention_merge_kernel(AttentionArgs a) {
 constexpr int kPrefillQ = 16, kPrefillK = 32, kPrefillHd = 128;
 
 __global__ void attention_prefill_kernel(AttentionArgs a) {
+  pdl_wait();
   constexpr int kPer = kPrefillHd / 32, kRows = kPrefillQ / kAttnWarps;
   __shared__ __align__(16) float sq[kPrefillQ][kPrefillHd];
   // +4 floats per row: lanes read rows as float4 without bank conflicts.
@@ -663,6 +885,7 @@ __device__ __forceinline__ void fa_stage(const float* src, size_t stride, int r0
 
 template <int HD>
 __global__ void __launch_bounds__(128) attention_tc_kernel(AttentionArgs a) {
+  pdl_wait();
   namespace wmma = nvcuda::wmma;
   extern __shared__ __align__(128) unsigned char fa_smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(fa_smem);
@@ -763,6 +986,7 @@ __global__ void __launch_bounds__(128) attention_tc_kernel(AttentionArgs a) {
 
 // One warp per token; lane i holds experts i, i + 32, ...
 __global__ void route_kernel(RouteArgs a) {
+  pdl_wait();
   constexpr int kPer = kMaxExperts / 32;
   const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (t >= a.n) return;
@@ -786,7 +1010,8 @@ __global__ void route_kernel(RouteArgs a) {
   sum = warp_sum(sum);
 #pragma unroll
   for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < a.n_experts ? p[i] / sum : -1.0f;
-  float picked_sum = 0;
+  float picked_sum = 0, mine_w = 0.0f;
+  int mine_e = 0;
   for (int r = 0; r < a.top_k; ++r) {
     float best = -2.0f;
     int best_e = INT_MAX;
@@ -804,21 +1029,38 @@ __global__ void route_kernel(RouteArgs a) {
         best_e = oe;
       }
     }
-    if (lane == best_e % 32) p[best_e / 32] = -1.0f;  // taken
-    if (lane == 0) {
-      a.ids[size_t(t) * a.top_k + r] = best_e;
-      a.weights[size_t(t) * a.top_k + r] = best;
-      if (a.hist) atomicAdd(a.hist + best_e, 1ull);
+    // Taken (unrolled: a computed index would move p to local memory).
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (lane + 32 * i == best_e) p[i] = -1.0f;
+    // Lane r % 32 keeps rank r's id and weight until its group of 32 ranks is written.
+    if (lane == r % 32) {
+      mine_e = best_e;
+      mine_w = best;
     }
     picked_sum += best;
+    if (r % 32 == 31 || r == a.top_k - 1) {
+      // Up to 32 ranks: picked_sum is complete here, so the weights are written renormalized
+      // once; more ranks are written raw and divided after the last.
+      const int base = r - r % 32;
+      const bool norm_now = a.renormalize && a.top_k <= 32;
+      if (lane <= r % 32) {
+        a.ids[size_t(t) * a.top_k + base + lane] = mine_e;
+        a.weights[size_t(t) * a.top_k + base + lane] = norm_now ? mine_w / picked_sum : mine_w;
+        if (a.hist) atomicAdd(a.hist + mine_e, 1ull);
+      }
+    }
   }
-  if (a.renormalize && lane == 0)
-    for (int r = 0; r < a.top_k; ++r) a.weights[size_t(t) * a.top_k + r] /= picked_sum;
+  if (a.renormalize && a.top_k > 32) {
+    __syncwarp();
+    for (int r = lane; r < a.top_k; r += 32) a.weights[size_t(t) * a.top_k + r] /= picked_sum;
+  }
 }
 
 // grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
 template <DType T>
 __global__ void moe_gate_up_kernel(MoeArgs a) {
+  pdl_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
   if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
@@ -830,6 +1072,22 @@ __global__ void moe_gate_up_kernel(MoeArgs a) {
   const uint8_t* ur = static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb;
   const int8_t* xq = a.xq ? a.xq + size_t(t) * a.d_model : nullptr;
   const float* xd = a.xd ? a.xd + size_t(t) * (a.d_model / 32) : nullptr;
+  if constexpr (T == DType::kQ8_0) {
+    if (xq && 2 * rb <= size_t(kStagedBytes)) {
+      // Both rows in flight at once.
+      __shared__ __align__(16) uint8_t staged[kRowWarps][kStagedBytes];
+      uint8_t* tile = staged[warp];
+      warp_copy_async(tile, gr, int(rb), lane);
+      warp_copy_async(tile + rb, ur, int(rb), lane);
+      warp_copy_wait();
+      const int nb = a.d_model / 32;
+      q8q8_tile_dot<1>(tile, 0, nb, xq, xd, a.d_model, 1, g, lane);
+      q8q8_tile_dot<1>(tile + rb, 0, nb, xq, xd, a.d_model, 1, u, lane);
+      const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
+      if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
+      return;
+    }
+  }
   row_dot_any<T, 1>(gr, x, xq, xd, a.d_model, 1, g, lane);
   row_dot_any<T, 1>(ur, x, xq, xd, a.d_model, 1, u, lane);
   const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
@@ -839,6 +1097,7 @@ __global__ void moe_gate_up_kernel(MoeArgs a) {
 // grid (ceil(d_model / kWarps), n): warp per (token, row), ranks summed in order.
 template <DType T>
 __global__ void moe_down_sum_kernel(MoeArgs a) {
+  pdl_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, t = blockIdx.y;
   if (r >= a.d_model) return;
@@ -896,6 +1155,31 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
       return;
     }
   }
+  if constexpr (T == DType::kQ8_0) {
+    if (a.hq && size_t(a.top_k) * rb <= size_t(kStagedBytes)) {
+      // All top_k rows in flight at once, then the same sums as below.
+      __shared__ __align__(16) uint8_t staged[kRowWarps][kStagedBytes];
+      uint8_t* tile = staged[warp];
+      for (int k = 0; k < a.top_k; ++k)
+        warp_copy_async(tile + size_t(k) * rb,
+                        static_cast<const uint8_t*>(a.down[a.ids[t * a.top_k + k]]) + size_t(r) * rb,
+                        int(rb), lane);
+      warp_copy_wait();
+      const int nb = a.d_expert / 32;
+      for (int k = 0; k < a.top_k; ++k) {
+        const int s = t * a.top_k + k;
+        float acc[1] = {};
+        q8q8_tile_dot<1>(tile + size_t(k) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                         a.hd + size_t(s) * nb, a.d_expert, 1, acc, lane);
+        total += a.weights[s] * warp_sum(acc[0]);
+      }
+      if (lane == 0) {
+        float* o = a.out + size_t(t) * a.d_model + r;
+        *o = a.accumulate ? *o + total : total;
+      }
+      return;
+    }
+  }
   for (int k = 0; k < a.top_k; ++k) {
     const int s = t * a.top_k + k;
     float acc[1] = {};
@@ -920,6 +1204,7 @@ __device__ __forceinline__ void store_as(void* dst, DType type, size_t i, float 
 
 __global__ void gather_rows_kernel(const float* src, const int* src_row, int d, void* dst,
                                    DType type) {
+  pdl_wait();
   const int i = blockIdx.y;
   const float* row = src + size_t(src_row[i]) * d;
   for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x)
@@ -927,6 +1212,7 @@ __global__ void gather_rows_kernel(const float* src, const int* src_row, int d, 
 }
 
 __global__ void convert_kernel(const float* src, void* dst, DType type, int64_t n) {
+  pdl_wait();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     store_as(dst, type, size_t(i), src[i]);
@@ -961,6 +1247,7 @@ __device__ float matrix_elem(const uint8_t* w, DType type, size_t row_bytes, int
 
 __global__ void dequantize_kernel(const uint8_t* w, DType type, size_t row_bytes, int64_t rows,
                                   int64_t cols, void* dst, DType dst_type) {
+  pdl_wait();
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x)
@@ -969,6 +1256,7 @@ __global__ void dequantize_kernel(const uint8_t* w, DType type, size_t row_bytes
 
 __global__ void slot_sum_kernel(const float* rows, const int* row_of, const float* weights, int k,
                                 int d, float* out) {
+  pdl_wait();
   const int t = blockIdx.y;
   for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x) {
     float total = 0;
@@ -980,6 +1268,7 @@ __global__ void slot_sum_kernel(const float* rows, const int* row_of, const floa
 
 // One thread per 32-value block: d = max|x| / 127, q = round(x / d) (llama.cpp reference).
 __global__ void quantize_q8_0_kernel(const float* x, uint8_t* out, int64_t n_blocks) {
+  pdl_wait();
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < n_blocks;
        b += int64_t(gridDim.x) * blockDim.x) {
     const float* xb = x + b * 32;
@@ -995,6 +1284,7 @@ __global__ void quantize_q8_0_kernel(const float* x, uint8_t* out, int64_t n_blo
 
 // Activations as Q8 blocks: one thread per 32 values, d = max|x| / 127, q = round(x / d).
 __global__ void quantize_act_kernel(const float* x, int8_t* q, float* d, int64_t n_blocks) {
+  pdl_wait();
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < n_blocks;
        b += int64_t(gridDim.x) * blockDim.x) {
     const float4* xb = reinterpret_cast<const float4*>(x + b * 32);
@@ -1033,6 +1323,7 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
 }
 
 __global__ void fill_uniform_kernel(void* dst, DType type, int64_t n, float scale, uint64_t seed) {
+  pdl_wait();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const uint64_t z = mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
@@ -1045,6 +1336,7 @@ __global__ void fill_uniform_kernel(void* dst, DType type, int64_t n, float scal
 // and random bytes for the packed 6-bit scales/mins and the nibbles, so every value lies in
 // [-scale, 2 * scale].
 __global__ void fill_q4k_kernel(uint8_t* dst, int64_t n_blocks, float scale, uint64_t seed) {
+  pdl_wait();
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < n_blocks;
        b += int64_t(gridDim.x) * blockDim.x) {
     uint8_t* blk = dst + b * 144;
@@ -1062,6 +1354,7 @@ __global__ void fill_q4k_kernel(uint8_t* dst, int64_t n_blocks, float scale, uin
 // a draw without replacement from softmax(bias), new for every position.
 __global__ void synthetic_route_kernel(float* logits, const float* bias, const int* pos, int n,
                                        int n_experts, uint64_t seed) {
+  pdl_wait();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n * n_experts) return;
   const int t = i / n_experts, e = i % n_experts;
@@ -1072,6 +1365,7 @@ __global__ void synthetic_route_kernel(float* logits, const float* bias, const i
 }
 
 __global__ void fill_value_kernel(float* dst, int64_t n, float v) {
+  pdl_wait();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = v;
@@ -1087,11 +1381,11 @@ template <int NT>
 void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
   const dim3 grid(unsigned((p.total_rows + kWarps - 1) / kWarps), unsigned((p.n + NT - 1) / NT));
   switch (w.dtype) {
-    case DType::kF32: gemv_kernel<DType::kF32, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
-    case DType::kF16: gemv_kernel<DType::kF16, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
-    case DType::kBF16: gemv_kernel<DType::kBF16, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
-    case DType::kQ8_0: gemv_kernel<DType::kQ8_0, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
-    case DType::kQ4_K: gemv_kernel<DType::kQ4_K, NT><<<grid, 32 * kWarps, 0, s>>>(p); break;
+    case DType::kF32: launch_kernel(gemv_kernel<DType::kF32, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kF16: launch_kernel(gemv_kernel<DType::kF16, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kBF16: launch_kernel(gemv_kernel<DType::kBF16, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kQ8_0: launch_kernel(gemv_kernel<DType::kQ8_0, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kQ4_K: launch_kernel(gemv_kernel<DType::kQ4_K, NT>, grid, 32 * kWarps, 0, s, p); break;
   }
 }
 
@@ -1170,6 +1464,7 @@ __device__ __forceinline__ void store_weights(const StepRegs& r, DType t, __nv_b
 
 template <bool kGateUp>
 __global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedArgs a) {
+  pdl_wait();
   namespace wmma = nvcuda::wmma;
   using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
   constexpr int kStage = kGroupTile * kGLd;  // BF16 elements per staged tile
@@ -1256,7 +1551,7 @@ void gemv(const DevMatrix& w, const float* x, int n, float* y, bool accumulate, 
 }
 
 void quantize_act(const float* x, int64_t n, QAct out, cudaStream_t s) {
-  quantize_act_kernel<<<grid_for(n / 32), 256, 0, s>>>(x, out.q, out.d, n / 32);
+  launch_kernel(quantize_act_kernel, grid_for(n / 32), 256, 0, s, x, out.q, out.d, n / 32);
 }
 
 void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
@@ -1282,100 +1577,129 @@ void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, in
 
 void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStream_t s) {
   const dim3 grid(unsigned((table.cols + 255) / 256), unsigned(n));
-  embed_kernel<<<grid, 256, 0, s>>>(static_cast<const uint8_t*>(table.data), table.dtype,
+  launch_kernel(embed_kernel, grid, 256, 0, s, static_cast<const uint8_t*>(table.data), table.dtype,
                                     table.row_bytes(), ids, int(table.cols), x);
 }
 
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int cols, float eps,
-             cudaStream_t s) {
+             cudaStream_t s, QAct q) {
   const int block = cols >= 1024 ? 1024 : cols >= 256 ? 256 : 64;
-  rmsnorm_kernel<<<unsigned(rows), block, 0, s>>>(x, w, y, cols, eps);
+  if (cols % 32 != 0) q = {};  // callers quantize only widths of whole blocks
+  launch_kernel(rmsnorm_kernel, unsigned(rows), block, 0, s, x, w, y, cols, eps, q);
 }
 
 void add_bias(float* y, const float* b, int n, int dim, cudaStream_t s) {
-  add_bias_kernel<<<grid_for(int64_t(n) * dim), 256, 0, s>>>(y, b, int64_t(n) * dim, dim);
+  launch_kernel(add_bias_kernel, grid_for(int64_t(n) * dim), 256, 0, s, y, b, int64_t(n) * dim, dim);
 }
 
 void add_inplace(float* x, const float* y, int64_t n, cudaStream_t s) {
-  add_kernel<<<grid_for(n), 256, 0, s>>>(x, y, n);
+  launch_kernel(add_kernel, grid_for(n), 256, 0, s, x, y, n);
 }
 
 void silu_mul(const float* g, const float* u, float* h, int64_t n, cudaStream_t s) {
-  silu_mul_kernel<<<grid_for(n), 256, 0, s>>>(g, u, h, n);
+  launch_kernel(silu_mul_kernel, grid_for(n), 256, 0, s, g, u, h, n);
 }
 
 void moe_residual(float* x, const float* moe, const float* shared, const float* shared_z, int n,
                   int d, cudaStream_t s) {
-  moe_residual_kernel<<<grid_for(int64_t(n) * d), 256, 0, s>>>(x, moe, shared, shared_z, n, d);
+  launch_kernel(moe_residual_kernel, grid_for(int64_t(n) * d), 256, 0, s, x, moe, shared, shared_z, n, d);
 }
 
 void rope_kv_append(const RopeKvArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned(a.n), unsigned(std::max(a.n_heads, a.n_kv_heads)));
-  rope_kv_kernel<<<grid, unsigned((a.head_dim / 2 + 31) / 32 * 32), 0, s>>>(a);
+  launch_kernel(rope_kv_kernel, grid, unsigned((a.head_dim / 2 + 31) / 32 * 32), 0, s, a);
 }
 
-void attention(const AttentionArgs& a, cudaStream_t s) {
+bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
+  // Head dims in whole float4s up to 128 (the per-lane registers), at most 32 query heads per
+  // KV head (4 per warp of 8), and shared memory within the default 48 KiB.
+  if (n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim % 4 != 0 || head_dim > 128) return false;
+  const int group = n_heads / n_kv_heads;
+  return group <= kGqaMaxWarps * kGqaMaxHeadsPerWarp && gqa_smem_floats(group, head_dim) * 4 <= 48 * 1024;
+}
+
+static void attention_launch(const AttentionArgs& a, cudaStream_t s) {
   if (a.tensor_cores && a.n >= kTcAttentionMin && (a.head_dim == 64 || a.head_dim == 128)) {
     // Per device, so set at every launch (a host-side call); a failure shows at the launch.
     const auto kernel = a.head_dim == 64 ? attention_tc_kernel<64> : attention_tc_kernel<128>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFaSmem));
-    kernel<<<dim3(unsigned(a.n_heads), unsigned((a.n + kFaQ - 1) / kFaQ)), 128, kFaSmem, s>>>(a);
+    launch_kernel(kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kFaQ - 1) / kFaQ)), 128, kFaSmem, s, a);
     return;
   }
   if (a.n > 1 && a.head_dim <= kPrefillHd && a.head_dim % 4 == 0) {
-    attention_prefill_kernel<<<dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)),
-                               32 * kAttnWarps, 0, s>>>(a);
+    launch_kernel(attention_prefill_kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)), 32 * kAttnWarps, 0, s, a);
     return;
   }
-  attention_split_kernel<<<dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)),
-                           32 * kAttnWarps, 0, s>>>(a);
-  attention_merge_kernel<<<dim3(unsigned(a.n_heads), unsigned(a.n)), 128, 0, s>>>(a);
+  if (gqa_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
+    const int group = a.n_heads / a.n_kv_heads;
+    const size_t smem = gqa_smem_floats(group, a.head_dim) * 4;
+    launch_kernel(attention_gqa_kernel, dim3(unsigned(a.n_kv_heads), unsigned(a.n_splits), unsigned(a.n)),
+                  32 * std::min(group, kGqaMaxWarps), smem, s, a);
+  } else {
+    launch_kernel(attention_split_kernel, dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)), 32 * kAttnWarps, 0, s, a);
+  }
+  launch_kernel(attention_merge_kernel, dim3(unsigned(a.n_heads), unsigned(a.n)), 128, 0, s, a);
+}
+
+void attention(const AttentionArgs& args, cudaStream_t s) {
+  // The merge quantizes its output when heads are whole Q8 blocks; other paths quantize after.
+  const bool merge_path = !(args.tensor_cores && args.n >= kTcAttentionMin &&
+                            (args.head_dim == 64 || args.head_dim == 128)) &&
+                          !(args.n > 1 && args.head_dim <= kPrefillHd && args.head_dim % 4 == 0);
+  AttentionArgs a = args;
+  if (a.out_q.q && !(merge_path && a.head_dim % 32 == 0)) {
+    a.out_q = {};
+    attention_launch(a, s);
+    quantize_act(a.out, int64_t(a.n) * a.n_heads * a.head_dim, args.out_q, s);
+    return;
+  }
+  attention_launch(a, s);
 }
 
 void route(const RouteArgs& a, cudaStream_t s) {
-  route_kernel<<<unsigned((a.n + 3) / 4), 128, 0, s>>>(a);
+  launch_kernel(route_kernel, unsigned((a.n + 3) / 4), 128, 0, s, a);
 }
 
 void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned((a.d_expert + kWarps - 1) / kWarps), unsigned(a.n * a.top_k));
   switch (a.gate_dtype) {
-    case DType::kF32: moe_gate_up_kernel<DType::kF32><<<grid, 32 * kWarps, 0, s>>>(a); break;
-    case DType::kF16: moe_gate_up_kernel<DType::kF16><<<grid, 32 * kWarps, 0, s>>>(a); break;
-    case DType::kBF16: moe_gate_up_kernel<DType::kBF16><<<grid, 32 * kWarps, 0, s>>>(a); break;
-    case DType::kQ8_0: moe_gate_up_kernel<DType::kQ8_0><<<grid, 32 * kWarps, 0, s>>>(a); break;
-    case DType::kQ4_K: moe_gate_up_kernel<DType::kQ4_K><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kF32: launch_kernel(moe_gate_up_kernel<DType::kF32>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kF16: launch_kernel(moe_gate_up_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kBF16: launch_kernel(moe_gate_up_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ8_0: launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ4_K: launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
   }
 }
 
 void moe_down_sum(const MoeArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned((a.d_model + kWarps - 1) / kWarps), unsigned(a.n));
   switch (a.down_dtype) {
-    case DType::kF32: moe_down_sum_kernel<DType::kF32><<<grid, 32 * kWarps, 0, s>>>(a); break;
-    case DType::kF16: moe_down_sum_kernel<DType::kF16><<<grid, 32 * kWarps, 0, s>>>(a); break;
-    case DType::kBF16: moe_down_sum_kernel<DType::kBF16><<<grid, 32 * kWarps, 0, s>>>(a); break;
-    case DType::kQ8_0: moe_down_sum_kernel<DType::kQ8_0><<<grid, 32 * kWarps, 0, s>>>(a); break;
-    case DType::kQ4_K: moe_down_sum_kernel<DType::kQ4_K><<<grid, 32 * kWarps, 0, s>>>(a); break;
+    case DType::kF32: launch_kernel(moe_down_sum_kernel<DType::kF32>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kF16: launch_kernel(moe_down_sum_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kBF16: launch_kernel(moe_down_sum_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ8_0: launch_kernel(moe_down_sum_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ4_K: launch_kernel(moe_down_sum_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
   }
 }
 
 void gather_rows(const float* src, const int* src_row, int n_rows, int d, void* dst,
                  DType dst_type, cudaStream_t s) {
   const dim3 grid(unsigned((d + 255) / 256), unsigned(n_rows));
-  gather_rows_kernel<<<grid, 256, 0, s>>>(src, src_row, d, dst, dst_type);
+  launch_kernel(gather_rows_kernel, grid, 256, 0, s, src, src_row, d, dst, dst_type);
 }
 
 void convert_f32(const float* src, void* dst, DType dst_type, int64_t n, cudaStream_t s) {
-  convert_kernel<<<grid_for(n), 256, 0, s>>>(src, dst, dst_type, n);
+  launch_kernel(convert_kernel, grid_for(n), 256, 0, s, src, dst, dst_type, n);
 }
 
 void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s) {
-  dequantize_kernel<<<grid_for(w.rows * w.cols), 256, 0, s>>>(
+  launch_kernel(dequantize_kernel, grid_for(w.rows * w.cols), 256, 0, s, 
       static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), w.rows, w.cols, dst,
       DType::kBF16);
 }
 
 void to_f32(const DevMatrix& w, float* dst, cudaStream_t s) {
-  dequantize_kernel<<<grid_for(w.rows * w.cols), 256, 0, s>>>(
+  launch_kernel(dequantize_kernel, grid_for(w.rows * w.cols), 256, 0, s, 
       static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), w.rows, w.cols, dst,
       DType::kF32);
 }
@@ -1383,7 +1707,7 @@ void to_f32(const DevMatrix& w, float* dst, cudaStream_t s) {
 void slot_sum(const float* rows, const int* row_of, const float* weights, int n, int k, int d,
               float* out, cudaStream_t s) {
   const dim3 grid(unsigned((d + 255) / 256), unsigned(n));
-  slot_sum_kernel<<<grid, 256, 0, s>>>(rows, row_of, weights, k, d, out);
+  launch_kernel(slot_sum_kernel, grid, 256, 0, s, rows, row_of, weights, k, d, out);
 }
 
 bool grouped_supports(DType type, int64_t cols) {
@@ -1395,36 +1719,36 @@ bool grouped_supports(DType type, int64_t cols) {
 void grouped_gate_up(const GroupedArgs& a, cudaStream_t s) {
   if (a.n_tiles == 0) return;
   const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
-  grouped_gemm_kernel<true><<<grid, 128, 0, s>>>(a);
+  launch_kernel(grouped_gemm_kernel<true>, grid, 128, 0, s, a);
 }
 
 void grouped_down(const GroupedArgs& a, cudaStream_t s) {
   if (a.n_tiles == 0) return;
   const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
-  grouped_gemm_kernel<false><<<grid, 128, 0, s>>>(a);
+  launch_kernel(grouped_gemm_kernel<false>, grid, 128, 0, s, a);
 }
 
 void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s) {
-  quantize_q8_0_kernel<<<grid_for(n / 32), 256, 0, s>>>(x, static_cast<uint8_t*>(out), n / 32);
+  launch_kernel(quantize_q8_0_kernel, grid_for(n / 32), 256, 0, s, x, static_cast<uint8_t*>(out), n / 32);
 }
 
 void fill_uniform(void* dst, DType type, int64_t n, float scale, uint64_t seed, cudaStream_t s) {
-  fill_uniform_kernel<<<grid_for(n), 256, 0, s>>>(dst, type, n, scale, seed);
+  launch_kernel(fill_uniform_kernel, grid_for(n), 256, 0, s, dst, type, n, scale, seed);
 }
 
 void fill_q4_k_random(void* dst, int64_t n, float scale, uint64_t seed, cudaStream_t s) {
   const int64_t blocks = n / 256;
-  fill_q4k_kernel<<<grid_for(blocks), 256, 0, s>>>(static_cast<uint8_t*>(dst), blocks, scale, seed);
+  launch_kernel(fill_q4k_kernel, grid_for(blocks), 256, 0, s, static_cast<uint8_t*>(dst), blocks, scale, seed);
 }
 
 void synthetic_route(float* logits, const float* bias, const int* pos, int n, int n_experts,
                      uint64_t seed, cudaStream_t s) {
   const int total = n * n_experts;
-  synthetic_route_kernel<<<(total + 255) / 256, 256, 0, s>>>(logits, bias, pos, n, n_experts, seed);
+  launch_kernel(synthetic_route_kernel, (total + 255) / 256, 256, 0, s, logits, bias, pos, n, n_experts, seed);
 }
 
 void fill_value(float* dst, int64_t n, float value, cudaStream_t s) {
-  fill_value_kernel<<<grid_for(n), 256, 0, s>>>(dst, n, value);
+  launch_kernel(fill_value_kernel, grid_for(n), 256, 0, s, dst, n, value);
 }
 
 }  // namespace ts::cuda

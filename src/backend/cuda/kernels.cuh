@@ -48,9 +48,10 @@ void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, in
 // x[t] = table[ids[t]] as F32. table: F32, F16 or BF16.
 void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStream_t s);
 
-// y = x / rms(x) * w over rows of `cols` (in place allowed).
+// y = x / rms(x) * w over rows of `cols` (in place allowed); with q (cols a multiple of 32),
+// also y quantized to q as quantize_act would (one launch instead of two).
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int cols, float eps,
-             cudaStream_t s);
+             cudaStream_t s, QAct q = {});
 
 void add_bias(float* y, const float* b, int n, int dim, cudaStream_t s);
 void add_inplace(float* x, const float* y, int64_t n, cudaStream_t s);
@@ -92,8 +93,14 @@ struct AttentionArgs {
   // the probabilities rounded to BF16 for tensor cores, F32 accumulation and softmax (for
   // models whose weights are not F32; F32 models keep the F32 kernels).
   bool tensor_cores = false;
+  // Optional: out also as Q8 blocks (as quantize_act; n_heads * head_dim a multiple of 32),
+  // written by the merge when heads are whole blocks, else by a quantize_act launch after.
+  QAct out_q = {};
 };
 constexpr int kTcAttentionMin = 16;
+// Decode (and n = 1 of a chunk) runs one block per KV head and split when this holds (K and V
+// read once per group of query heads), else one block per query head and split.
+bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim);
 void attention(const AttentionArgs& a, cudaStream_t s);
 constexpr int kMaxHeadDim = 256;
 

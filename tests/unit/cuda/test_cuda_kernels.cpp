@@ -191,6 +191,17 @@ TEST(CudaKernels, RmsnormMatchesCpu) {
     Dev dx(x), dw(w), dy(x.size() * 4);
     ts::cuda::rmsnorm(dx.as<float>(), dw.as<float>(), dy.as<float>(), rows, cols, 1e-6f, nullptr);
     EXPECT_LE(max_rel(dy.get<float>(), want), 1e-5) << cols;
+    if (cols % 32 != 0) continue;
+    // With a Q8 output: the same y, and the bytes quantize_act makes of that y.
+    const size_t n = x.size();
+    Dev dy2(n * 4), dq(n), dd(n / 32 * 4), dq_ref(n), dd_ref(n / 32 * 4);
+    ts::cuda::rmsnorm(dx.as<float>(), dw.as<float>(), dy2.as<float>(), rows, cols, 1e-6f, nullptr,
+                      {dq.as<int8_t>(), dd.as<float>()});
+    ts::cuda::quantize_act(dy2.as<float>(), int64_t(n), {dq_ref.as<int8_t>(), dd_ref.as<float>()},
+                           nullptr);
+    EXPECT_EQ(dy2.get<float>(), dy.get<float>()) << cols;
+    EXPECT_EQ(dq.get<int8_t>(), dq_ref.get<int8_t>()) << cols;
+    EXPECT_EQ(dd.get<float>(), dd_ref.get<float>()) << cols;
   }
 }
 
@@ -243,6 +254,58 @@ TEST_P(CudaAttention, RopeAndAttentionMatchCpu) {
 }
 INSTANTIATE_TEST_SUITE_P(Tokens, CudaAttention, ::testing::Values(1, 5, 40));
 
+// Decode attention shapes: one block per KV head for groups of 1 to 32 query heads (head dims
+// 64 and 128; groups of 16 and 32 give a warp 2 and 4 heads), one block per
+// query head where the head dim is too wide; short and long contexts, split counts from 1 to
+// more splits than 32-key tiles (empty splits). Against the CPU's attention.
+TEST(CudaKernels, DecodeAttentionByKvHeadMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  ts::ThreadPool pool(1);
+  struct Case {
+    int n_heads, n_kv, hd, pos0;
+  };
+  for (const Case c : {Case{8, 8, 64, 37}, Case{32, 4, 128, 127}, Case{32, 4, 128, 1500},
+                       Case{16, 4, 64, 300}, Case{16, 1, 128, 70}, Case{64, 2, 64, 45},
+                       Case{8, 2, 256, 90}, Case{6, 2, 96, 31}}) {
+    const int qd = c.n_heads * c.hd, kvd = c.n_kv * c.hd, n_ctx = c.pos0 + 1;
+    EXPECT_EQ(ts::cuda::gqa_attention_applies(c.n_heads, c.n_kv, c.hd), c.hd <= 128);
+    const std::vector<float> q = randn(size_t(qd), 11), kc = randn(size_t(n_ctx * kvd), 12),
+                             vc = randn(size_t(n_ctx * kvd), 13);
+    std::vector<float> want(static_cast<size_t>(qd));
+    ts::cpu::attention(pool, {.q = q.data(), .k_cache = kc.data(), .v_cache = vc.data(),
+                              .out = want.data(), .n_tokens = 1, .pos0 = c.pos0,
+                              .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd});
+    for (int splits : {1, 3, 64}) {
+      Dev dq(q), dkc(kc), dvc(vc), dpos(std::vector<int>{c.pos0});
+      Dev dout(want.size() * 4), dpart(size_t(c.n_heads * splits * (c.hd + 2)) * 4);
+      ts::cuda::attention({.q = dq.as<float>(), .k_cache = dkc.as<float>(),
+                           .v_cache = dvc.as<float>(), .out = dout.as<float>(),
+                           .partial = dpart.as<float>(), .pos = dpos.as<int>(), .n = 1,
+                           .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd,
+                           .n_splits = splits},
+                          nullptr);
+      EXPECT_LE(max_rel(dout.get<float>(), want), 1e-5)
+          << "heads " << c.n_heads << "/" << c.n_kv << " hd " << c.hd << " keys " << n_ctx
+          << " splits " << splits;
+      // With a Q8 copy of the output (by the merge, or after it for head dims off 32): the
+      // same output, and the bytes quantize_act makes of it.
+      Dev dout2(want.size() * 4), dqo(want.size()), ddo(want.size() / 32 * 4), dq_ref(want.size()),
+          dd_ref(want.size() / 32 * 4);
+      ts::cuda::attention({.q = dq.as<float>(), .k_cache = dkc.as<float>(),
+                           .v_cache = dvc.as<float>(), .out = dout2.as<float>(),
+                           .partial = dpart.as<float>(), .pos = dpos.as<int>(), .n = 1,
+                           .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd,
+                           .n_splits = splits, .out_q = {dqo.as<int8_t>(), ddo.as<float>()}},
+                          nullptr);
+      ts::cuda::quantize_act(dout2.as<float>(), int64_t(want.size()),
+                             {dq_ref.as<int8_t>(), dd_ref.as<float>()}, nullptr);
+      EXPECT_EQ(dout2.get<float>(), dout.get<float>());
+      EXPECT_EQ(dqo.get<int8_t>(), dq_ref.get<int8_t>()) << "hd " << c.hd;
+      EXPECT_EQ(ddo.get<float>(), dd_ref.get<float>()) << "hd " << c.hd;
+    }
+  }
+}
+
 // Tensor-core prefill attention against a double-precision causal softmax: head dims 64 and
 // 128, GQA, query counts off the 64-query tile, a chunk that starts after earlier positions.
 TEST(CudaKernels, TensorCoreAttentionMatchesReference) {
@@ -292,7 +355,8 @@ TEST(CudaKernels, RouteMatchesSelectExperts) {
   SKIP_WITHOUT_GPU();
   for (int n_experts : {8, 60, 128, 300}) {
     for (bool renorm : {false, true}) {
-      const int n = 9, k = std::min(8, n_experts / 2);
+      // 300 experts: top 40 (ranks held by lanes in two groups of 32).
+      const int n = 9, k = n_experts == 300 ? 40 : std::min(8, n_experts / 2);
       std::vector<float> logits = randn(size_t(n * n_experts), uint32_t(n_experts), 2.0f);
       logits[3] = logits[5];  // a tie: the lower id must rank first
       std::vector<int> want_ids(size_t(n * k));
@@ -363,6 +427,105 @@ TEST(CudaKernels, MoePhasesMatchCpu) {
     ts::cuda::moe_gate_up(a, nullptr);
     ts::cuda::moe_down_sum(a, nullptr);
     EXPECT_LE(max_rel(dout.get<float>(), want), 1e-4) << ts::dtype_name(t);
+    for (Dev* p : owned) delete p;
+  }
+}
+
+// The MoE phases on Q8_0 weights with Q8 activations (dp4a), against per-block integer dot
+// products: qwen3's shape (d_expert 768, top 8: every row of a slot staged whole in shared
+// memory) and rows too wide to stage (the tiled path). h is checked against the reference's,
+// and the down sum against the reference computed from the kernel's own h, quantized the
+// same way, so it must agree to float rounding of the rank-ordered sum.
+TEST(CudaKernels, MoePhasesQ8ActivationsMatchIntegerReference) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    int d, de, k;
+  };
+  // Q8 blocks of x (d = max|x| / 127, round to nearest), as quantize_act.
+  auto quantize = [](const float* x, int64_t n, std::vector<int8_t>& q, std::vector<float>& d) {
+    q.resize(size_t(n));
+    d.resize(size_t(n / 32));
+    for (int64_t b = 0; b < n / 32; ++b) {
+      float amax = 0;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+      d[size_t(b)] = amax / 127.0f;
+      const float id = d[size_t(b)] != 0 ? 1.0f / d[size_t(b)] : 0.0f;
+      for (int i = 0; i < 32; ++i) q[size_t(b * 32 + i)] = int8_t(std::nearbyint(x[b * 32 + i] * id));
+    }
+  };
+  // One weight row . quantized activations, block by block in double.
+  auto row_dot = [](const uint8_t* row, const int8_t* q, const float* d, int cols) {
+    double acc = 0;
+    for (int b = 0; b < cols / 32; ++b) {
+      uint16_t dh;
+      std::memcpy(&dh, row + b * 34, 2);
+      int s = 0;
+      for (int i = 0; i < 32; ++i) s += int(int8_t(row[b * 34 + 2 + i])) * q[size_t(b * 32 + i)];
+      acc += double(ts::f16_to_f32(dh)) * d[b] * s;
+    }
+    return acc;
+  };
+  for (const Case c : {Case{512, 768, 8}, Case{4608, 2048, 3}}) {
+    const int n_experts = 10, n = 2, ns = n * c.k;
+    std::vector<std::vector<uint8_t>> G, U, D;
+    std::vector<Dev*> owned;
+    std::vector<const void*> gp, up, dp;
+    for (int e = 0; e < n_experts; ++e) {
+      G.push_back(make_matrix(DType::kQ8_0, c.de, c.d, uint32_t(400 + e)));
+      U.push_back(make_matrix(DType::kQ8_0, c.de, c.d, uint32_t(500 + e)));
+      D.push_back(make_matrix(DType::kQ8_0, c.d, c.de, uint32_t(600 + e)));
+      for (auto [v, tab] : {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up},
+                             std::pair{&D.back(), &dp}}) {
+        owned.push_back(new Dev(*v));
+        tab->push_back(owned.back()->p);
+      }
+    }
+    std::vector<int> ids;
+    std::vector<float> w;
+    for (int s = 0; s < ns; ++s) {
+      ids.push_back((s * 7 + 3) % n_experts);
+      w.push_back(0.05f + 0.1f * float((s * 5) % c.k) / float(c.k));
+    }
+    const std::vector<float> x = randn(size_t(n * c.d), 19);
+    Dev dg(gp), du(up), dd(dp), di(ids), dw(w), dx(x), dh(size_t(ns * c.de) * 4),
+        dout(size_t(n * c.d) * 4), dxq(size_t(n * c.d)), dxd(size_t(n * c.d / 32) * 4),
+        dhq(size_t(ns * c.de)), dhd(size_t(ns * c.de / 32) * 4);
+    ts::cuda::quantize_act(dx.as<float>(), int64_t(n) * c.d, {dxq.as<int8_t>(), dxd.as<float>()},
+                           nullptr);
+    ts::cuda::MoeArgs a{.gate = dg.as<const void*>(), .up = du.as<const void*>(),
+                        .down = dd.as<const void*>(), .gate_dtype = DType::kQ8_0,
+                        .down_dtype = DType::kQ8_0, .ids = di.as<int>(), .weights = dw.as<float>(),
+                        .xn = dx.as<float>(), .h = dh.as<float>(), .out = dout.as<float>(),
+                        .n = n, .d_model = c.d, .d_expert = c.de, .top_k = c.k};
+    a.xq = dxq.as<int8_t>();
+    a.xd = dxd.as<float>();
+    ts::cuda::moe_gate_up(a, nullptr);
+    ts::cuda::quantize_act(dh.as<float>(), int64_t(ns) * c.de, {dhq.as<int8_t>(), dhd.as<float>()},
+                           nullptr);
+    a.hq = dhq.as<int8_t>();
+    a.hd = dhd.as<float>();
+    ts::cuda::moe_down_sum(a, nullptr);
+    const std::vector<float> h = dh.get<float>(), out = dout.get<float>();
+    std::vector<int8_t> q;
+    std::vector<float> qd;
+    std::vector<float> want_h(h.size()), want(out.size(), 0.0f);
+    for (int s = 0; s < ns; ++s) {
+      const int e = ids[size_t(s)], t = s / c.k;
+      quantize(&x[size_t(t * c.d)], c.d, q, qd);
+      const size_t rb = size_t(c.d / 32 * 34);
+      for (int r = 0; r < c.de; ++r) {
+        const double g = row_dot(&G[size_t(e)][r * rb], q.data(), qd.data(), c.d);
+        const double u = row_dot(&U[size_t(e)][r * rb], q.data(), qd.data(), c.d);
+        want_h[size_t(s * c.de + r)] = float(g / (1 + std::exp(-g)) * u);
+      }
+      quantize(&h[size_t(s * c.de)], c.de, q, qd);  // the kernel's own h
+      const size_t rbd = size_t(c.de / 32 * 34);
+      for (int r = 0; r < c.d; ++r)
+        want[size_t(t * c.d + r)] +=
+            w[size_t(s)] * float(row_dot(&D[size_t(e)][r * rbd], q.data(), qd.data(), c.de));
+    }
+    EXPECT_LE(max_rel(h, want_h), 1e-5) << "d " << c.d << " d_expert " << c.de;
+    EXPECT_LE(max_rel(out, want), 1e-5) << "d " << c.d << " d_expert " << c.de;
     for (Dev* p : owned) delete p;
   }
 }
