@@ -22,9 +22,32 @@
 //                                                w = d * sc[j] * q - dmin * m[j]
 //
 // Dequantization computes, in F32 and in this order, d * sc (one rounding) then
-// (d * sc) * q - dmin * m (two more): dequantize_row is the reference every SIMD path
-// reproduces bit for bit, so a matmul on quantized weights is the F32 matmul of the
-// dequantized matrix.
+// (d * sc) * q - dmin * m (two more): dequantize_row is the reference every SIMD
+// dequantization reproduces bit for bit.
+//
+// Products with activations (matvec / matmul):
+//
+//   Q4_K: W . x in F32 on the dequantized weights, X stays F32 (matvec dequantizes in
+//   registers; matmul is the F32 matmul of the dequantized rows). Portable and SIMD paths
+//   sum in different orders and agree to F32 rounding (~1e-5 relative).
+//
+//   Q8_0: integer dot products on int8 activations, as llama.cpp's ggml_vec_dot_q8_0_q8_0
+//   (and this project's CUDA gemv). Every token row of X is first quantized in 32-blocks
+//   (quantize_acts_q8; the same rule as cuda::quantize_act):
+//     amax = max_i |x_i|,  d_x = amax / 127 (F32),  id = d_x >= FLT_MIN ? 1 / d_x : 0,
+//     q_i = x_i * id rounded to nearest, ties to even.
+//   |x_i * id| <= 127 (1 + 2^-22), so q_i lies in [-127, 127] with no clamp; a block whose
+//   d_x is below FLT_MIN (|x| < ~1.5e-36) quantizes to zeros instead of overflowing id.
+//   Then, for a weight row w and an activation row x of n_blocks blocks:
+//     for block b, lane l in [0, 8): p = sum_{i < 4} w.qs[4l + i] * x.q[4l + i]   (exact int)
+//       acc[8 (b mod 2) + l] = fma(float(p), d_w[b] * d_x[b], acc[...])          (F32)
+//     where d_w[b] * d_x[b] is one F32 multiplication and acc starts at +0;
+//     y = halving sum of acc: acc[i] += acc[i + h] for h = 8, 4, 2, 1 and i < h; y = acc[0].
+//   This is the order of a 512-bit VNNI loop (two blocks per zmm, 4 bytes per int32 lane)
+//   and of a 256-bit one with even / odd accumulators: portable::, avx2:: and avx512:: give
+//   the same bits, and matvec equals matmul for each (row, token). Error against the exact
+//   product sum_c w_c x_c: the activation rounding, |x_c - d_x q_c| <= d_x / 2 per element,
+//   so |y - w . x| <= sum_b d_x[b] / 2 * sum_{c in b} |w_c| plus F32 rounding.
 #pragma once
 
 #include <cstdint>
@@ -68,21 +91,51 @@ void quantize_row(DType t, const float* x, void* out, int64_t cols);
 // Dequantizes one row (the reference conversion; see the header comment).
 void dequantize_row(DType t, const void* q, float* out, int64_t cols);
 
+// Activations quantized for Q8_0 weights (the header's rule): token row t of cols values
+// is qs[t * cols, (t + 1) * cols) and its block scales d[t * cols / 32, (t + 1) * cols / 32).
+struct Q8Acts {
+  const int8_t* qs = nullptr;
+  const float* d = nullptr;
+};
+
+// The reference activation quantization: n_tokens rows of cols F32 values (cols a multiple
+// of 32, values finite) into qs [n_tokens * cols] and d [n_tokens * cols / 32].
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, int8_t* qs, float* d);
+
 // Per-ISA matvec / matmul for quantized weights, with the contracts of kernels.h's
 // matvec_rows / matmul_rows (w row-major, row r at byte r * dtype_row_bytes(wt, cols)).
-// kernels.h's per-ISA entry points forward quantized dtypes here; the portable path
-// dequantizes each row with dequantize_row and shares the float dot product.
+// kernels.h's per-ISA entry points forward quantized dtypes here. Q8_0 with F32 x quantizes
+// x into per-thread scratch and runs q8_0_matvec_rows / q8_0_matmul_rows; kernels.h's
+// parallel wrappers instead quantize X once per call and call those directly, so the row
+// chunks of one call share one quantization.
 //
-// matvec (decode) reads each block once and dequantizes in registers; matmul (prefill)
-// dequantizes a block of rows into a per-thread F32 buffer once per call and runs the F32
-// matmul of its ISA on it, so Y equals that ISA's F32 matmul of the dequantized rows.
+// q8_0_matvec_rows: y[r] = W[r, :] . x (one token) for r in [r0, r1).
+// q8_0_matmul_rows: Y[t, r] = W[r, :] . X[t, :] for t < n_tokens, r in [r0, r1); Y row
+// stride ldy. Both follow the header's Q8_0 order exactly.
+//
+// Q4_K: matvec reads each block once and dequantizes in registers; matmul dequantizes a
+// block of rows into a per-thread F32 buffer once per call and runs the F32 matmul of its
+// ISA on it, so Y equals that ISA's F32 matmul of the dequantized rows.
+namespace portable {
+void q8_0_matvec_rows(const void* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1);
+void q8_0_matmul_rows(const void* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                      int64_t cols, int64_t r0, int64_t r1);
+}  // namespace portable
 namespace avx2 {
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, int8_t* qs, float* d);
+void q8_0_matvec_rows(const void* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1);
+void q8_0_matmul_rows(const void* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                      int64_t cols, int64_t r0, int64_t r1);
 void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                        int64_t r1);
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
 }  // namespace avx2
 namespace avx512 {
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, int8_t* qs, float* d);
+void q8_0_matvec_rows(const void* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1);
+void q8_0_matmul_rows(const void* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                      int64_t cols, int64_t r0, int64_t r1);
 void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                        int64_t r1);
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,

@@ -1,16 +1,16 @@
-// AVX2 + FMA + F16C matvec and matmul for Q8_0 / Q4_K weights (quant.h has the layouts).
-// Compiled with those flags for this file only; reached through kernels_avx2.cpp's entry
-// points, which dispatch.cpp calls only when the CPU and OS support them.
+// AVX2 + FMA + F16C matvec and matmul for Q8_0 / Q4_K weights (quant.h has the layouts and
+// the numerics). Compiled with those flags for this file only; reached through
+// kernels_avx2.cpp's entry points, which dispatch.cpp calls only when the CPU and OS
+// support them.
 //
-// Each block is read once and widened to F32 in 8-lane ymm registers; X stays F32.
-//   Q8_0: per block, p = sum_i qs[i] * x[i] (four widened vectors of 8), acc += d * p;
-//         even and odd blocks go to two accumulators.
-//   Q4_K: w . x = sum_j d*sc[j] * (q_j . x_j) - sum_j dmin*m[j] * sum(x_j), the X sums per
-//         32-weight sub-block computed once per call (AVX2 has no 16-entry vpermps, so the
-//         table lookup of quant_avx512.cpp does not apply); even / odd sub-blocks
-//         accumulate apart.
-//   matmul dequantizes a block of rows into a per-thread F32 buffer (bit-identical to
-//   dequantize_row) and runs this ISA's F32 matmul on it.
+//   Q8_0: X quantized to int8 blocks; per block an integer dot (vpmaddubsw / vpmaddwd) in
+//         quant.h's accumulation order, bit-identical to the portable reference. matvec
+//         runs kMatvecTileRows rows per step; matmul 2 x 2 (row, token) tiles.
+//   Q4_K: X stays F32. w . x = sum_j d*sc[j] * (q_j . x_j) - sum_j dmin*m[j] * sum(x_j),
+//         the X sums per 32-weight sub-block computed once per call (AVX2 has no 16-entry
+//         vpermps, so the table lookup of quant_avx512.cpp does not apply); even / odd
+//         sub-blocks accumulate apart. matmul dequantizes a block of rows into a per-thread
+//         F32 buffer (bit-identical to dequantize_row) and runs this ISA's F32 matmul on it.
 //
 // Determinism: a row's operations depend only on cols, never on its tile or the [r0, r1)
 // range. ODR hazard as in kernels_avx2.cpp: anonymous namespace, intrinsics and library
@@ -34,6 +34,7 @@ namespace {
 constexpr int kMatvecTileRows = 4;
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kDequantBlockBytes = 64 << 10;
+constexpr float kF32MinNormal = 1.17549435e-38f;  // FLT_MIN
 
 int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -61,9 +62,6 @@ __m128i load8(const uint8_t* p) {
   return _mm_cvtsi64_si128(v);
 }
 
-// 8 int8 at p -> 8 F32 lanes.
-__m256 widen_i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p))); }
-
 struct Scratch {
   float* data = nullptr;
   size_t size = 0;
@@ -82,55 +80,131 @@ struct Scratch {
 };
 
 // ---- Q8_0 ------------------------------------------------------------------------------
+//
+// quant.h's integer order in 256-bit registers: one block per ymm, vpmaddubsw + vpmaddwd
+// sum 4 byte products per int32 lane (the sign trick: |w| unsigned times x with w's sign;
+// pair sums stay below 2 * 128 * 127 < 2^15, so vpmaddubsw never saturates), even blocks
+// into one accumulator (the contract's lanes 0-7) and odd blocks into another (8-15).
 
-__m256 q8_0_block(const uint8_t* blk, const __m256* xv, __m256 acc) {
-  __m256 p = _mm256_mul_ps(widen_i8(blk + 2), xv[0]);
-  p = _mm256_fmadd_ps(widen_i8(blk + 10), xv[1], p);
-  p = _mm256_fmadd_ps(widen_i8(blk + 18), xv[2], p);
-  p = _mm256_fmadd_ps(widen_i8(blk + 26), xv[3], p);
-  return _mm256_fmadd_ps(p, _mm256_set1_ps(load_f16(blk)), acc);
+// The 8 lane sums of one block's quants at wq (32 bytes) with the activation quants x.
+__m256i block_dot(const uint8_t* wq, __m256i x) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-template <int NR>
-void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const float* x, float* y) {
-  __m256 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= n_blocks; b += 2) {
-    __m256 xv[8];
-    for (int j = 0; j < 8; ++j) xv[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
+// acc[t][r][parity] for NR rows at w and NT tokens (x rows at xq + t * cols).
+template <int NR, int NT>
+void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const int8_t* xq,
+               const float* xd, int64_t cols, float* y, int64_t ldy, bool prefetch_w) {
+  __m256 acc[NT][NR][2];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < NR; ++r) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int parity = int(b & 1);
+    float wd[NR];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ8_0BlockBytes);
-      prefetch(blk);
-      acc[r][0] = q8_0_block(blk, xv, acc[r][0]);
-      acc[r][1] = q8_0_block(blk + kQ8_0BlockBytes, xv + 4, acc[r][1]);
+      if (prefetch_w && parity == 0) prefetch(blk);
+      wd[r] = load_f16(blk);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * cols + b * 32));
+      const float dx = xd[t * n_blocks + b];
+      for (int r = 0; r < NR; ++r) {
+        const __m256i p = block_dot(w + r * row_bytes + b * int64_t(kQ8_0BlockBytes) + 2, x);
+        // d_w * d_x in scalar F32: the same single rounding as the reference.
+        acc[t][r][parity] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(wd[r] * dx),
+                                            acc[t][r][parity]);
+      }
     }
   }
-  if (b < n_blocks) {
-    __m256 xv[4];
-    for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
+  for (int t = 0; t < NT; ++t)
     for (int r = 0; r < NR; ++r)
-      acc[r][0] = q8_0_block(w + r * row_bytes + b * int64_t(kQ8_0BlockBytes), xv, acc[r][0]);
-  }
-  for (int r = 0; r < NR; ++r) y[r] = reduce_add(_mm256_add_ps(acc[r][0], acc[r][1]));
+      y[t * ldy + r] = reduce_add(_mm256_add_ps(acc[t][r][0], acc[t][r][1]));
 }
 
-void q8_0_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0, int64_t r1) {
+void q8_0_matvec(const uint8_t* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1) {
   const int64_t n_blocks = cols / kQ8_0BlockElems;
   const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
   int64_t r = r0;
   for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    q8_0_tile<kMatvecTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-  for (; r < r1; ++r) q8_0_tile<1>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
+    q8_0_tile<kMatvecTileRows, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r,
+                                  0, true);
+  for (; r < r1; ++r)
+    q8_0_tile<1, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r, 0, true);
 }
 
-void q8_0_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
-  for (int64_t b = 0; b < n_blocks; ++b, blk += kQ8_0BlockBytes, out += 32) {
-    const __m256 d = _mm256_set1_ps(load_f16(blk));
-    for (int j = 0; j < 4; ++j)
-      _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(widen_i8(blk + 2 + 8 * j), d));
+// 2 rows x 2 tokens x 2 parities = 8 accumulators of 16 ymm.
+void q8_0_matmul(const uint8_t* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                 int64_t cols, int64_t r0, int64_t r1) {
+  const int64_t n_blocks = cols / kQ8_0BlockElems;
+  const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
+  for (int64_t r = r0; r < r1; r += 2) {
+    const uint8_t* wr = w + r * row_bytes;
+    const bool two_rows = r + 1 < r1;
+    int64_t t = 0;
+    for (; t + 2 <= n_tokens; t += 2) {
+      const int8_t* xq = x.qs + t * cols;
+      const float* xd = x.d + t * n_blocks;
+      if (two_rows) {
+        q8_0_tile<2, 2>(wr, row_bytes, n_blocks, xq, xd, cols, y + t * ldy + r, ldy, false);
+      } else {
+        q8_0_tile<1, 2>(wr, row_bytes, n_blocks, xq, xd, cols, y + t * ldy + r, ldy, false);
+      }
+    }
+    if (t < n_tokens) {
+      const int8_t* xq = x.qs + t * cols;
+      const float* xd = x.d + t * n_blocks;
+      if (two_rows) {
+        q8_0_tile<2, 1>(wr, row_bytes, n_blocks, xq, xd, cols, y + t * ldy + r, ldy, false);
+      } else {
+        q8_0_tile<1, 1>(wr, row_bytes, n_blocks, xq, xd, cols, y + t * ldy + r, ldy, false);
+      }
+    }
   }
 }
+
+// quant.h's activation rule; vcvtps2dq rounds to nearest even (the default MXCSR mode), and
+// |q| <= 127 so the saturating packs never saturate. The packs interleave 128-bit lanes;
+// vpermd puts the 8 groups of 4 back in order.
+void quantize_acts(const float* x, int64_t n_blocks, int8_t* qs, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < n_blocks; ++b, x += 32, qs += 32) {
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 8 * j);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / 127.0f;
+    const float id = db >= kF32MinNormal ? 1.0f / db : 0.0f;
+    d[b] = db;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vid));
+    const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs), q8);
+  }
+}
+
+// Per-thread quantized X for calls that bring F32 activations.
+struct ActsScratch {
+  Scratch qs, d;
+  Q8Acts quantize(const float* x, int64_t n_tokens, int64_t cols) {
+    const int64_t n_blocks = n_tokens * cols / 32;
+    int8_t* q = reinterpret_cast<int8_t*>(qs.get(size_t(n_tokens * cols / 4)));
+    float* s = d.get(size_t(n_blocks));
+    quantize_acts(x, n_blocks, q, s);
+    return {q, s};
+  }
+};
 
 // ---- Q4_K ------------------------------------------------------------------------------
 
@@ -236,33 +310,49 @@ void q4_k_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
 
 }  // namespace
 
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, int8_t* qs, float* d) {
+  quantize_acts(x, n_tokens * cols / 32, qs, d);
+}
+
+void q8_0_matvec_rows(const void* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1) {
+  q8_0_matvec(static_cast<const uint8_t*>(w), x, y, cols, r0, r1);
+}
+
+void q8_0_matmul_rows(const void* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                      int64_t cols, int64_t r0, int64_t r1) {
+  if (r0 >= r1 || n_tokens <= 0) return;
+  q8_0_matmul(static_cast<const uint8_t*>(w), x, n_tokens, y, ldy, cols, r0, r1);
+}
+
 void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                        int64_t r1) {
   const auto* wb = static_cast<const uint8_t*>(w);
-  if (wt == DType::kQ8_0) return q8_0_matvec(wb, x, y, cols, r0, r1);
+  if (wt == DType::kQ8_0) {
+    thread_local ActsScratch scratch;
+    return q8_0_matvec(wb, scratch.quantize(x, 1, cols), y, cols, r0, r1);
+  }
   return q4_k_matvec(wb, x, y, cols, r0, r1);
 }
 
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
   if (r0 >= r1 || n_tokens <= 0 || cols <= 0) return;
+  if (wt == DType::kQ8_0) {
+    thread_local ActsScratch scratch;
+    return q8_0_matmul(static_cast<const uint8_t*>(w), scratch.quantize(x, n_tokens, cols),
+                       n_tokens, y, ldy, cols, r0, r1);
+  }
   thread_local Scratch scratch;
-  const bool q8 = wt == DType::kQ8_0;
-  const int64_t n_blocks = cols / (q8 ? kQ8_0BlockElems : kQ4_KBlockElems);
-  const int64_t row_bytes = n_blocks * int64_t(q8 ? kQ8_0BlockBytes : kQ4_KBlockBytes);
+  const int64_t n_blocks = cols / kQ4_KBlockElems;
+  const int64_t row_bytes = n_blocks * int64_t(kQ4_KBlockBytes);
   int64_t block_rows = kDequantBlockBytes / int64_t(sizeof(float)) / cols;
   block_rows = block_rows < 12 ? 12 : block_rows / 12 * 12;  // whole F32 register tiles
   float* f32 = scratch.get(size_t(min64(block_rows, r1 - r0) * cols));
   for (int64_t rb = r0; rb < r1; rb += block_rows) {
     const int64_t n = min64(block_rows, r1 - rb);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint8_t* row = static_cast<const uint8_t*>(w) + (rb + i) * row_bytes;
-      if (q8) {
-        q8_0_dequantize(row, n_blocks, f32 + i * cols);
-      } else {
-        q4_k_dequantize(row, n_blocks, f32 + i * cols);
-      }
-    }
+    for (int64_t i = 0; i < n; ++i)
+      q4_k_dequantize(static_cast<const uint8_t*>(w) + (rb + i) * row_bytes, n_blocks,
+                      f32 + i * cols);
     matmul_rows(f32, DType::kF32, x, n_tokens, y + rb, ldy, cols, 0, n);
   }
 }

@@ -1,17 +1,18 @@
-// AVX-512 matvec and matmul for Q8_0 / Q4_K weights (quant.h has the layouts). Compiled
-// with AVX-512 flags for this file only; reached through kernels_avx512.cpp's entry points,
-// which dispatch.cpp calls only when the CPU and OS support them.
+// AVX-512 matvec and matmul for Q8_0 / Q4_K weights (quant.h has the layouts and the
+// numerics). Compiled with AVX-512 (+ VNNI) flags for this file only; reached through
+// kernels_avx512.cpp's entry points, which dispatch.cpp calls only when the CPU and OS
+// support them.
 //
-// matvec (decode) is meant to run at memory bandwidth: each block is read once, widened to
-// F32 in registers and multiplied with X (which stays F32), several rows per step sharing
-// the X loads.
-//   Q8_0: per block, p = sum_i qs[i] * x[i] in one zmm (two FMA lanes of 16), then
-//         acc += d * p; even and odd blocks go to two accumulators.
-//   Q4_K: each sub-block's 16 possible weights form a table in one zmm; vpermps looks the
+// Q8_0 (decode and prefill): X quantized to int8 blocks, vpdpbusd integer dot products in
+// quant.h's accumulation order, bit-identical to the portable reference. matvec runs
+// kMatvecTileRows rows per step sharing the X loads; matmul register tiles of 4 rows x 4
+// tokens load each W pair once per 4 tokens.
+// Q4_K, X stays F32:
+//   matvec: each sub-block's 16 possible weights form a table in one zmm; vpermps looks the
 //         weights up by quant (q4_k_tile has the details); even / odd sub-blocks
 //         accumulate apart.
-// matmul (prefill) dequantizes a block of rows into a per-thread F32 buffer (bit-identical
-// to dequantize_row; see quant.cpp on exactness) and runs this ISA's F32 matmul on it.
+//   matmul: dequantizes a block of rows into a per-thread F32 buffer (bit-identical to
+//         dequantize_row; see quant.cpp on exactness) and runs this ISA's F32 matmul on it.
 //
 // Determinism: a row's operations depend only on cols (never on the tile it is in or the
 // [r0, r1) range), so splitting rows across threads cannot change a result.
@@ -44,6 +45,11 @@ namespace {
 constexpr int kMatvecTileRows = 8;
 // Software prefetch distance, as in kernels_avx512.cpp (2 KiB ahead of each row).
 constexpr int64_t kPrefetchBytes = 2048;
+// Q8_0 matmul register tile: 4 rows x 4 tokens = 16 accumulators + 4 W pairs + 4 W scales
+// + X, its lane bias and scales, of 32 zmm.
+constexpr int kMatmulTileRows = 4;
+constexpr int kMatmulTileTokens = 4;
+constexpr float kF32MinNormal = 1.17549435e-38f;  // FLT_MIN (no <cfloat> templates needed)
 // matmul: F32 rows dequantized per step; 64 KiB stays in L2 next to the X tile.
 constexpr int64_t kDequantBlockBytes = 64 << 10;
 
@@ -70,14 +76,7 @@ float reduce_add(__m512 v) {
   return _mm512_cvtss_f32(s);
 }
 
-// 16 int8 / uint8 at p -> 16 F32 lanes.
-__m512 widen_i8(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// Per-thread F32 scratch (dequantized rows for matmul), reused
-// across calls. Raw operator new: no std:: templates in this file.
+// Per-thread F32 scratch (dequantized rows for matmul, quantized X), reused across calls. Raw operator new: no std:: templates in this file.
 struct Scratch {
   float* data = nullptr;
   size_t size = 0;
@@ -96,57 +95,177 @@ struct Scratch {
 };
 
 // ---- Q8_0 ------------------------------------------------------------------------------
+//
+// quant.h's integer order on VNNI: a zmm holds two consecutive blocks (lanes 0-7 block b,
+// 8-15 block b + 1), vpdpbusd sums 4 byte products per int32 lane, and one F32 accumulator
+// per (row, token) takes fma(float(p), d_w * d_x, acc): lane 8 (b mod 2) + l, as the
+// contract says. vpdpbusd multiplies unsigned by signed bytes, so W is biased to
+// w + 128 (xor 0x80) and each lane starts from -128 * (sum of its 4 activation bytes):
+// p = -128 sum x + sum (w + 128) x = sum w x, exactly (int32 never overflows: |p| < 2^17).
 
-// acc += d * (qs . x) for one block at blk and the 32 floats x0 | x1.
-__m512 q8_0_block(const uint8_t* blk, __m512 x0, __m512 x1, __m512 acc) {
-  __m512 p = _mm512_mul_ps(widen_i8(blk + 2), x0);
-  p = _mm512_fmadd_ps(widen_i8(blk + 18), x1, p);
-  return _mm512_fmadd_ps(p, _mm512_set1_ps(load_f16(blk)), acc);
+// The 64 quants of blocks b, b + 1 at blk (68 bytes), biased to unsigned.
+__m512i pair_qs_biased(const uint8_t* blk) {
+  const __m512i v = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 + kQ8_0BlockBytes)), 1);
+  return _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80)));
 }
 
-// y[i] = W[i, :] . x for the NR rows starting at w.
-template <int NR>
-void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const float* x, float* y) {
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// The f16 scales of blocks b, b + 1 at blk as F32: lanes 0-7 d[b], 8-15 d[b + 1]. One
+// 64-byte load covers both (bytes 0-1 and 34-35); vpermw picks and repeats them.
+__m512 pair_scales(const uint8_t* blk) {
+  const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
+                                       17, 17, 17, 17, 17, 17, 17, 17, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i h = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(blk));
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+}
+
+// Lanes 0-7 d[0], 8-15 d[1].
+__m512 pair_act_scales(const float* d) {
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(
+      idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d)))));
+}
+
+// -128 * (sum of each lane's 4 activation bytes).
+__m512i lane_bias(__m512i xq) {
+  const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(char(0x80)), xq);
+  return _mm512_sub_epi32(_mm512_setzero_si512(), s);
+}
+
+// The last block of an odd count: lanes 0-7 only (it is an even block); the upper lanes of
+// the accumulator are kept by the mask. Loads stay inside the block.
+__m512i tail_qs_biased(const uint8_t* blk) {
+  return _mm512_xor_si512(
+      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+      _mm512_set1_epi8(char(0x80)));
+}
+constexpr __mmask16 kEvenLanes = 0x00ff;
+
+// Y[t, r] for NR rows at w and NT tokens (x rows at xq + t * cols, scales xd + t * n_blocks).
+// Each W pair is loaded once and used for NT tokens; each X pair once for NR rows.
+template <int NR, int NT>
+void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const int8_t* xq,
+               const float* xd, int64_t cols, float* y, int64_t ldy, bool prefetch_w) {
+  __m512 acc[NT][NR];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < NR; ++r) acc[t][r] = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= n_blocks; b += 2) {
-    const float* xb = x + b * 32;
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    const __m512 x2 = _mm512_loadu_ps(xb + 32), x3 = _mm512_loadu_ps(xb + 48);
+    __m512i wq[NR];
+    __m512 wd[NR];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ8_0BlockBytes);
-      prefetch(blk);
-      acc[r][0] = q8_0_block(blk, x0, x1, acc[r][0]);
-      acc[r][1] = q8_0_block(blk + kQ8_0BlockBytes, x2, x3, acc[r][1]);
+      if (prefetch_w) prefetch(blk);
+      wq[r] = pair_qs_biased(blk);
+      wd[r] = pair_scales(blk);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512i x = _mm512_loadu_si512(xq + t * cols + b * 32);
+      const __m512i bias = lane_bias(x);
+      const __m512 dx = pair_act_scales(xd + t * n_blocks + b);
+      for (int r = 0; r < NR; ++r) {
+        const __m512i p = _mm512_dpbusd_epi32(bias, wq[r], x);
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wd[r], dx), acc[t][r]);
+      }
     }
   }
   if (b < n_blocks) {
-    const float* xb = x + b * 32;
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    for (int r = 0; r < NR; ++r)
-      acc[r][0] = q8_0_block(w + r * row_bytes + b * int64_t(kQ8_0BlockBytes), x0, x1, acc[r][0]);
+    __m512i wq[NR];
+    __m512 wd[NR];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ8_0BlockBytes);
+      wq[r] = tail_qs_biased(blk);
+      wd[r] = _mm512_set1_ps(load_f16(blk));
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512i x = _mm512_zextsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * cols + b * 32)));
+      const __m512i bias = lane_bias(x);
+      const __m512 dx = _mm512_set1_ps(xd[t * n_blocks + b]);
+      for (int r = 0; r < NR; ++r) {
+        const __m512i p = _mm512_dpbusd_epi32(bias, wq[r], x);
+        acc[t][r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wd[r], dx),
+                                          acc[t][r], kEvenLanes);
+      }
+    }
   }
-  for (int r = 0; r < NR; ++r) y[r] = reduce_add(_mm512_add_ps(acc[r][0], acc[r][1]));
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < NR; ++r) y[t * ldy + r] = reduce_add(acc[t][r]);
 }
 
-void q8_0_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0, int64_t r1) {
+void q8_0_matvec(const uint8_t* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1) {
   const int64_t n_blocks = cols / kQ8_0BlockElems;
   const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
   int64_t r = r0;
   for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    q8_0_tile<kMatvecTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-  for (; r + 4 <= r1; r += 4) q8_0_tile<4>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-  for (; r < r1; ++r) q8_0_tile<1>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
+    q8_0_tile<kMatvecTileRows, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r,
+                                  0, true);
+  for (; r + 4 <= r1; r += 4)
+    q8_0_tile<4, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r, 0, true);
+  for (; r < r1; ++r)
+    q8_0_tile<1, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r, 0, true);
 }
 
-void q8_0_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
-  for (int64_t b = 0; b < n_blocks; ++b, blk += kQ8_0BlockBytes, out += 32) {
-    const __m512 d = _mm512_set1_ps(load_f16(blk));
-    _mm512_storeu_ps(out, _mm512_mul_ps(widen_i8(blk + 2), d));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(widen_i8(blk + 18), d));
+// One row tile (NR rows) against every token, kMatmulTileTokens at a time.
+template <int NR>
+void q8_0_row_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, Q8Acts x,
+                   int64_t n_tokens, int64_t cols, float* y, int64_t ldy) {
+  int64_t t = 0;
+  for (; t + kMatmulTileTokens <= n_tokens; t += kMatmulTileTokens)
+    q8_0_tile<NR, kMatmulTileTokens>(w, row_bytes, n_blocks, x.qs + t * cols, x.d + t * n_blocks,
+                                     cols, y + t * ldy, ldy, false);
+  const int64_t left = n_tokens - t;
+  const int8_t* xq = x.qs + t * cols;
+  const float* xd = x.d + t * n_blocks;
+  y += t * ldy;
+  if (left == 3) q8_0_tile<NR, 3>(w, row_bytes, n_blocks, xq, xd, cols, y, ldy, false);
+  if (left == 2) q8_0_tile<NR, 2>(w, row_bytes, n_blocks, xq, xd, cols, y, ldy, false);
+  if (left == 1) q8_0_tile<NR, 1>(w, row_bytes, n_blocks, xq, xd, cols, y, ldy, false);
+}
+
+void q8_0_matmul(const uint8_t* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                 int64_t cols, int64_t r0, int64_t r1) {
+  const int64_t n_blocks = cols / kQ8_0BlockElems;
+  const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
+  int64_t r = r0;
+  for (; r + kMatmulTileRows <= r1; r += kMatmulTileRows)
+    q8_0_row_tile<kMatmulTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, n_tokens, cols,
+                                   y + r, ldy);
+  for (; r < r1; ++r)
+    q8_0_row_tile<1>(w + r * row_bytes, row_bytes, n_blocks, x, n_tokens, cols, y + r, ldy);
+}
+
+// quant.h's activation rule: amax / 127 and its inverse in scalar F32 (as the reference),
+// x * id and vcvtps2dq with round-to-nearest-even; |q| <= 127, so the saturating narrow
+// never saturates.
+void quantize_acts(const float* x, int64_t n_blocks, int8_t* qs, float* d) {
+  for (int64_t b = 0; b < n_blocks; ++b, x += 32, qs += 32) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float db = amax / 127.0f;
+    const float id = db >= kF32MinNormal ? 1.0f / db : 0.0f;
+    d[b] = db;
+    const __m512 vid = _mm512_set1_ps(id);
+    constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, vid), kRne);
+    const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, vid), kRne);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + 16), _mm512_cvtsepi32_epi8(q1));
   }
 }
+
+// Per-thread quantized X for calls that bring F32 activations.
+struct ActsScratch {
+  Scratch qs, d;
+  Q8Acts quantize(const float* x, int64_t n_tokens, int64_t cols) {
+    const int64_t n_blocks = n_tokens * cols / 32;
+    int8_t* q = reinterpret_cast<int8_t*>(qs.get(size_t(n_tokens * cols / 4)));
+    float* s = d.get(size_t(n_blocks));
+    quantize_acts(x, n_blocks, q, s);
+    return {q, s};
+  }
+};
 
 // ---- Q4_K ------------------------------------------------------------------------------
 
@@ -257,33 +376,49 @@ void q4_k_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
 
 }  // namespace
 
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, int8_t* qs, float* d) {
+  quantize_acts(x, n_tokens * cols / 32, qs, d);
+}
+
+void q8_0_matvec_rows(const void* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1) {
+  q8_0_matvec(static_cast<const uint8_t*>(w), x, y, cols, r0, r1);
+}
+
+void q8_0_matmul_rows(const void* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                      int64_t cols, int64_t r0, int64_t r1) {
+  if (r0 >= r1 || n_tokens <= 0) return;
+  q8_0_matmul(static_cast<const uint8_t*>(w), x, n_tokens, y, ldy, cols, r0, r1);
+}
+
 void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                        int64_t r1) {
   const auto* wb = static_cast<const uint8_t*>(w);
-  if (wt == DType::kQ8_0) return q8_0_matvec(wb, x, y, cols, r0, r1);
+  if (wt == DType::kQ8_0) {
+    thread_local ActsScratch scratch;
+    return q8_0_matvec(wb, scratch.quantize(x, 1, cols), y, cols, r0, r1);
+  }
   return q4_k_matvec(wb, x, y, cols, r0, r1);
 }
 
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
   if (r0 >= r1 || n_tokens <= 0 || cols <= 0) return;
+  if (wt == DType::kQ8_0) {
+    thread_local ActsScratch scratch;
+    return q8_0_matmul(static_cast<const uint8_t*>(w), scratch.quantize(x, n_tokens, cols),
+                       n_tokens, y, ldy, cols, r0, r1);
+  }
   thread_local Scratch scratch;
-  const bool q8 = wt == DType::kQ8_0;
-  const int64_t n_blocks = cols / (q8 ? kQ8_0BlockElems : kQ4_KBlockElems);
-  const int64_t row_bytes = n_blocks * int64_t(q8 ? kQ8_0BlockBytes : kQ4_KBlockBytes);
+  const int64_t n_blocks = cols / kQ4_KBlockElems;
+  const int64_t row_bytes = n_blocks * int64_t(kQ4_KBlockBytes);
   int64_t block_rows = kDequantBlockBytes / int64_t(sizeof(float)) / cols;
   block_rows = block_rows < 12 ? 12 : block_rows / 12 * 12;  // whole F32 register tiles
   float* f32 = scratch.get(size_t(min64(block_rows, r1 - r0) * cols));
   for (int64_t rb = r0; rb < r1; rb += block_rows) {
     const int64_t n = min64(block_rows, r1 - rb);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint8_t* row = static_cast<const uint8_t*>(w) + (rb + i) * row_bytes;
-      if (q8) {
-        q8_0_dequantize(row, n_blocks, f32 + i * cols);
-      } else {
-        q4_k_dequantize(row, n_blocks, f32 + i * cols);
-      }
-    }
+    for (int64_t i = 0; i < n; ++i)
+      q4_k_dequantize(static_cast<const uint8_t*>(w) + (rb + i) * row_bytes, n_blocks,
+                      f32 + i * cols);
     matmul_rows(f32, DType::kF32, x, n_tokens, y + rb, ldy, cols, 0, n);
   }
 }
