@@ -102,20 +102,20 @@ void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const int8
     for (int r = 0; r < NR; ++r) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int parity = int(b & 1);
-    float wd[NR];
+    __m256 wd[NR];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ8_0BlockBytes);
       if (prefetch_w && parity == 0) prefetch(blk);
-      wd[r] = load_f16(blk);
+      wd[r] = _mm256_set1_ps(load_f16(blk));
     }
     for (int t = 0; t < NT; ++t) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * cols + b * 32));
-      const float dx = xd[t * n_blocks + b];
+      const __m256 dx = _mm256_broadcast_ss(xd + t * n_blocks + b);
       for (int r = 0; r < NR; ++r) {
         const __m256i p = block_dot(w + r * row_bytes + b * int64_t(kQ8_0BlockBytes) + 2, x);
-        // d_w * d_x in scalar F32: the same single rounding as the reference.
-        acc[t][r][parity] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(wd[r] * dx),
-                                            acc[t][r][parity]);
+        // d_w * d_x: one F32 multiplication, as the reference.
+        acc[t][r][parity] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(wd[r], dx), acc[t][r][parity]);
       }
     }
   }
