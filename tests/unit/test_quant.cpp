@@ -458,14 +458,13 @@ TEST_P(QuantKernelTest, MatvecMatchesReferenceAndPortable) {
               // quantized values, the activation rounding from the exact one, and the
               // portable bits exactly (quant.h's order).
               const Q8Reference q8 = dot_reference_q8(w, r, xq, 0, cols);
-              EXPECT_NEAR(y[r], q8.on_quantized.value,
-                          kRelTol * q8.on_quantized.scale + kAbsTol)
+              EXPECT_NEAR(y[r], q8.on_quantized.value, kRelTol * q8.on_quantized.scale + kAbsTol)
                   << "row " << r;
               EXPECT_NEAR(y[r], ref.value, 1.0001 * q8.act_bound + kRelTol * ref.scale + kAbsTol)
                   << "row " << r << " vs the exact product";
               EXPECT_EQ(y[r], portable_y[size_t(r)]) << "row " << r << " vs portable";
-              EXPECT_EQ(portable_y[size_t(r)], q8_0_contract(w.row(r), xq.qs.data(),
-                                                             xq.d.data(), cols))
+              EXPECT_EQ(portable_y[size_t(r)],
+                        q8_0_contract(w.row(r), xq.qs.data(), xq.d.data(), cols))
                   << "row " << r << ": portable vs the contract";
               continue;
             }
@@ -525,8 +524,7 @@ TEST_P(QuantKernelTest, MatmulMatchesItsDefinition) {
                 EXPECT_EQ(got, portable_y[size_t(t * ldy + r)])
                     << "t=" << t << " r=" << r << " vs portable";
                 const Q8Reference ref = dot_reference_q8(w, r, xq, t, cols);
-                EXPECT_NEAR(got, ref.on_quantized.value,
-                            kRelTol * ref.on_quantized.scale + kAbsTol)
+                EXPECT_NEAR(got, ref.on_quantized.value, kRelTol * ref.on_quantized.scale + kAbsTol)
                     << "t=" << t << " r=" << r;
               } else {
                 Reference ref = dot_reference(w, r, x.data() + t * cols, cols);

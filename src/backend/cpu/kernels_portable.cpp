@@ -127,7 +127,8 @@ void q8_0_matmul_rows(const void* w, Q8Acts x, int64_t n_tokens, float* y, int64
 
 void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                  int64_t r1) {
-  if (wt == DType::kQ8_0) return q8_0_matvec_rows(w, quantize_to_scratch(x, 1, cols), y, cols, r0, r1);
+  if (wt == DType::kQ8_0)
+    return q8_0_matvec_rows(w, quantize_to_scratch(x, 1, cols), y, cols, r0, r1);
   if (wt == DType::kF32) {
     const float* wf = static_cast<const float*>(w);
     for (int64_t r = r0; r < r1; ++r) y[r] = dot_f32(wf + r * cols, x, cols);

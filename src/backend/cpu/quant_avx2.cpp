@@ -109,7 +109,8 @@ void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const int8
       wd[r] = _mm256_set1_ps(load_f16(blk));
     }
     for (int t = 0; t < NT; ++t) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * cols + b * 32));
+      const __m256i x =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * cols + b * 32));
       const __m256 dx = _mm256_broadcast_ss(xd + t * n_blocks + b);
       for (int r = 0; r < NR; ++r) {
         const __m256i p = block_dot(w + r * row_bytes + b * int64_t(kQ8_0BlockBytes) + 2, x);
@@ -129,15 +130,15 @@ void q8_0_matvec(const uint8_t* w, Q8Acts x, float* y, int64_t cols, int64_t r0,
   const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
   int64_t r = r0;
   for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    q8_0_tile<kMatvecTileRows, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r,
-                                  0, true);
+    q8_0_tile<kMatvecTileRows, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r, 0,
+                                  true);
   for (; r < r1; ++r)
     q8_0_tile<1, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r, 0, true);
 }
 
 // 2 rows x 2 tokens x 2 parities = 8 accumulators of 16 ymm.
-void q8_0_matmul(const uint8_t* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
-                 int64_t cols, int64_t r0, int64_t r1) {
+void q8_0_matmul(const uint8_t* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy, int64_t cols,
+                 int64_t r0, int64_t r1) {
   const int64_t n_blocks = cols / kQ8_0BlockElems;
   const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
   for (int64_t r = r0; r < r1; r += 2) {

@@ -81,7 +81,8 @@ float reduce_add(__m512 v) {
   return _mm512_cvtss_f32(s);
 }
 
-// Per-thread F32 scratch (dequantized rows for matmul, quantized X), reused across calls. Raw operator new: no std:: templates in this file.
+// Per-thread F32 scratch (dequantized rows for matmul, quantized X), reused across calls. Raw
+// operator new: no std:: templates in this file.
 struct Scratch {
   float* data = nullptr;
   size_t size = 0;
@@ -163,8 +164,9 @@ void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const int8
     for (int r = 0; r < NR; ++r) {
       const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ8_0BlockBytes);
       if (prefetch_ahead != 0)
-        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(blk) + prefetch_ahead),
-                     _MM_HINT_T0);
+        _mm_prefetch(
+            reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(blk) + prefetch_ahead),
+            _MM_HINT_T0);
       wq[r] = pair_qs_biased(blk);
       wd[r] = pair_scales(blk);
     }
@@ -207,8 +209,8 @@ void q8_0_matvec(const uint8_t* w, Q8Acts x, float* y, int64_t cols, int64_t r0,
   const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
   int64_t r = r0;
   for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    q8_0_tile<kMatvecTileRows, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r,
-                                  0, kMatvecTileRows * row_bytes);
+    q8_0_tile<kMatvecTileRows, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r, 0,
+                                  kMatvecTileRows * row_bytes);
   for (; r + 4 <= r1; r += 4)
     q8_0_tile<4, 1>(w + r * row_bytes, row_bytes, n_blocks, x.qs, x.d, cols, y + r, 0,
                     kPrefetchBytes);
@@ -237,14 +239,14 @@ void q8_0_row_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, Q8Acts
   if (left == 1) q8_0_tile<NR, 1>(w, row_bytes, n_blocks, xq, xd, cols, y, ldy, ahead);
 }
 
-void q8_0_matmul(const uint8_t* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
-                 int64_t cols, int64_t r0, int64_t r1) {
+void q8_0_matmul(const uint8_t* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy, int64_t cols,
+                 int64_t r0, int64_t r1) {
   const int64_t n_blocks = cols / kQ8_0BlockElems;
   const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
   int64_t r = r0;
   for (; r + kMatmulTileRows <= r1; r += kMatmulTileRows)
-    q8_0_row_tile<kMatmulTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, n_tokens, cols,
-                                   y + r, ldy);
+    q8_0_row_tile<kMatmulTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, n_tokens, cols, y + r,
+                                   ldy);
   for (; r < r1; ++r)
     q8_0_row_tile<1>(w + r * row_bytes, row_bytes, n_blocks, x, n_tokens, cols, y + r, ldy);
 }
