@@ -1,10 +1,10 @@
 // Block-quantized weights (Q8_0, Q4_K): GGUF byte layouts by known answers, quantization
-// error bounds, the activation quantization of Q8_0 products (every ISA byte-identical to
-// the reference, ties to even), the portable kernels against double references (Q8_0: on
-// the quantized activations, and within the activation rounding of the exact product),
-// every SIMD path against the portable one (Q8_0: bit for bit; odd row counts, poisoned
-// outputs, row ranges), matvec against matmul, determinism under row splits, and the dtype /
-// safetensors plumbing.
+// error bounds, the activation quantization of the integer products (every ISA
+// byte-identical to the reference, ties to even), the kernels against double references (on
+// the quantized activations, and within the activation rounding of the exact product), every
+// path bit for bit against the portable one and the portable one against an independent
+// write-up of quant.h's order (odd row counts, poisoned outputs, row ranges), matmul
+// against matvec, determinism under row splits, and the dtype / safetensors plumbing.
 //
 // Inputs are random with a fresh seed per test (printed on failure through SCOPED_TRACE).
 // Quantized matrices sit at an odd address: rows of a file need not be aligned.
@@ -195,18 +195,21 @@ TEST(QuantError, Q4_KRelativeRmsError) {
   for (int i = 0; i < 256; ++i) EXPECT_NEAR(back[size_t(i)], ramp[size_t(i)], 0.04) << i;
 }
 
-// ---- activation quantization (Q8_0 products) ---------------------------------------------
+// ---- activation quantization (products with quantized weights) ---------------------------
 
 struct QuantizedX {
   std::vector<int8_t> qs;
-  std::vector<float> d;
-  Q8Acts view() const { return {qs.data(), d.data()}; }
+  std::vector<float> d, sum;
+  QuantizedX(int64_t n_tokens, int64_t cols)
+      : qs(size_t(n_tokens * cols), 99),
+        d(size_t(n_tokens * cols / 32), kNaN),
+        sum(size_t(n_tokens * cols / 32), kNaN) {}
+  Q8ActsOut out() { return {qs.data(), d.data(), sum.data()}; }
 };
 
 QuantizedX quantize_x(const float* x, int64_t n_tokens, int64_t cols) {
-  QuantizedX q{std::vector<int8_t>(size_t(n_tokens * cols), 99),
-               std::vector<float>(size_t(n_tokens * cols / 32), kNaN)};
-  quantize_acts_q8(x, n_tokens, cols, q.qs.data(), q.d.data());
+  QuantizedX q(n_tokens, cols);
+  quantize_acts_q8(x, n_tokens, cols, q.out());
   return q;
 }
 
@@ -222,6 +225,7 @@ TEST(QuantActs, KnownAnswersTiesToEvenAndTinyBlocks) {
   QuantizedX q = quantize_x(x.data(), 1, 96);
   EXPECT_EQ(q.d[0], 1.0f);
   EXPECT_EQ(q.qs[0], 127);
+  EXPECT_EQ(q.sum[0], 127.0f + 0 + 2 + 2 + 0 - 2 - 2 + 126 - 126 + 3 - 4);
   for (size_t i = 0; i < std::size(ties); ++i) EXPECT_EQ(q.qs[1 + i], want[i]) << ties[i];
   EXPECT_EQ(q.d[1], 0.0f);
   EXPECT_EQ(q.d[2], 1e-37f / 127.0f);
@@ -250,6 +254,9 @@ TEST(QuantActs, EveryIsaMatchesReferenceBytes) {
     float amax = 0.0f;
     for (size_t i = 32 * b; i < 32 * b + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
     ASSERT_EQ(ref.d[b], amax / 127.0f) << "block " << b;
+    int32_t q_sum = 0;
+    for (size_t i = 32 * b; i < 32 * b + 32; ++i) q_sum += ref.qs[i];
+    ASSERT_EQ(ref.sum[b], ref.d[b] * float(q_sum)) << "block " << b;
     for (size_t i = 32 * b; i < 32 * b + 32; ++i) {
       ASSERT_LE(std::abs(int(ref.qs[i])), 127);
       if (ref.d[b] < std::numeric_limits<float>::min()) continue;
@@ -257,16 +264,17 @@ TEST(QuantActs, EveryIsaMatchesReferenceBytes) {
           << "element " << i;
     }
   }
-  using Fn = void (*)(const float*, int64_t, int64_t, int8_t*, float*);
+  using Fn = void (*)(const float*, int64_t, int64_t, Q8ActsOut);
   const std::pair<Isa, Fn> isas[] = {{Isa::kAvx2, avx2::quantize_acts_q8},
                                      {Isa::kAvx512, avx512::quantize_acts_q8}};
   for (auto [isa, fn] : isas) {
     if (isa > detect_isa()) continue;
     SCOPED_TRACE(std::string(isa_name(isa)));
-    QuantizedX got{std::vector<int8_t>(ref.qs.size(), 99), std::vector<float>(ref.d.size(), kNaN)};
-    fn(x.data(), n_tokens, cols, got.qs.data(), got.d.data());
+    QuantizedX got(n_tokens, cols);
+    fn(x.data(), n_tokens, cols, got.out());
     EXPECT_EQ(0, std::memcmp(got.qs.data(), ref.qs.data(), ref.qs.size()));
     EXPECT_EQ(0, std::memcmp(got.d.data(), ref.d.data(), ref.d.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(got.sum.data(), ref.sum.data(), ref.sum.size() * sizeof(float)));
   }
 }
 
@@ -312,7 +320,6 @@ class QuantWeights {
   const uint8_t* row(int64_t r) const { return data_ + size_t(r) * row_bytes_; }
   float value(int64_t r, int64_t c) const { return values_[size_t(r * cols_ + c)]; }
   float min_term(int64_t r, int64_t c) const { return std::fabs(mins_[size_t(r * cols_ + c)]); }
-  const float* f32() const { return values_.data(); }
 
  private:
   DType t_;
@@ -344,9 +351,10 @@ Reference dot_reference(const QuantWeights& w, int64_t r, const float* x, int64_
   return ref;
 }
 
-// Q8_0: the weights against the quantized activations d_x * q in double, and the bound of
-// the activation rounding against the exact product with x: sum_c |w_c| |x_c - d_x q_c|
-// <= sum_b d_x[b] / 2 * sum_{c in b} |w_c|.
+// The dequantized weights against the quantized activations d_x * q in double (scale: what
+// F32 rounding scales with, Q4_K's min terms apart as in Reference), and the bound of the
+// activation rounding against the exact product with x: sum_c |w_c| |x_c - d_x q_c| <=
+// sum_b d_x[b] / 2 * sum_{c in b} |w_c|.
 struct Q8Reference {
   Reference on_quantized;
   double act_bound;
@@ -359,7 +367,7 @@ Q8Reference dot_reference_q8(const QuantWeights& w, int64_t r, const QuantizedX&
     const double dx = xq.d[size_t((t * cols + c) / 32)];
     const double xv = dx * xq.qs[size_t(t * cols + c)];
     ref.on_quantized.value += double(w.value(r, c)) * xv;
-    ref.on_quantized.scale += std::fabs(double(w.value(r, c)) * xv);
+    ref.on_quantized.scale += (std::fabs(double(w.value(r, c))) + w.min_term(r, c)) * std::fabs(xv);
     ref.act_bound += std::fabs(double(w.value(r, c))) * dx * 0.5;
   }
   return ref;
@@ -389,9 +397,50 @@ float q8_0_contract(const uint8_t* row, const int8_t* xq, const float* xd, int64
   return acc[0] + acc[1];
 }
 
-// As test_kernels.cpp: F32 sums of a few thousand terms stay well under 1e-5 relative. The
-// Q4_K SIMD paths factor the mins out (sum_j dmin m_j sum(x_j)), so their error scales with
-// the min terms too; Reference::scale includes them.
+// The same for Q4_K: sub-block lane sums into the 16 accumulators, the mins into 8 more.
+float q4_k_contract(const uint8_t* row, const QuantizedX& x, int64_t t, int64_t cols) {
+  const int8_t* xq = x.qs.data() + t * cols;
+  const float* xd = x.d.data() + t * cols / 32;
+  const float* xs = x.sum.data() + t * cols / 32;
+  float acc[16], macc[8];
+  std::fill(std::begin(acc), std::end(acc), 0.0f);
+  std::fill(std::begin(macc), std::end(macc), 0.0f);
+  for (int64_t b = 0; b < cols / 256; ++b) {
+    const uint8_t* blk = row + b * 144;
+    uint16_t h[2];
+    std::memcpy(h, blk, 4);
+    const float d = f16_to_f32(h[0]), dmin = f16_to_f32(h[1]);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t sc, m;
+      q4_k_scale_min(blk + 4, j, &sc, &m);
+      const int64_t g = 8 * b + j;
+      for (int l = 0; l < 8; ++l) {
+        int32_t p = 0;
+        for (int i = 4 * l; i < 4 * l + 4; ++i) {
+          const int q =
+              j % 2 == 0 ? blk[16 + 32 * (j / 2) + i] & 15 : blk[16 + 32 * (j / 2) + i] >> 4;
+          p += q * xq[32 * g + i];
+        }
+        acc[(j % 2) * 8 + l] = std::fma(float(p), (d * float(sc)) * xd[g], acc[(j % 2) * 8 + l]);
+      }
+      macc[j] = std::fma(dmin * float(m), xs[g], macc[j]);
+    }
+  }
+  for (int i = 0; i < 8; ++i) acc[i] = acc[i] + acc[i + 8];
+  for (int i = 0; i < 4; ++i) acc[i] = acc[i] + acc[i + 4], macc[i] = macc[i] + macc[i + 4];
+  for (int i = 0; i < 2; ++i) acc[i] = acc[i] + acc[i + 2], macc[i] = macc[i] + macc[i + 2];
+  return (acc[0] + acc[1]) - (macc[0] + macc[1]);
+}
+
+float contract(DType t, const uint8_t* row, const QuantizedX& x, int64_t tok, int64_t cols) {
+  if (t == DType::kQ8_0)
+    return q8_0_contract(row, x.qs.data() + tok * cols, x.d.data() + tok * cols / 32, cols);
+  return q4_k_contract(row, x, tok, cols);
+}
+
+// As test_kernels.cpp: F32 sums of a few thousand terms stay well under 1e-5 relative. Q4_K
+// adds its mins apart (sum_j dmin m_j s_x[j]), so its error scales with the min terms too;
+// the references' scales include them.
 constexpr double kRelTol = 1e-5;
 constexpr double kAbsTol = 1e-30;
 
@@ -424,8 +473,8 @@ std::vector<std::pair<int64_t, int64_t>> row_ranges(int64_t rows) {
   return ranges;
 }
 
-// Q4_K: portable (dequantize_row + the float dot) and SIMD against double and each other.
-// Q8_0: see the comment in the loop.
+// Every ISA against the double references and, bit for bit, the portable result, which is
+// checked against an independent write-up of quant.h's order.
 TEST_P(QuantKernelTest, MatvecMatchesReferenceAndPortable) {
   uint32_t seed = fresh_seed();
   SCOPED_TRACE(seed_trace(seed));
@@ -452,25 +501,18 @@ TEST_P(QuantKernelTest, MatvecMatchesReferenceAndPortable) {
               continue;
             }
             ASSERT_FALSE(std::isnan(y[r])) << "row " << r << " not written";
-            Reference ref = dot_reference(w, r, x.data(), cols);
-            if (wt_ == DType::kQ8_0) {
-              // Integer dots on quantized x: F32 rounding from the double product on the
-              // quantized values, the activation rounding from the exact one, and the
-              // portable bits exactly (quant.h's order).
-              const Q8Reference q8 = dot_reference_q8(w, r, xq, 0, cols);
-              EXPECT_NEAR(y[r], q8.on_quantized.value, kRelTol * q8.on_quantized.scale + kAbsTol)
-                  << "row " << r;
-              EXPECT_NEAR(y[r], ref.value, 1.0001 * q8.act_bound + kRelTol * ref.scale + kAbsTol)
-                  << "row " << r << " vs the exact product";
-              EXPECT_EQ(y[r], portable_y[size_t(r)]) << "row " << r << " vs portable";
-              EXPECT_EQ(portable_y[size_t(r)],
-                        q8_0_contract(w.row(r), xq.qs.data(), xq.d.data(), cols))
-                  << "row " << r << ": portable vs the contract";
-              continue;
-            }
-            EXPECT_NEAR(y[r], ref.value, kRelTol * ref.scale + kAbsTol) << "row " << r;
-            EXPECT_NEAR(y[r], portable_y[size_t(r)], 2 * kRelTol * ref.scale + kAbsTol)
-                << "row " << r << " vs portable";
+            // Integer dots on quantized x: F32 rounding from the double product on the
+            // quantized values, the activation rounding from the exact one, and the portable
+            // bits exactly (quant.h's order).
+            const Reference ref = dot_reference(w, r, x.data(), cols);
+            const Q8Reference q8 = dot_reference_q8(w, r, xq, 0, cols);
+            EXPECT_NEAR(y[r], q8.on_quantized.value, kRelTol * q8.on_quantized.scale + kAbsTol)
+                << "row " << r;
+            EXPECT_NEAR(y[r], ref.value, 1.0001 * q8.act_bound + kRelTol * ref.scale + kAbsTol)
+                << "row " << r << " vs the exact product";
+            EXPECT_EQ(y[r], portable_y[size_t(r)]) << "row " << r << " vs portable";
+            EXPECT_EQ(portable_y[size_t(r)], contract(wt_, w.row(r), xq, 0, cols))
+                << "row " << r << ": portable vs the contract";
           }
         }
       }
@@ -478,14 +520,12 @@ TEST_P(QuantKernelTest, MatvecMatchesReferenceAndPortable) {
   }
 }
 
-// Q4_K: matmul dequantizes and runs the ISA's F32 matmul, so it is bit-identical to that
-// F32 matmul on the reference dequantization. Q8_0: each (row, token) is the matvec of that
-// token, bit for bit, and the portable matmul's bits. Both close to the double reference.
+// Each (row, token) of a matmul is the matvec of that token, bit for bit, and the portable
+// matmul's bits; close to the double reference on the quantized activations.
 TEST_P(QuantKernelTest, MatmulMatchesItsDefinition) {
   uint32_t seed = fresh_seed();
   SCOPED_TRACE(seed_trace(seed));
   std::mt19937 rng(seed);
-  const bool q8 = wt_ == DType::kQ8_0;
   for (int64_t cols : col_counts()) {
     for (int64_t rows : {int64_t(1), int64_t(5), int64_t(17), int64_t(61)}) {
       for (int64_t n_tokens : {int64_t(1), int64_t(4), int64_t(7)}) {
@@ -493,16 +533,11 @@ TEST_P(QuantKernelTest, MatmulMatchesItsDefinition) {
         std::vector<float> x = activations(n_tokens * cols, rng);
         const QuantizedX xq = quantize_x(x.data(), n_tokens, cols);
         const int64_t ldy = rows + 3;
-        // want: Q4_K the F32 matmul of the dequantized rows, Q8_0 the matvec per token.
         std::vector<float> want(size_t(n_tokens * ldy), kNaN), portable_y(want.size(), kNaN);
-        if (q8) {
-          for (int64_t t = 0; t < n_tokens; ++t)
-            matvec_rows(w.data(), wt_, x.data() + t * cols, want.data() + t * ldy, cols, 0, rows);
-          portable::matmul_rows(w.data(), wt_, x.data(), n_tokens, portable_y.data(), ldy, cols, 0,
-                                rows);
-        } else {
-          matmul_rows(w.f32(), DType::kF32, x.data(), n_tokens, want.data(), ldy, cols, 0, rows);
-        }
+        for (int64_t t = 0; t < n_tokens; ++t)
+          matvec_rows(w.data(), wt_, x.data() + t * cols, want.data() + t * ldy, cols, 0, rows);
+        portable::matmul_rows(w.data(), wt_, x.data(), n_tokens, portable_y.data(), ldy, cols, 0,
+                              rows);
         for (auto [r0, r1] : row_ranges(rows)) {
           SCOPED_TRACE("rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
                        " tokens=" + std::to_string(n_tokens) + " range=[" + std::to_string(r0) +
@@ -519,18 +554,12 @@ TEST_P(QuantKernelTest, MatmulMatchesItsDefinition) {
                 continue;
               }
               ASSERT_FALSE(std::isnan(got)) << "t=" << t << " r=" << r << " not written";
-              EXPECT_EQ(got, want[size_t(t * ldy + r)]) << "t=" << t << " r=" << r;
-              if (q8) {
-                EXPECT_EQ(got, portable_y[size_t(t * ldy + r)])
-                    << "t=" << t << " r=" << r << " vs portable";
-                const Q8Reference ref = dot_reference_q8(w, r, xq, t, cols);
-                EXPECT_NEAR(got, ref.on_quantized.value, kRelTol * ref.on_quantized.scale + kAbsTol)
-                    << "t=" << t << " r=" << r;
-              } else {
-                Reference ref = dot_reference(w, r, x.data() + t * cols, cols);
-                EXPECT_NEAR(got, ref.value, kRelTol * ref.scale + kAbsTol)
-                    << "t=" << t << " r=" << r;
-              }
+              EXPECT_EQ(got, want[size_t(t * ldy + r)]) << "t=" << t << " r=" << r << " vs matvec";
+              EXPECT_EQ(got, portable_y[size_t(t * ldy + r)])
+                  << "t=" << t << " r=" << r << " vs portable";
+              const Q8Reference ref = dot_reference_q8(w, r, xq, t, cols);
+              EXPECT_NEAR(got, ref.on_quantized.value, kRelTol * ref.on_quantized.scale + kAbsTol)
+                  << "t=" << t << " r=" << r;
             }
           }
         }

@@ -104,53 +104,55 @@ int64_t round_up_grain(int64_t rows) {
   return (rows + kRowGrain - 1) / kRowGrain * kRowGrain;
 }
 
-// ---- Q8_0: X quantized once per parallel call -------------------------------------------
+// ---- quantized weights: X quantized once per parallel call ------------------------------
 
 // The calling thread's quantized X; the pool's threads read it while the call waits.
 struct ActsBuffer {
   std::vector<int8_t> qs;
-  std::vector<float> d;
+  std::vector<float> d, sum;
 };
 
 Q8Acts quantize_acts(Isa isa, const float* x, int64_t n_tokens, int64_t cols) {
   thread_local ActsBuffer buf;
   buf.qs.resize(size_t(n_tokens * cols));
-  buf.d.resize(size_t(n_tokens * cols / kQ8_0BlockElems));
+  buf.d.resize(size_t(n_tokens * cols / 32));
+  buf.sum.resize(buf.d.size());
+  const Q8ActsOut out{buf.qs.data(), buf.d.data(), buf.sum.data()};
   switch (isa) {
     case Isa::kPortable:
-      quantize_acts_q8(x, n_tokens, cols, buf.qs.data(), buf.d.data());
+      quantize_acts_q8(x, n_tokens, cols, out);
       break;
     case Isa::kAvx2:
-      avx2::quantize_acts_q8(x, n_tokens, cols, buf.qs.data(), buf.d.data());
+      avx2::quantize_acts_q8(x, n_tokens, cols, out);
       break;
     case Isa::kAvx512:
-      avx512::quantize_acts_q8(x, n_tokens, cols, buf.qs.data(), buf.d.data());
+      avx512::quantize_acts_q8(x, n_tokens, cols, out);
       break;
   }
-  return {buf.qs.data(), buf.d.data()};
+  return {out.qs, out.d, out.sum};
 }
 
-void q8_0_matvec_rows(Isa isa, const void* w, Q8Acts x, float* y, int64_t cols, int64_t r0,
-                      int64_t r1) {
+void matvec_rows_q8(Isa isa, const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,
+                    int64_t r1) {
   switch (isa) {
     case Isa::kPortable:
-      return portable::q8_0_matvec_rows(w, x, y, cols, r0, r1);
+      return portable::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
     case Isa::kAvx2:
-      return avx2::q8_0_matvec_rows(w, x, y, cols, r0, r1);
+      return avx2::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
     case Isa::kAvx512:
-      return avx512::q8_0_matvec_rows(w, x, y, cols, r0, r1);
+      return avx512::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
   }
 }
 
-void q8_0_matmul_rows(Isa isa, const void* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
-                      int64_t cols, int64_t r0, int64_t r1) {
+void matmul_rows_q8(Isa isa, const void* w, DType wt, Q8Acts x, int64_t n_tokens, float* y,
+                    int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
   switch (isa) {
     case Isa::kPortable:
-      return portable::q8_0_matmul_rows(w, x, n_tokens, y, ldy, cols, r0, r1);
+      return portable::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
     case Isa::kAvx2:
-      return avx2::q8_0_matmul_rows(w, x, n_tokens, y, ldy, cols, r0, r1);
+      return avx2::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
     case Isa::kAvx512:
-      return avx512::q8_0_matmul_rows(w, x, n_tokens, y, ldy, cols, r0, r1);
+      return avx512::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
   }
 }
 
@@ -214,11 +216,11 @@ void matvec(ThreadPool& pool, const void* w, DType wt, const float* x, float* y,
   check_dtype(wt, cols);
   int64_t row_bytes = std::max<int64_t>(1, int64_t(dtype_row_bytes(wt, cols)));
   int64_t grain = round_up_grain(kMinChunkBytes / row_bytes);
-  if (wt == DType::kQ8_0) {
+  if (dtype_is_quantized(wt)) {
     const Isa isa = active_isa();
     const Q8Acts xq = quantize_acts(isa, x, 1, cols);
     pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
-      q8_0_matvec_rows(isa, w, xq, y, cols, r0, r1);
+      matvec_rows_q8(isa, w, wt, xq, y, cols, r0, r1);
     });
     return;
   }
@@ -230,12 +232,12 @@ void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n
             int64_t rows, int64_t cols) {
   int64_t row_flops = std::max<int64_t>(1, 2 * cols * n_tokens);
   int64_t grain = round_up_grain(kMinChunkFlops / row_flops);
-  if (wt == DType::kQ8_0) {
+  if (dtype_is_quantized(wt)) {
     check_dtype(wt, cols);
     const Isa isa = active_isa();
     const Q8Acts xq = quantize_acts(isa, x, n_tokens, cols);
     pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
-      q8_0_matmul_rows(isa, w, xq, n_tokens, y, rows, cols, r0, r1);
+      matmul_rows_q8(isa, w, wt, xq, n_tokens, y, rows, cols, r0, r1);
     });
     return;
   }

@@ -34,8 +34,8 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
 // Y[t, r] = sum_c W[r, c] * X[t, c] for t in [0, n_tokens), r in [r0, r1).
 // X is [n_tokens, cols] contiguous; Y has row stride ldy (floats).
 // BF16 weights on AVX-512-BF16 round X to BF16 and use vdpbf16ps (as llama.cpp does);
-// Q8_0 weights quantize X to int8 blocks on every path (quant.h's contract: matmul equals
-// matvec per token, bit for bit); other paths keep X in F32.
+// Q8_0 / Q4_K weights quantize X to int8 blocks on every path (quant.h's contract: every
+// ISA gives the same bits, and matmul equals matvec per token); other paths keep X in F32.
 void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
                  int64_t cols, int64_t r0, int64_t r1);
 
