@@ -1,7 +1,7 @@
 // CPU kernels for the hot paths: matrix-vector (decode) and matrix-matrix (prefill) with
 // F32 activations and F32 / F16 / BF16 or block-quantized Q8_0 / Q4_K weights (quant.h;
 // cols must then be a whole number of blocks). One dispatch point picks the instruction set
-// at run time (AVX-512 with BF16, AVX2+FMA+F16C, or portable C++); every SIMD path is tested
+// at run time (AVX-512 with BF16 and VNNI, AVX2+FMA+F16C, or portable C++); every SIMD path is tested
 // against the portable one on random inputs.
 //
 // Determinism: the value of an output element depends only on its row of W and its row of
