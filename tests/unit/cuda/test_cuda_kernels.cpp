@@ -86,7 +86,7 @@ std::vector<uint8_t> make_matrix(DType type, int64_t rows, int64_t cols, uint32_
 }
 
 // y = W x on the CPU with F32 activations, the reference for the CUDA kernels that take F32
-// x: the CPU's own Q8_0 kernels quantize x to int8 blocks (backend/cpu/quant.h), so
+// x: the CPU's own Q8_0 / Q4_K kernels quantize x to int8 blocks (backend/cpu/quant.h), so
 // quantized rows are dequantized (the reference conversion) and multiplied in F32.
 void cpu_matvec_f32_x(const void* w, DType t, const float* x, float* y, int64_t cols,
                       int64_t rows) {
