@@ -1,21 +1,27 @@
 // Block-quantized weights (Q8_0, Q4_K): GGUF byte layouts by known answers, quantization
-// error bounds, the portable matvec against a double reference on the dequantized weights,
-// every SIMD path against the portable one (odd row counts, poisoned outputs, row ranges),
-// determinism under row splits, and the dtype / safetensors plumbing.
+// error bounds, the activation quantization of the integer products (every ISA
+// byte-identical to the reference, ties to even), the kernels against double references (on
+// the quantized activations, and within the activation rounding of the exact product), every
+// path bit for bit against the portable one and the portable one against an independent
+// write-up of quant.h's order (odd row counts, poisoned outputs, row ranges), matmul
+// against matvec, determinism under row splits, and the dtype / safetensors plumbing.
 //
 // Inputs are random with a fresh seed per test (printed on failure through SCOPED_TRACE).
 // Quantized matrices sit at an odd address: rows of a file need not be aligned.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/kernels.h"
@@ -189,6 +195,89 @@ TEST(QuantError, Q4_KRelativeRmsError) {
   for (int i = 0; i < 256; ++i) EXPECT_NEAR(back[size_t(i)], ramp[size_t(i)], 0.04) << i;
 }
 
+// ---- activation quantization (products with quantized weights) ---------------------------
+
+struct QuantizedX {
+  std::vector<int8_t> qs;
+  std::vector<float> d, sum;
+  QuantizedX(int64_t n_tokens, int64_t cols)
+      : qs(size_t(n_tokens * cols), 99),
+        d(size_t(n_tokens * cols / 32), kNaN),
+        sum(size_t(n_tokens * cols / 32), kNaN) {}
+  Q8ActsOut out() { return {qs.data(), d.data(), sum.data()}; }
+};
+
+QuantizedX quantize_x(const float* x, int64_t n_tokens, int64_t cols) {
+  QuantizedX q(n_tokens, cols);
+  quantize_acts_q8(x, n_tokens, cols, q.out());
+  return q;
+}
+
+TEST(QuantActs, KnownAnswersTiesToEvenAndTinyBlocks) {
+  // amax 127: d = 1 and id = 1 exactly, so x * id is x and the ties are exact.
+  std::vector<float> x(96, 0.0f);
+  const float ties[] = {0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 126.5f, -126.5f, 3.49f, -3.51f};
+  const int8_t want[] = {0, 2, 2, 0, -2, -2, 126, -126, 3, -4};
+  x[0] = 127.0f;
+  for (size_t i = 0; i < std::size(ties); ++i) x[1 + i] = ties[i];
+  // Block 1: all zero. Block 2: below FLT_MIN * 127, quantized to zeros (id would overflow).
+  for (int i = 64; i < 96; ++i) x[size_t(i)] = (i % 2 ? 1.0f : -1.0f) * 1e-37f;
+  QuantizedX q = quantize_x(x.data(), 1, 96);
+  EXPECT_EQ(q.d[0], 1.0f);
+  EXPECT_EQ(q.qs[0], 127);
+  EXPECT_EQ(q.sum[0], 127.0f + 0 + 2 + 2 + 0 - 2 - 2 + 126 - 126 + 3 - 4);
+  for (size_t i = 0; i < std::size(ties); ++i) EXPECT_EQ(q.qs[1 + i], want[i]) << ties[i];
+  EXPECT_EQ(q.d[1], 0.0f);
+  EXPECT_EQ(q.d[2], 1e-37f / 127.0f);
+  for (int i = 32; i < 96; ++i) EXPECT_EQ(q.qs[size_t(i)], 0) << i;
+}
+
+// Random blocks of very different scales (and the known-answer blocks above): every ISA
+// writes the reference's bytes, and the reference is within half a step.
+TEST(QuantActs, EveryIsaMatchesReferenceBytes) {
+  uint32_t seed = fresh_seed();
+  SCOPED_TRACE(seed_trace(seed));
+  std::mt19937 rng(seed);
+  const int64_t n_tokens = 3, cols = 1056;
+  std::vector<float> x = weight_like(n_tokens, cols, rng);
+  std::uniform_int_distribution<int> exp2(-30, 10);
+  for (size_t b = 0; b < x.size(); b += 32) {
+    const float s = std::ldexp(1.0f, exp2(rng));
+    for (size_t i = b; i < b + 32; ++i) x[i] *= s;
+  }
+  for (int i = 0; i < 32; ++i) x[size_t(i)] = float(i) - 15.5f;  // amax 15.5: inexact id
+  for (int i = 64; i < 96; ++i) x[size_t(i)] = 0.0f;
+  for (int i = 96; i < 128; ++i) x[size_t(i)] = float(i - 100) * 1e-39f;  // subnormal inputs
+  x[128] = 127.0f, x[129] = 2.5f, x[130] = -0.5f;
+  QuantizedX ref = quantize_x(x.data(), n_tokens, cols);
+  for (size_t b = 0; b < ref.d.size(); ++b) {
+    float amax = 0.0f;
+    for (size_t i = 32 * b; i < 32 * b + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+    ASSERT_EQ(ref.d[b], amax / 127.0f) << "block " << b;
+    int32_t q_sum = 0;
+    for (size_t i = 32 * b; i < 32 * b + 32; ++i) q_sum += ref.qs[i];
+    ASSERT_EQ(ref.sum[b], ref.d[b] * float(q_sum)) << "block " << b;
+    for (size_t i = 32 * b; i < 32 * b + 32; ++i) {
+      ASSERT_LE(std::abs(int(ref.qs[i])), 127);
+      if (ref.d[b] < std::numeric_limits<float>::min()) continue;
+      ASSERT_LE(std::fabs(double(x[i]) - double(ref.d[b]) * ref.qs[i]), ref.d[b] * 0.50001)
+          << "element " << i;
+    }
+  }
+  using Fn = void (*)(const float*, int64_t, int64_t, Q8ActsOut);
+  const std::pair<Isa, Fn> isas[] = {{Isa::kAvx2, avx2::quantize_acts_q8},
+                                     {Isa::kAvx512, avx512::quantize_acts_q8}};
+  for (auto [isa, fn] : isas) {
+    if (isa > detect_isa()) continue;
+    SCOPED_TRACE(std::string(isa_name(isa)));
+    QuantizedX got(n_tokens, cols);
+    fn(x.data(), n_tokens, cols, got.out());
+    EXPECT_EQ(0, std::memcmp(got.qs.data(), ref.qs.data(), ref.qs.size()));
+    EXPECT_EQ(0, std::memcmp(got.d.data(), ref.d.data(), ref.d.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(got.sum.data(), ref.sum.data(), ref.sum.size() * sizeof(float)));
+  }
+}
+
 // ---- kernels ---------------------------------------------------------------------------
 
 // A quantized [rows, cols] matrix at an odd address, with its dequantized values (the
@@ -231,7 +320,6 @@ class QuantWeights {
   const uint8_t* row(int64_t r) const { return data_ + size_t(r) * row_bytes_; }
   float value(int64_t r, int64_t c) const { return values_[size_t(r * cols_ + c)]; }
   float min_term(int64_t r, int64_t c) const { return std::fabs(mins_[size_t(r * cols_ + c)]); }
-  const float* f32() const { return values_.data(); }
 
  private:
   DType t_;
@@ -263,9 +351,96 @@ Reference dot_reference(const QuantWeights& w, int64_t r, const float* x, int64_
   return ref;
 }
 
-// As test_kernels.cpp: F32 sums of a few thousand terms stay well under 1e-5 relative. The
-// Q4_K SIMD paths factor the mins out (sum_j dmin m_j sum(x_j)), so their error scales with
-// the min terms too; Reference::scale includes them.
+// The dequantized weights against the quantized activations d_x * q in double (scale: what
+// F32 rounding scales with, Q4_K's min terms apart as in Reference), and the bound of the
+// activation rounding against the exact product with x: sum_c |w_c| |x_c - d_x q_c| <=
+// sum_b d_x[b] / 2 * sum_{c in b} |w_c|.
+struct Q8Reference {
+  Reference on_quantized;
+  double act_bound;
+};
+
+Q8Reference dot_reference_q8(const QuantWeights& w, int64_t r, const QuantizedX& xq, int64_t t,
+                             int64_t cols) {
+  Q8Reference ref{{0.0, 0.0}, 0.0};
+  for (int64_t c = 0; c < cols; ++c) {
+    const double dx = xq.d[size_t((t * cols + c) / 32)];
+    const double xv = dx * xq.qs[size_t(t * cols + c)];
+    ref.on_quantized.value += double(w.value(r, c)) * xv;
+    ref.on_quantized.scale += (std::fabs(double(w.value(r, c))) + w.min_term(r, c)) * std::fabs(xv);
+    ref.act_bound += std::fabs(double(w.value(r, c))) * dx * 0.5;
+  }
+  return ref;
+}
+
+// quant.h's Q8_0 order written out again, independently of the portable kernel: all lane
+// sums first, then the FMAs into 16 accumulators, then the halving sum.
+float q8_0_contract(const uint8_t* row, const int8_t* xq, const float* xd, int64_t cols) {
+  const int64_t n_blocks = cols / 32;
+  std::vector<int32_t> lane(size_t(n_blocks * 8), 0);
+  for (int64_t c = 0; c < cols; ++c)
+    lane[size_t(c / 4)] += int32_t(int8_t(row[(c / 32) * 34 + 2 + c % 32])) * xq[c];
+  float acc[16];
+  std::fill(std::begin(acc), std::end(acc), 0.0f);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    uint16_t h;
+    std::memcpy(&h, row + b * 34, 2);
+    const float d = f16_to_f32(h) * xd[b];
+    for (int l = 0; l < 8; ++l) {
+      float& a = acc[(b % 2) * 8 + l];
+      a = std::fma(float(lane[size_t(b * 8 + l)]), d, a);
+    }
+  }
+  for (int i = 0; i < 8; ++i) acc[i] = acc[i] + acc[i + 8];
+  for (int i = 0; i < 4; ++i) acc[i] = acc[i] + acc[i + 4];
+  for (int i = 0; i < 2; ++i) acc[i] = acc[i] + acc[i + 2];
+  return acc[0] + acc[1];
+}
+
+// The same for Q4_K: sub-block lane sums into the 16 accumulators, the mins into 8 more.
+float q4_k_contract(const uint8_t* row, const QuantizedX& x, int64_t t, int64_t cols) {
+  const int8_t* xq = x.qs.data() + t * cols;
+  const float* xd = x.d.data() + t * cols / 32;
+  const float* xs = x.sum.data() + t * cols / 32;
+  float acc[16], macc[8];
+  std::fill(std::begin(acc), std::end(acc), 0.0f);
+  std::fill(std::begin(macc), std::end(macc), 0.0f);
+  for (int64_t b = 0; b < cols / 256; ++b) {
+    const uint8_t* blk = row + b * 144;
+    uint16_t h[2];
+    std::memcpy(h, blk, 4);
+    const float d = f16_to_f32(h[0]), dmin = f16_to_f32(h[1]);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t sc, m;
+      q4_k_scale_min(blk + 4, j, &sc, &m);
+      const int64_t g = 8 * b + j;
+      for (int l = 0; l < 8; ++l) {
+        int32_t p = 0;
+        for (int i = 4 * l; i < 4 * l + 4; ++i) {
+          const int q =
+              j % 2 == 0 ? blk[16 + 32 * (j / 2) + i] & 15 : blk[16 + 32 * (j / 2) + i] >> 4;
+          p += q * xq[32 * g + i];
+        }
+        acc[(j % 2) * 8 + l] = std::fma(float(p), (d * float(sc)) * xd[g], acc[(j % 2) * 8 + l]);
+      }
+      macc[j] = std::fma(dmin * float(m), xs[g], macc[j]);
+    }
+  }
+  for (int i = 0; i < 8; ++i) acc[i] = acc[i] + acc[i + 8];
+  for (int i = 0; i < 4; ++i) acc[i] = acc[i] + acc[i + 4], macc[i] = macc[i] + macc[i + 4];
+  for (int i = 0; i < 2; ++i) acc[i] = acc[i] + acc[i + 2], macc[i] = macc[i] + macc[i + 2];
+  return (acc[0] + acc[1]) - (macc[0] + macc[1]);
+}
+
+float contract(DType t, const uint8_t* row, const QuantizedX& x, int64_t tok, int64_t cols) {
+  if (t == DType::kQ8_0)
+    return q8_0_contract(row, x.qs.data() + tok * cols, x.d.data() + tok * cols / 32, cols);
+  return q4_k_contract(row, x, tok, cols);
+}
+
+// As test_kernels.cpp: F32 sums of a few thousand terms stay well under 1e-5 relative. Q4_K
+// adds its mins apart (sum_j dmin m_j s_x[j]), so its error scales with the min terms too;
+// the references' scales include them.
 constexpr double kRelTol = 1e-5;
 constexpr double kAbsTol = 1e-30;
 
@@ -298,8 +473,8 @@ std::vector<std::pair<int64_t, int64_t>> row_ranges(int64_t rows) {
   return ranges;
 }
 
-// Portable: dequantize_row + the float dot, against double. SIMD: the same reference, and
-// against the portable result.
+// Every ISA against the double references and, bit for bit, the portable result, which is
+// checked against an independent write-up of quant.h's order.
 TEST_P(QuantKernelTest, MatvecMatchesReferenceAndPortable) {
   uint32_t seed = fresh_seed();
   SCOPED_TRACE(seed_trace(seed));
@@ -309,6 +484,7 @@ TEST_P(QuantKernelTest, MatvecMatchesReferenceAndPortable) {
       for (int64_t rows : kRows) {
         QuantWeights w(wt_, rows, cols, rng, random_bytes);
         std::vector<float> x = activations(cols, rng);
+        const QuantizedX xq = quantize_x(x.data(), 1, cols);
         std::vector<float> portable_y(size_t(rows), kNaN);
         portable::matvec_rows(w.data(), wt_, x.data(), portable_y.data(), cols, 0, rows);
         for (auto [r0, r1] : row_ranges(rows)) {
@@ -325,10 +501,18 @@ TEST_P(QuantKernelTest, MatvecMatchesReferenceAndPortable) {
               continue;
             }
             ASSERT_FALSE(std::isnan(y[r])) << "row " << r << " not written";
-            Reference ref = dot_reference(w, r, x.data(), cols);
-            EXPECT_NEAR(y[r], ref.value, kRelTol * ref.scale + kAbsTol) << "row " << r;
-            EXPECT_NEAR(y[r], portable_y[size_t(r)], 2 * kRelTol * ref.scale + kAbsTol)
-                << "row " << r << " vs portable";
+            // Integer dots on quantized x: F32 rounding from the double product on the
+            // quantized values, the activation rounding from the exact one, and the portable
+            // bits exactly (quant.h's order).
+            const Reference ref = dot_reference(w, r, x.data(), cols);
+            const Q8Reference q8 = dot_reference_q8(w, r, xq, 0, cols);
+            EXPECT_NEAR(y[r], q8.on_quantized.value, kRelTol * q8.on_quantized.scale + kAbsTol)
+                << "row " << r;
+            EXPECT_NEAR(y[r], ref.value, 1.0001 * q8.act_bound + kRelTol * ref.scale + kAbsTol)
+                << "row " << r << " vs the exact product";
+            EXPECT_EQ(y[r], portable_y[size_t(r)]) << "row " << r << " vs portable";
+            EXPECT_EQ(portable_y[size_t(r)], contract(wt_, w.row(r), xq, 0, cols))
+                << "row " << r << ": portable vs the contract";
           }
         }
       }
@@ -336,9 +520,9 @@ TEST_P(QuantKernelTest, MatvecMatchesReferenceAndPortable) {
   }
 }
 
-// matmul dequantizes and runs the ISA's F32 matmul: bit-identical to that F32 matmul on
-// the reference dequantization, and close to the double reference.
-TEST_P(QuantKernelTest, MatmulIsF32MatmulOfDequantized) {
+// Each (row, token) of a matmul is the matvec of that token, bit for bit, and the portable
+// matmul's bits; close to the double reference on the quantized activations.
+TEST_P(QuantKernelTest, MatmulMatchesItsDefinition) {
   uint32_t seed = fresh_seed();
   SCOPED_TRACE(seed_trace(seed));
   std::mt19937 rng(seed);
@@ -347,9 +531,13 @@ TEST_P(QuantKernelTest, MatmulIsF32MatmulOfDequantized) {
       for (int64_t n_tokens : {int64_t(1), int64_t(4), int64_t(7)}) {
         QuantWeights w(wt_, rows, cols, rng, (rows + n_tokens) % 2 == 0);
         std::vector<float> x = activations(n_tokens * cols, rng);
+        const QuantizedX xq = quantize_x(x.data(), n_tokens, cols);
         const int64_t ldy = rows + 3;
-        std::vector<float> f32_y(size_t(n_tokens * ldy), kNaN);
-        matmul_rows(w.f32(), DType::kF32, x.data(), n_tokens, f32_y.data(), ldy, cols, 0, rows);
+        std::vector<float> want(size_t(n_tokens * ldy), kNaN), portable_y(want.size(), kNaN);
+        for (int64_t t = 0; t < n_tokens; ++t)
+          matvec_rows(w.data(), wt_, x.data() + t * cols, want.data() + t * ldy, cols, 0, rows);
+        portable::matmul_rows(w.data(), wt_, x.data(), n_tokens, portable_y.data(), ldy, cols, 0,
+                              rows);
         for (auto [r0, r1] : row_ranges(rows)) {
           SCOPED_TRACE("rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
                        " tokens=" + std::to_string(n_tokens) + " range=[" + std::to_string(r0) +
@@ -366,9 +554,12 @@ TEST_P(QuantKernelTest, MatmulIsF32MatmulOfDequantized) {
                 continue;
               }
               ASSERT_FALSE(std::isnan(got)) << "t=" << t << " r=" << r << " not written";
-              EXPECT_EQ(got, f32_y[size_t(t * ldy + r)]) << "t=" << t << " r=" << r;
-              Reference ref = dot_reference(w, r, x.data() + t * cols, cols);
-              EXPECT_NEAR(got, ref.value, kRelTol * ref.scale + kAbsTol) << "t=" << t << " r=" << r;
+              EXPECT_EQ(got, want[size_t(t * ldy + r)]) << "t=" << t << " r=" << r << " vs matvec";
+              EXPECT_EQ(got, portable_y[size_t(t * ldy + r)])
+                  << "t=" << t << " r=" << r << " vs portable";
+              const Q8Reference ref = dot_reference_q8(w, r, xq, t, cols);
+              EXPECT_NEAR(got, ref.on_quantized.value, kRelTol * ref.on_quantized.scale + kAbsTol)
+                  << "t=" << t << " r=" << r;
             }
           }
         }

@@ -98,7 +98,9 @@ TEST_F(QuantPack, ExpertsQuantizeWhereRowsAreWholeBlocksAndFallBackElsewhere) {
   }
   // Q4_K needs 256-weight rows: nothing here quantizes, and the pack still runs.
   const std::string p4 = pack(src, "q4", "--experts-quant q4_k");
-  for (const auto& l : manifest(p4)["expert_layers"]) EXPECT_EQ(l["gate"]["dtype"], src_dtype);
+  // The manifest is a named local: a range-for over a member of a temporary dangles.
+  const nlohmann::json m4 = manifest(p4);
+  for (const auto& l : m4["expert_layers"]) EXPECT_EQ(l["gate"]["dtype"], src_dtype);
   EXPECT_EQ(run("verify " + p), 0) << err();
   EXPECT_FALSE(logits(p, {}, prompt(8, 512)).empty());
 }
@@ -130,7 +132,8 @@ TEST_F(QuantPack, BadQuantFlagIsAnError) {
 // Views carry their dtype, so every residency mode computes on the same quantized bytes.
 TEST_F(QuantPack, Q8_0LogitsByteIdenticalAcrossResidencyModes) {
   const std::string p = pack(fixture("qwen2_moe_dense"), "q8", "--experts-quant q8_0");
-  for (const auto& l : manifest(p)["expert_layers"]) ASSERT_EQ(l["down"]["dtype"], "Q8_0");
+  const nlohmann::json m = manifest(p);
+  for (const auto& l : m["expert_layers"]) ASSERT_EQ(l["down"]["dtype"], "Q8_0");
   const std::vector<int> tokens = prompt(40, 512);
   using ts::experts::Residency;
   const std::vector<float> ref = logits(p, {.residency = Residency::kMapped}, tokens);

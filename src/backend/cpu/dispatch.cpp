@@ -8,8 +8,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string_view>
+#include <vector>
 
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/quant.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 
@@ -50,6 +52,8 @@ Isa detect_isa_uncached() {
   if (!bit(l7.ebx, 5)) return Isa::kPortable;  // AVX2
   bool avx512 =
       bit(l7.ebx, 16) && bit(l7.ebx, 17) && bit(l7.ebx, 30) && bit(l7.ebx, 31);  // F, DQ, BW, VL
+  // VNNI (vpdpbusd, the Q8_0 dot products) comes with every CPU that has AVX512_BF16.
+  avx512 = avx512 && bit(l7.ecx, 11);
   // AVX512_BF16 is leaf 7 subleaf 1 EAX bit 5; subleaf 1 exists only if l7.eax >= 1.
   bool bf16 = l7.eax >= 1 && bit(cpuid(7, 1).eax, 5);
   if (avx512 && bf16 && (xcr & kZmmState) == kZmmState) return Isa::kAvx512;
@@ -98,6 +102,58 @@ constexpr int64_t kMinChunkFlops = int64_t(4) << 20;  // matmul
 int64_t round_up_grain(int64_t rows) {
   rows = std::max<int64_t>(rows, 1);
   return (rows + kRowGrain - 1) / kRowGrain * kRowGrain;
+}
+
+// ---- quantized weights: X quantized once per parallel call ------------------------------
+
+// The calling thread's quantized X; the pool's threads read it while the call waits.
+struct ActsBuffer {
+  std::vector<int8_t> qs;
+  std::vector<float> d, sum;
+};
+
+Q8Acts quantize_acts(Isa isa, const float* x, int64_t n_tokens, int64_t cols) {
+  thread_local ActsBuffer buf;
+  buf.qs.resize(size_t(n_tokens * cols));
+  buf.d.resize(size_t(n_tokens * cols / 32));
+  buf.sum.resize(buf.d.size());
+  const Q8ActsOut out{buf.qs.data(), buf.d.data(), buf.sum.data()};
+  switch (isa) {
+    case Isa::kPortable:
+      quantize_acts_q8(x, n_tokens, cols, out);
+      break;
+    case Isa::kAvx2:
+      avx2::quantize_acts_q8(x, n_tokens, cols, out);
+      break;
+    case Isa::kAvx512:
+      avx512::quantize_acts_q8(x, n_tokens, cols, out);
+      break;
+  }
+  return {out.qs, out.d, out.sum};
+}
+
+void matvec_rows_q8(Isa isa, const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,
+                    int64_t r1) {
+  switch (isa) {
+    case Isa::kPortable:
+      return portable::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
+    case Isa::kAvx2:
+      return avx2::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
+    case Isa::kAvx512:
+      return avx512::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
+  }
+}
+
+void matmul_rows_q8(Isa isa, const void* w, DType wt, Q8Acts x, int64_t n_tokens, float* y,
+                    int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
+  switch (isa) {
+    case Isa::kPortable:
+      return portable::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kAvx2:
+      return avx2::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kAvx512:
+      return avx512::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+  }
 }
 
 }  // namespace
@@ -160,6 +216,14 @@ void matvec(ThreadPool& pool, const void* w, DType wt, const float* x, float* y,
   check_dtype(wt, cols);
   int64_t row_bytes = std::max<int64_t>(1, int64_t(dtype_row_bytes(wt, cols)));
   int64_t grain = round_up_grain(kMinChunkBytes / row_bytes);
+  if (dtype_is_quantized(wt)) {
+    const Isa isa = active_isa();
+    const Q8Acts xq = quantize_acts(isa, x, 1, cols);
+    pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+      matvec_rows_q8(isa, w, wt, xq, y, cols, r0, r1);
+    });
+    return;
+  }
   pool.parallel_for(rows, grain,
                     [&](int64_t r0, int64_t r1) { matvec_rows(w, wt, x, y, cols, r0, r1); });
 }
@@ -168,6 +232,15 @@ void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n
             int64_t rows, int64_t cols) {
   int64_t row_flops = std::max<int64_t>(1, 2 * cols * n_tokens);
   int64_t grain = round_up_grain(kMinChunkFlops / row_flops);
+  if (dtype_is_quantized(wt)) {
+    check_dtype(wt, cols);
+    const Isa isa = active_isa();
+    const Q8Acts xq = quantize_acts(isa, x, n_tokens, cols);
+    pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+      matmul_rows_q8(isa, w, wt, xq, n_tokens, y, rows, cols, r0, r1);
+    });
+    return;
+  }
   pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
     matmul_rows(w, wt, x, n_tokens, y, rows, cols, r0, r1);
   });

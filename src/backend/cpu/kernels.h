@@ -1,7 +1,7 @@
 // CPU kernels for the hot paths: matrix-vector (decode) and matrix-matrix (prefill) with
 // F32 activations and F32 / F16 / BF16 or block-quantized Q8_0 / Q4_K weights (quant.h;
 // cols must then be a whole number of blocks). One dispatch point picks the instruction set
-// at run time (AVX-512 with BF16, AVX2+FMA+F16C, or portable C++); every SIMD path is tested
+// at run time (AVX-512 with BF16 and VNNI, AVX2+FMA+F16C, or portable C++); every SIMD path is tested
 // against the portable one on random inputs.
 //
 // Determinism: the value of an output element depends only on its row of W and its row of
@@ -34,7 +34,8 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
 // Y[t, r] = sum_c W[r, c] * X[t, c] for t in [0, n_tokens), r in [r0, r1).
 // X is [n_tokens, cols] contiguous; Y has row stride ldy (floats).
 // BF16 weights on AVX-512-BF16 round X to BF16 and use vdpbf16ps (as llama.cpp does);
-// other paths keep X in F32.
+// Q8_0 / Q4_K weights quantize X to int8 blocks on every path (quant.h's contract: every
+// ISA gives the same bits, and matmul equals matvec per token); other paths keep X in F32.
 void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y, int64_t ldy,
                  int64_t cols, int64_t r0, int64_t r1);
 

@@ -1,4 +1,5 @@
-// Reference quantization and dequantization of one row (quant.h has the byte layouts).
+// Reference quantization and dequantization of one row (quant.h has the byte layouts), and
+// the reference quantization of activations for the integer dot products.
 //
 // Exactness: an f16 scale has 11 significant bits, a 6-bit scale or min 6, a quant at most
 // 8, so d * qs (Q8_0), d * sc, dmin * m and (d * sc) * q (Q4_K) are exact in F32; the only
@@ -7,6 +8,7 @@
 #include "backend/cpu/quant.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 
@@ -191,6 +193,27 @@ void quantize_row(DType t, const float* x, void* out, int64_t cols) {
     quantize_q8_0(x, static_cast<uint8_t*>(out), cols / kQ8_0BlockElems);
   } else {
     quantize_q4_k(x, static_cast<uint8_t*>(out), cols / kQ4_KBlockElems);
+  }
+}
+
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, Q8ActsOut out) {
+  TS_CHECK(cols % kQ8_0BlockElems == 0, "quantize_acts_q8: cols must be whole 32-blocks");
+  const int64_t n_blocks = n_tokens * cols / kQ8_0BlockElems;
+  int8_t* qs = out.qs;
+  for (int64_t b = 0; b < n_blocks; ++b, x += kQ8_0BlockElems, qs += kQ8_0BlockElems) {
+    float amax = 0.0f;
+    for (int i = 0; i < kQ8_0BlockElems; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float db = amax / 127.0f;
+    const float id = db >= FLT_MIN ? 1.0f / db : 0.0f;
+    // nearbyint rounds in the current mode: ties to even, as the SIMD conversions (the
+    // program never changes the rounding mode).
+    int32_t sum = 0;
+    for (int i = 0; i < kQ8_0BlockElems; ++i) {
+      qs[i] = int8_t(std::nearbyint(x[i] * id));
+      sum += qs[i];
+    }
+    out.d[b] = db;
+    out.sum[b] = db * float(sum);
   }
 }
 

@@ -22,9 +22,39 @@
 //                                                w = d * sc[j] * q - dmin * m[j]
 //
 // Dequantization computes, in F32 and in this order, d * sc (one rounding) then
-// (d * sc) * q - dmin * m (two more): dequantize_row is the reference every SIMD path
-// reproduces bit for bit, so a matmul on quantized weights is the F32 matmul of the
-// dequantized matrix.
+// (d * sc) * q - dmin * m (two more): dequantize_row is the reference every SIMD
+// dequantization reproduces bit for bit.
+//
+// Products with activations (matvec / matmul): integer dot products on int8 activations, as
+// llama.cpp's q8_0 x q8_0 and q4_K x q8_K dots (and this project's CUDA Q8_0 gemv). Every
+// token row of X is first quantized in 32-blocks (quantize_acts_q8; for q and d the same
+// rule as cuda::quantize_act):
+//   amax = max_i |x_i|,  d_x = amax / 127 (F32),  id = d_x >= FLT_MIN ? 1 / d_x : 0,
+//   q_i = x_i * id rounded to nearest, ties to even,  s_x = d_x * float(sum_i q_i).
+// |x_i * id| <= 127 (1 + 2^-22), so q_i lies in [-127, 127] with no clamp; a block whose d_x
+// is below FLT_MIN (|x| < ~1.5e-36) quantizes to zeros instead of overflowing id. s_x (one
+// rounding; the sum is exact) serves Q4_K's mins.
+//
+// Then, for a weight row and an activation row, with 32-block g of the row (Q8_0: block g;
+// Q4_K: sub-block j = g mod 8 of super-block g / 8) and lane l in [0, 8):
+//   p = sum_{i < 4} q_w[32g + 4l + i] * q_x[32g + 4l + i]                      (exact int)
+//   acc[8 (g mod 2) + l] = fma(float(p), s_w[g] * d_x[g], acc[...])            (F32)
+// with s_w[g] = d (Q8_0) or d * sc[j] (Q4_K, exact), times d_x one F32 rounding. Q4_K adds
+// its mins in 8 more accumulators, one per sub-block index, super-block by super-block:
+//   macc[j] = fma(dmin * m[j], s_x[g], macc[j])                       (dmin * m[j] exact)
+// All accumulators start at +0. The result is the halving sum of acc (acc[i] += acc[i + h]
+// for h = 8, 4, 2, 1 and i < h; then acc[0]), minus (Q4_K) the halving sum of macc
+// (h = 4, 2, 1). This is the order of a 512-bit VNNI loop (two 32-blocks per zmm, 4 bytes
+// per int32 lane) and of a 256-bit one with even / odd accumulators: portable::, avx2:: and
+// avx512:: give the same bits, and matvec equals matmul for each (row, token).
+//
+// GCC fuses a * b + c into an FMA even at -std=c++20 and through intrinsics, so every F32
+// product above feeds an FMA as a multiplicand or a conversion, never an addition: a fused
+// and an unfused build give the same bits.
+//
+// Error against the exact product sum_c w_c x_c (w the dequantized weights): the activation
+// rounding, |x_c - d_x q_c| <= d_x / 2 per element, so |y - w . x| <= sum_g d_x[g] / 2 *
+// sum_{c in g} |w_c|, plus F32 rounding (Q4_K: relative to its scale and min terms apart).
 #pragma once
 
 #include <cstdint>
@@ -68,21 +98,59 @@ void quantize_row(DType t, const float* x, void* out, int64_t cols);
 // Dequantizes one row (the reference conversion; see the header comment).
 void dequantize_row(DType t, const void* q, float* out, int64_t cols);
 
-// Per-ISA matvec / matmul for quantized weights, with the contracts of kernels.h's
-// matvec_rows / matmul_rows (w row-major, row r at byte r * dtype_row_bytes(wt, cols)).
-// kernels.h's per-ISA entry points forward quantized dtypes here; the portable path
-// dequantizes each row with dequantize_row and shares the float dot product.
-//
-// matvec (decode) reads each block once and dequantizes in registers; matmul (prefill)
-// dequantizes a block of rows into a per-thread F32 buffer once per call and runs the F32
-// matmul of its ISA on it, so Y equals that ISA's F32 matmul of the dequantized rows.
+// Activations quantized as the header says: token row t of cols values is
+// qs[t * cols, (t + 1) * cols), its block scales d[t * n, (t + 1) * n) and block sums
+// times scales sum[t * n, (t + 1) * n), n = cols / 32.
+struct Q8Acts {
+  const int8_t* qs = nullptr;
+  const float* d = nullptr;
+  const float* sum = nullptr;
+};
+// Where quantize_acts_q8 writes them: n_tokens * cols bytes and n_tokens * cols / 32 floats
+// each for d and sum.
+struct Q8ActsOut {
+  int8_t* qs = nullptr;
+  float* d = nullptr;
+  float* sum = nullptr;
+};
+
+// The reference activation quantization of n_tokens rows of cols F32 values (cols a
+// multiple of 32, values finite).
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, Q8ActsOut out);
+
+// Per-ISA matvec / matmul for quantized weights (Q8_0, Q4_K), with the contracts of
+// kernels.h's matvec_rows / matmul_rows (w row-major, row r at byte r * dtype_row_bytes(wt,
+// cols)), on activations already quantized:
+//   matvec_rows_q8: y[r] = W[r, :] . x (one token) for r in [r0, r1).
+//   matmul_rows_q8: Y[t, r] = W[r, :] . X[t, :] for t < n_tokens, r in [r0, r1); Y row
+//                   stride ldy.
+// quant_matvec_rows / quant_matmul_rows take F32 x (kernels.h's per-ISA matvec_rows /
+// matmul_rows forward quantized dtypes there): they quantize x into per-thread scratch and
+// call these. kernels.h's parallel wrappers quantize X once per call instead, so the row
+// chunks of a call share one quantization.
+namespace portable {
+void matvec_rows_q8(const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,
+                    int64_t r1);
+void matmul_rows_q8(const void* w, DType wt, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                    int64_t cols, int64_t r0, int64_t r1);
+}  // namespace portable
 namespace avx2 {
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, Q8ActsOut out);
+void matvec_rows_q8(const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,
+                    int64_t r1);
+void matmul_rows_q8(const void* w, DType wt, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                    int64_t cols, int64_t r0, int64_t r1);
 void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                        int64_t r1);
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
 }  // namespace avx2
 namespace avx512 {
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, Q8ActsOut out);
+void matvec_rows_q8(const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,
+                    int64_t r1);
+void matmul_rows_q8(const void* w, DType wt, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                    int64_t cols, int64_t r0, int64_t r1);
 void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                        int64_t r1);
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,

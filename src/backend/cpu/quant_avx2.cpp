@@ -1,16 +1,11 @@
-// AVX2 + FMA + F16C matvec and matmul for Q8_0 / Q4_K weights (quant.h has the layouts).
-// Compiled with those flags for this file only; reached through kernels_avx2.cpp's entry
-// points, which dispatch.cpp calls only when the CPU and OS support them.
+// AVX2 + FMA + F16C matvec and matmul for Q8_0 / Q4_K weights (quant.h has the layouts and
+// the numerics). Compiled with those flags for this file only; reached through
+// kernels_avx2.cpp's entry points, which dispatch.cpp calls only when the CPU and OS
+// support them.
 //
-// Each block is read once and widened to F32 in 8-lane ymm registers; X stays F32.
-//   Q8_0: per block, p = sum_i qs[i] * x[i] (four widened vectors of 8), acc += d * p;
-//         even and odd blocks go to two accumulators.
-//   Q4_K: w . x = sum_j d*sc[j] * (q_j . x_j) - sum_j dmin*m[j] * sum(x_j), the X sums per
-//         32-weight sub-block computed once per call (AVX2 has no 16-entry vpermps, so the
-//         table lookup of quant_avx512.cpp does not apply); even / odd sub-blocks
-//         accumulate apart.
-//   matmul dequantizes a block of rows into a per-thread F32 buffer (bit-identical to
-//   dequantize_row) and runs this ISA's F32 matmul on it.
+// Both types: X quantized to int8 blocks; per 32-block an integer dot (vpmaddubsw /
+// vpmaddwd) in quant.h's accumulation order, bit-identical to the portable reference.
+// matvec runs kMatvecTileRows rows per step; matmul 2 x 2 (row, token) tiles.
 //
 // Determinism: a row's operations depend only on cols, never on its tile or the [r0, r1)
 // range. ODR hazard as in kernels_avx2.cpp: anonymous namespace, intrinsics and library
@@ -21,7 +16,6 @@
 #include <cstring>
 #include <new>
 
-#include "backend/cpu/kernels.h"
 #include "backend/cpu/quant.h"
 
 namespace ts::cpu::avx2 {
@@ -32,10 +26,7 @@ namespace {
 // block was ~11, eight rows ~13). Q4_K: the same for two or four. Lab runs on the shared dev
 // box, best of 6.
 constexpr int kMatvecTileRows = 4;
-constexpr int64_t kPrefetchBytes = 2048;
-constexpr int64_t kDequantBlockBytes = 64 << 10;
-
-int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+constexpr float kF32MinNormal = 1.17549435e-38f;  // FLT_MIN
 
 float load_f16(const uint8_t* p) {
   uint16_t h;
@@ -43,10 +34,9 @@ float load_f16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-void prefetch(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes),
-               _MM_HINT_T0);
-}
+// The matvec tile prefetches the next tile (same offset, kMatvecTileRows rows on), as
+// quant_avx512.cpp does.
+void prefetch_at(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
 float reduce_add(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -54,15 +44,6 @@ float reduce_add(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-__m128i load8(const uint8_t* p) {
-  int64_t v;
-  std::memcpy(&v, p, 8);
-  return _mm_cvtsi64_si128(v);
-}
-
-// 8 int8 at p -> 8 F32 lanes.
-__m256 widen_i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p))); }
 
 struct Scratch {
   float* data = nullptr;
@@ -82,55 +63,54 @@ struct Scratch {
 };
 
 // ---- Q8_0 ------------------------------------------------------------------------------
+//
+// quant.h's integer order in 256-bit registers: one 32-block per ymm, vpmaddubsw +
+// vpmaddwd sum 4 byte products per int32 lane, even blocks into one accumulator (the
+// contract's lanes 0-7) and odd blocks into another (8-15). Q8_0 uses the sign trick (|w|
+// unsigned times x with w's sign; pair sums stay below 2 * 128 * 127 < 2^15, so vpmaddubsw
+// never saturates); Q4_K's quants are unsigned already (pair sums <= 2 * 15 * 127).
 
-__m256 q8_0_block(const uint8_t* blk, const __m256* xv, __m256 acc) {
-  __m256 p = _mm256_mul_ps(widen_i8(blk + 2), xv[0]);
-  p = _mm256_fmadd_ps(widen_i8(blk + 10), xv[1], p);
-  p = _mm256_fmadd_ps(widen_i8(blk + 18), xv[2], p);
-  p = _mm256_fmadd_ps(widen_i8(blk + 26), xv[3], p);
-  return _mm256_fmadd_ps(p, _mm256_set1_ps(load_f16(blk)), acc);
-}
+__m256i lane_sums(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 
-template <int NR>
-void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const float* x, float* y) {
-  __m256 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= n_blocks; b += 2) {
-    __m256 xv[8];
-    for (int j = 0; j < 8; ++j) xv[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ8_0BlockBytes);
-      prefetch(blk);
-      acc[r][0] = q8_0_block(blk, xv, acc[r][0]);
-      acc[r][1] = q8_0_block(blk + kQ8_0BlockBytes, xv + 4, acc[r][1]);
+// acc[t][r][parity] for NR rows at w and NT tokens (token t of x at x.qs + t * cols,
+// x.d + t * cols / 32). prefetch_ahead: bytes ahead of each W block to prefetch (0: none).
+struct Q8_0Tile {
+  static constexpr int64_t kBlockElems = kQ8_0BlockElems, kBlockBytes = kQ8_0BlockBytes;
+  template <int NR, int NT>
+  static void run(const uint8_t* w, int64_t row_bytes, Q8Acts x, int64_t cols, float* y,
+                  int64_t ldy, int64_t prefetch_ahead) {
+    const int64_t n_blocks = cols / kBlockElems;
+    __m256 acc[NT][NR][2];
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int parity = int(b & 1);
+      __m256i wq[NR];
+      __m256 wd[NR];
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* blk = w + r * row_bytes + b * kBlockBytes;
+        if (prefetch_ahead != 0 && parity == 0) prefetch_at(blk + prefetch_ahead);
+        wq[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        wd[r] = _mm256_set1_ps(load_f16(blk));
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m256i xq =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs + t * cols + b * 32));
+        const __m256 dx = _mm256_broadcast_ss(x.d + t * n_blocks + b);
+        for (int r = 0; r < NR; ++r) {
+          const __m256i p = lane_sums(
+              _mm256_maddubs_epi16(_mm256_sign_epi8(wq[r], wq[r]), _mm256_sign_epi8(xq, wq[r])));
+          // d_w * d_x: one F32 multiplication, as the reference.
+          acc[t][r][parity] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(wd[r], dx), acc[t][r][parity]);
+        }
+      }
     }
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r)
+        y[t * ldy + r] = reduce_add(_mm256_add_ps(acc[t][r][0], acc[t][r][1]));
   }
-  if (b < n_blocks) {
-    __m256 xv[4];
-    for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
-    for (int r = 0; r < NR; ++r)
-      acc[r][0] = q8_0_block(w + r * row_bytes + b * int64_t(kQ8_0BlockBytes), xv, acc[r][0]);
-  }
-  for (int r = 0; r < NR; ++r) y[r] = reduce_add(_mm256_add_ps(acc[r][0], acc[r][1]));
-}
-
-void q8_0_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0, int64_t r1) {
-  const int64_t n_blocks = cols / kQ8_0BlockElems;
-  const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
-  int64_t r = r0;
-  for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    q8_0_tile<kMatvecTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-  for (; r < r1; ++r) q8_0_tile<1>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-}
-
-void q8_0_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
-  for (int64_t b = 0; b < n_blocks; ++b, blk += kQ8_0BlockBytes, out += 32) {
-    const __m256 d = _mm256_set1_ps(load_f16(blk));
-    for (int j = 0; j < 4; ++j)
-      _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(widen_i8(blk + 2 + 8 * j), d));
-  }
-}
+};
 
 // ---- Q4_K ------------------------------------------------------------------------------
 
@@ -154,117 +134,178 @@ Q4KScales q4_k_scales(const uint8_t* blk) {
           _mm256_mul_ps(widen8(m), _mm256_set1_ps(load_f16(blk + 2)))};
 }
 
-void sub_block_sums(const float* x, int64_t n_sub, float* xsum) {
-  for (int64_t j = 0; j < n_sub; ++j) {
-    const float* p = x + 32 * j;
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                             _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-    xsum[j] = reduce_add(s);
-  }
-}
-
-template <int NR>
-void q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const float* x,
-               const float* xsum, float* y) {
-  __m256 acc[NR][2], acc_min[NR];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = acc_min[r] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi32(15);
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    alignas(32) float dsc[NR][8];
-    const __m256 xs = _mm256_loadu_ps(xsum + 8 * b);
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ4_KBlockBytes);
-      for (int64_t ahead = 0; ahead < int64_t(kQ4_KBlockBytes); ahead += 64) prefetch(blk + ahead);
-      Q4KScales s = q4_k_scales(blk);
-      _mm256_store_ps(dsc[r], s.dsc);
-      acc_min[r] = _mm256_fmadd_ps(s.dm, xs, acc_min[r]);
-    }
-    const float* xb = x + b * 256;
-    for (int g = 0; g < 4; ++g) {
+// Group g of a super-block (64 weights): low nibbles are sub-block 2g (even), high nibbles
+// 2g + 1 (odd). Mins: one FMA of 8 lanes per super-block, against the activation block sums.
+struct Q4_KTile {
+  static constexpr int64_t kBlockElems = kQ4_KBlockElems, kBlockBytes = kQ4_KBlockBytes;
+  template <int NR, int NT>
+  static void run(const uint8_t* w, int64_t row_bytes, Q8Acts x, int64_t cols, float* y,
+                  int64_t ldy, int64_t prefetch_ahead) {
+    const int64_t n_blocks = cols / kBlockElems, n_x_blocks = cols / 32;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 acc[NT][NR][2], macc[NT][NR];
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r) acc[t][r][0] = acc[t][r][1] = macc[t][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      alignas(32) float dsc[NR][8];
       for (int r = 0; r < NR; ++r) {
-        const uint8_t* qs = w + r * row_bytes + b * int64_t(kQ4_KBlockBytes) + 16 + 32 * g;
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-        for (int k = 0; k < 4; ++k) {
-          const __m256i v = _mm256_cvtepu8_epi32(load8(qs + 8 * k));
-          lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)),
-                               _mm256_loadu_ps(xb + 64 * g + 8 * k), lo);
-          hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)),
-                               _mm256_loadu_ps(xb + 64 * g + 32 + 8 * k), hi);
+        const uint8_t* blk = w + r * row_bytes + b * kBlockBytes;
+        if (prefetch_ahead != 0)
+          for (int64_t line = 0; line < kBlockBytes; line += 64)
+            prefetch_at(blk + prefetch_ahead + line);
+        const Q4KScales s = q4_k_scales(blk);
+        _mm256_store_ps(dsc[r], s.dsc);
+        for (int t = 0; t < NT; ++t)
+          macc[t][r] =
+              _mm256_fmadd_ps(s.dm, _mm256_loadu_ps(x.sum + t * n_x_blocks + 8 * b), macc[t][r]);
+      }
+      for (int g = 0; g < 4; ++g) {
+        __m256i lo[NR], hi[NR];
+        for (int r = 0; r < NR; ++r) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w + r * row_bytes + b * kBlockBytes + 16 + 32 * g));
+          lo[r] = _mm256_and_si256(v, low4);
+          hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         }
-        acc[r][0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(dsc[r][2 * g]), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(hi, _mm256_set1_ps(dsc[r][2 * g + 1]), acc[r][1]);
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* xq = x.qs + t * cols + b * 256 + 64 * g;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+          const float* dx = x.d + t * n_x_blocks + 8 * b + 2 * g;
+          const __m256 dx0 = _mm256_broadcast_ss(dx), dx1 = _mm256_broadcast_ss(dx + 1);
+          for (int r = 0; r < NR; ++r) {
+            const __m256i p0 = lane_sums(_mm256_maddubs_epi16(lo[r], x0));
+            const __m256i p1 = lane_sums(_mm256_maddubs_epi16(hi[r], x1));
+            acc[t][r][0] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
+                                _mm256_mul_ps(_mm256_set1_ps(dsc[r][2 * g]), dx0), acc[t][r][0]);
+            acc[t][r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
+                                           _mm256_mul_ps(_mm256_set1_ps(dsc[r][2 * g + 1]), dx1),
+                                           acc[t][r][1]);
+          }
+        }
       }
     }
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r)
+        y[t * ldy + r] =
+            reduce_add(_mm256_add_ps(acc[t][r][0], acc[t][r][1])) - reduce_add(macc[t][r]);
   }
-  for (int r = 0; r < NR; ++r)
-    y[r] = reduce_add(_mm256_add_ps(acc[r][0], acc[r][1])) - reduce_add(acc_min[r]);
-}
+};
 
-void q4_k_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0, int64_t r1) {
-  thread_local Scratch scratch;
-  const int64_t n_blocks = cols / kQ4_KBlockElems;
-  const int64_t row_bytes = n_blocks * int64_t(kQ4_KBlockBytes);
-  float* xsum = scratch.get(size_t(n_blocks * 8));
-  sub_block_sums(x, n_blocks * 8, xsum);
+// ---- drivers (both types) ----------------------------------------------------------------
+
+template <class Tile>
+void matvec_q8(const uint8_t* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1) {
+  const int64_t row_bytes = cols / Tile::kBlockElems * Tile::kBlockBytes;
   int64_t r = r0;
   for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    q4_k_tile<kMatvecTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, xsum, y + r);
-  for (; r < r1; ++r) q4_k_tile<1>(w + r * row_bytes, row_bytes, n_blocks, x, xsum, y + r);
+    Tile::template run<kMatvecTileRows, 1>(w + r * row_bytes, row_bytes, x, cols, y + r, 0,
+                                           kMatvecTileRows * row_bytes);
+  for (; r < r1; ++r) Tile::template run<1, 1>(w + r * row_bytes, row_bytes, x, cols, y + r, 0, 0);
 }
 
-// w = (d * sc) * q - dmin * m with one rounding (quant.cpp): the FMA gives the same bits.
-void q4_k_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
-  const __m256i low4 = _mm256_set1_epi32(15);
-  for (int64_t b = 0; b < n_blocks; ++b, blk += kQ4_KBlockBytes) {
-    Q4KScales s = q4_k_scales(blk);
-    alignas(32) float dsc[8], dm[8];
-    _mm256_store_ps(dsc, s.dsc);
-    _mm256_store_ps(dm, s.dm);
-    for (int g = 0; g < 4; ++g, out += 64) {
-      const __m256 d0 = _mm256_set1_ps(dsc[2 * g]), m0 = _mm256_set1_ps(-dm[2 * g]);
-      const __m256 d1 = _mm256_set1_ps(dsc[2 * g + 1]), m1 = _mm256_set1_ps(-dm[2 * g + 1]);
-      for (int k = 0; k < 4; ++k) {
-        const __m256i v = _mm256_cvtepu8_epi32(load8(blk + 16 + 32 * g + 8 * k));
-        _mm256_storeu_ps(out + 8 * k,
-                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), d0, m0));
-        _mm256_storeu_ps(out + 32 + 8 * k,
-                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d1, m1));
-      }
+// 2 rows x 2 tokens: 8 (Q4_K: 12) accumulators of 16 ymm.
+template <class Tile>
+void matmul_q8(const uint8_t* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy, int64_t cols,
+               int64_t r0, int64_t r1) {
+  const int64_t row_bytes = cols / Tile::kBlockElems * Tile::kBlockBytes;
+  const int64_t n_x_blocks = cols / 32;
+  for (int64_t r = r0; r < r1; r += 2) {
+    const uint8_t* wr = w + r * row_bytes;
+    const bool two_rows = r + 1 < r1;
+    for (int64_t t = 0; t < n_tokens; t += 2) {
+      const Q8Acts xt{x.qs + t * cols, x.d + t * n_x_blocks, x.sum + t * n_x_blocks};
+      float* yt = y + t * ldy + r;
+      const bool two_tokens = t + 1 < n_tokens;
+      if (two_rows && two_tokens) Tile::template run<2, 2>(wr, row_bytes, xt, cols, yt, ldy, 0);
+      if (two_rows && !two_tokens) Tile::template run<2, 1>(wr, row_bytes, xt, cols, yt, ldy, 0);
+      if (!two_rows && two_tokens) Tile::template run<1, 2>(wr, row_bytes, xt, cols, yt, ldy, 0);
+      if (!two_rows && !two_tokens) Tile::template run<1, 1>(wr, row_bytes, xt, cols, yt, ldy, 0);
     }
   }
 }
+
+// quant.h's activation rule; vcvtps2dq rounds to nearest even (the default MXCSR mode), and
+// |q| <= 127 so the saturating packs never saturate. The packs interleave 128-bit lanes;
+// vpermd puts the 8 groups of 4 back in order. The quant sum is exact in int32.
+void quantize_acts(const float* x, int64_t n_blocks, Q8ActsOut out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int8_t* qs = out.qs;
+  for (int64_t b = 0; b < n_blocks; ++b, x += 32, qs += 32) {
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 8 * j);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / 127.0f;
+    const float id = db >= kF32MinNormal ? 1.0f / db : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vid));
+    const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs), q8);
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    out.d[b] = db;
+    out.sum[b] = db * float(_mm_cvtsi128_si32(s4));
+  }
+}
+
+// Per-thread quantized X for calls that bring F32 activations (Scratch holds floats; the
+// quants take n / 4 of them).
+struct ActsScratch {
+  Scratch qs, d, sum;
+  Q8Acts quantize(const float* x, int64_t n_tokens, int64_t cols) {
+    const int64_t n_blocks = n_tokens * cols / 32;
+    const Q8ActsOut out{reinterpret_cast<int8_t*>(qs.get(size_t(n_tokens * cols / 4))),
+                        d.get(size_t(n_blocks)), sum.get(size_t(n_blocks))};
+    quantize_acts(x, n_blocks, out);
+    return {out.qs, out.d, out.sum};
+  }
+};
 
 }  // namespace
 
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, Q8ActsOut out) {
+  quantize_acts(x, n_tokens * cols / 32, out);
+}
+
+void matvec_rows_q8(const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,
+                    int64_t r1) {
+  const auto* wb = static_cast<const uint8_t*>(w);
+  if (wt == DType::kQ8_0) return matvec_q8<Q8_0Tile>(wb, x, y, cols, r0, r1);
+  return matvec_q8<Q4_KTile>(wb, x, y, cols, r0, r1);
+}
+
+void matmul_rows_q8(const void* w, DType wt, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                    int64_t cols, int64_t r0, int64_t r1) {
+  if (r0 >= r1 || n_tokens <= 0) return;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  if (wt == DType::kQ8_0) return matmul_q8<Q8_0Tile>(wb, x, n_tokens, y, ldy, cols, r0, r1);
+  return matmul_q8<Q4_KTile>(wb, x, n_tokens, y, ldy, cols, r0, r1);
+}
+
 void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                        int64_t r1) {
-  const auto* wb = static_cast<const uint8_t*>(w);
-  if (wt == DType::kQ8_0) return q8_0_matvec(wb, x, y, cols, r0, r1);
-  return q4_k_matvec(wb, x, y, cols, r0, r1);
+  thread_local ActsScratch scratch;
+  matvec_rows_q8(w, wt, scratch.quantize(x, 1, cols), y, cols, r0, r1);
 }
 
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
   if (r0 >= r1 || n_tokens <= 0 || cols <= 0) return;
-  thread_local Scratch scratch;
-  const bool q8 = wt == DType::kQ8_0;
-  const int64_t n_blocks = cols / (q8 ? kQ8_0BlockElems : kQ4_KBlockElems);
-  const int64_t row_bytes = n_blocks * int64_t(q8 ? kQ8_0BlockBytes : kQ4_KBlockBytes);
-  int64_t block_rows = kDequantBlockBytes / int64_t(sizeof(float)) / cols;
-  block_rows = block_rows < 12 ? 12 : block_rows / 12 * 12;  // whole F32 register tiles
-  float* f32 = scratch.get(size_t(min64(block_rows, r1 - r0) * cols));
-  for (int64_t rb = r0; rb < r1; rb += block_rows) {
-    const int64_t n = min64(block_rows, r1 - rb);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint8_t* row = static_cast<const uint8_t*>(w) + (rb + i) * row_bytes;
-      if (q8) {
-        q8_0_dequantize(row, n_blocks, f32 + i * cols);
-      } else {
-        q4_k_dequantize(row, n_blocks, f32 + i * cols);
-      }
-    }
-    matmul_rows(f32, DType::kF32, x, n_tokens, y + rb, ldy, cols, 0, n);
-  }
+  thread_local ActsScratch scratch;
+  matmul_rows_q8(w, wt, scratch.quantize(x, n_tokens, cols), n_tokens, y, ldy, cols, r0, r1);
 }
 
 }  // namespace ts::cpu::avx2

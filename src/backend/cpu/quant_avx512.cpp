@@ -1,17 +1,13 @@
-// AVX-512 matvec and matmul for Q8_0 / Q4_K weights (quant.h has the layouts). Compiled
-// with AVX-512 flags for this file only; reached through kernels_avx512.cpp's entry points,
-// which dispatch.cpp calls only when the CPU and OS support them.
+// AVX-512 matvec and matmul for Q8_0 / Q4_K weights (quant.h has the layouts and the
+// numerics). Compiled with AVX-512 (+ VNNI) flags for this file only; reached through
+// kernels_avx512.cpp's entry points, which dispatch.cpp calls only when the CPU and OS
+// support them.
 //
-// matvec (decode) is meant to run at memory bandwidth: each block is read once, widened to
-// F32 in registers and multiplied with X (which stays F32), several rows per step sharing
-// the X loads.
-//   Q8_0: per block, p = sum_i qs[i] * x[i] in one zmm (two FMA lanes of 16), then
-//         acc += d * p; even and odd blocks go to two accumulators.
-//   Q4_K: each sub-block's 16 possible weights form a table in one zmm; vpermps looks the
-//         weights up by quant (q4_k_tile has the details); even / odd sub-blocks
-//         accumulate apart.
-// matmul (prefill) dequantizes a block of rows into a per-thread F32 buffer (bit-identical
-// to dequantize_row; see quant.cpp on exactness) and runs this ISA's F32 matmul on it.
+// Both types (decode and prefill): X quantized to int8 blocks, vpdpbusd integer dot
+// products in quant.h's accumulation order, bit-identical to the portable reference. matvec
+// runs kMatvecTileRows rows per step sharing the X loads; matmul register tiles of 4 rows x
+// 4 tokens load each W group once per 4 tokens. Q8_0Tile and Q4_KTile hold the per-type
+// inner loops; the drivers below them are shared.
 //
 // Determinism: a row's operations depend only on cols (never on the tile it is in or the
 // [r0, r1) range), so splitting rows across threads cannot change a result.
@@ -32,7 +28,6 @@
 #include <cstring>
 #include <new>
 
-#include "backend/cpu/kernels.h"
 #include "backend/cpu/quant.h"
 
 namespace ts::cpu::avx512 {
@@ -42,12 +37,17 @@ namespace {
 // Q8_0 from DRAM at ~18 GB/s (1 thread) where four managed ~14 and two ~11; 12 or 16 were
 // no better (Q4_K: 8.1 vs 7.0 GB/s for 8 vs 4). Lab runs on the shared dev box, best of 6.
 constexpr int kMatvecTileRows = 8;
-// Software prefetch distance, as in kernels_avx512.cpp (2 KiB ahead of each row).
-constexpr int64_t kPrefetchBytes = 2048;
-// matmul: F32 rows dequantized per step; 64 KiB stays in L2 next to the X tile.
-constexpr int64_t kDequantBlockBytes = 64 << 10;
-
-int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+// Software prefetch: the matvec tile prefetches the next tile (same offset, kMatvecTileRows
+// rows on; its rows are contiguous). Against 2 KiB ahead in each row (kernels_avx512.cpp's
+// choice, which here mostly fell inside the tile already in flight): Q8_0 4096 x 4096 from
+// DRAM 22 -> 24.5 GB/s (1 thread), 768 x 2048 expert matrices 31 -> 35 GB/s (2 threads), on
+// the dev box. The matmul prefetches one row tile ahead while its first token tile runs.
+//
+// matmul register tile: 4 rows x 4 tokens = 16 accumulators + 4 W groups + 4 W scales + X,
+// its lane bias and scales, of 32 zmm (Q4_K's min accumulators are ymm and spill).
+constexpr int kMatmulTileRows = 4;
+constexpr int kMatmulTileTokens = 4;
+constexpr float kF32MinNormal = 1.17549435e-38f;  // FLT_MIN (no <cfloat> templates needed)
 
 float load_f16(const uint8_t* p) {
   uint16_t h;
@@ -55,13 +55,16 @@ float load_f16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-void prefetch(const uint8_t* p) {
-  // Integer arithmetic: the address may lie past the end of W (prefetch never faults).
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes),
-               _MM_HINT_T0);
+void prefetch_at(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
+// Fixed-order horizontal sums: halving (lanes i and i + 8, then i + 4, ...), quant.h's order.
+float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
-// Fixed-order horizontal sums.
 float reduce_add(__m512 v) {
   __m512 s = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
   s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
@@ -70,14 +73,8 @@ float reduce_add(__m512 v) {
   return _mm512_cvtss_f32(s);
 }
 
-// 16 int8 / uint8 at p -> 16 F32 lanes.
-__m512 widen_i8(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// Per-thread F32 scratch (dequantized rows for matmul), reused
-// across calls. Raw operator new: no std:: templates in this file.
+// Per-thread F32 scratch (dequantized rows for matmul, quantized X), reused across calls. Raw
+// operator new: no std:: templates in this file.
 struct Scratch {
   float* data = nullptr;
   size_t size = 0;
@@ -96,57 +93,143 @@ struct Scratch {
 };
 
 // ---- Q8_0 ------------------------------------------------------------------------------
+//
+// quant.h's integer order on VNNI: a zmm holds two consecutive blocks (lanes 0-7 block b,
+// 8-15 block b + 1), vpdpbusd sums 4 byte products per int32 lane, and one F32 accumulator
+// per (row, token) takes fma(float(p), d_w * d_x, acc): lane 8 (b mod 2) + l, as the
+// contract says. vpdpbusd multiplies unsigned by signed bytes, so W is biased to
+// w + 128 (xor 0x80) and each lane starts from -128 * (sum of its 4 activation bytes):
+// p = -128 sum x + sum (w + 128) x = sum w x, exactly (int32 never overflows: |p| < 2^17).
 
-// acc += d * (qs . x) for one block at blk and the 32 floats x0 | x1.
-__m512 q8_0_block(const uint8_t* blk, __m512 x0, __m512 x1, __m512 acc) {
-  __m512 p = _mm512_mul_ps(widen_i8(blk + 2), x0);
-  p = _mm512_fmadd_ps(widen_i8(blk + 18), x1, p);
-  return _mm512_fmadd_ps(p, _mm512_set1_ps(load_f16(blk)), acc);
+// The 64 quants of blocks b, b + 1 at blk (68 bytes), biased to unsigned.
+__m512i pair_qs_biased(const uint8_t* blk) {
+  const __m512i v = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 + kQ8_0BlockBytes)), 1);
+  return _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80)));
 }
 
-// y[i] = W[i, :] . x for the NR rows starting at w.
-template <int NR>
-void q8_0_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const float* x, float* y) {
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= n_blocks; b += 2) {
-    const float* xb = x + b * 32;
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    const __m512 x2 = _mm512_loadu_ps(xb + 32), x3 = _mm512_loadu_ps(xb + 48);
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ8_0BlockBytes);
-      prefetch(blk);
-      acc[r][0] = q8_0_block(blk, x0, x1, acc[r][0]);
-      acc[r][1] = q8_0_block(blk + kQ8_0BlockBytes, x2, x3, acc[r][1]);
+// The f16 scales of blocks b, b + 1 at blk as F32: lanes 0-7 d[b], 8-15 d[b + 1]. One
+// 64-byte load covers both (bytes 0-1 and 34-35); vpermw picks and repeats them.
+__m512 pair_scales(const uint8_t* blk) {
+  const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
+                                       17, 17, 17, 17, 17, 17, 17, 17, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i h = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(blk));
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+}
+
+// Lanes 0-7 d[0], 8-15 d[1].
+__m512 pair_act_scales(const float* d) {
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(
+      idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d)))));
+}
+
+// -128 * (sum of each lane's 4 activation bytes).
+__m512i lane_bias(__m512i xq) {
+  const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(char(0x80)), xq);
+  return _mm512_sub_epi32(_mm512_setzero_si512(), s);
+}
+
+// The last block of an odd count: lanes 0-7 only (it is an even block); the upper lanes of
+// the accumulator are kept by the mask. Loads stay inside the block.
+__m512i tail_qs_biased(const uint8_t* blk) {
+  return _mm512_xor_si512(
+      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+      _mm512_set1_epi8(char(0x80)));
+}
+constexpr __mmask16 kEvenLanes = 0x00ff;
+
+// Y[t, r] for NR rows at w and NT tokens (token t of x at x.qs + t * cols, x.d + t * cols /
+// 32). Each W pair is loaded once and used for NT tokens; each X pair once for NR rows.
+// prefetch_ahead: bytes ahead of each W pair to prefetch (0: none).
+struct Q8_0Tile {
+  static constexpr int64_t kBlockElems = kQ8_0BlockElems, kBlockBytes = kQ8_0BlockBytes;
+  template <int NR, int NT>
+  static void run(const uint8_t* w, int64_t row_bytes, Q8Acts x, int64_t cols, float* y,
+                  int64_t ldy, int64_t prefetch_ahead) {
+    const int64_t n_blocks = cols / kBlockElems;
+    __m512 acc[NT][NR];
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r) acc[t][r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= n_blocks; b += 2) {
+      __m512i wq[NR];
+      __m512 wd[NR];
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* blk = w + r * row_bytes + b * kBlockBytes;
+        if (prefetch_ahead != 0) prefetch_at(blk + prefetch_ahead);
+        wq[r] = pair_qs_biased(blk);
+        wd[r] = pair_scales(blk);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512i xq = _mm512_loadu_si512(x.qs + t * cols + b * 32);
+        const __m512i bias = lane_bias(xq);
+        const __m512 dx = pair_act_scales(x.d + t * n_blocks + b);
+        for (int r = 0; r < NR; ++r) {
+          const __m512i p = _mm512_dpbusd_epi32(bias, wq[r], xq);
+          acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wd[r], dx), acc[t][r]);
+        }
+      }
     }
+    if (b < n_blocks) {
+      __m512i wq[NR];
+      __m512 wd[NR];
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* blk = w + r * row_bytes + b * kBlockBytes;
+        wq[r] = tail_qs_biased(blk);
+        wd[r] = _mm512_set1_ps(load_f16(blk));
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512i xq = _mm512_zextsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs + t * cols + b * 32)));
+        const __m512i bias = lane_bias(xq);
+        const __m512 dx = _mm512_set1_ps(x.d[t * n_blocks + b]);
+        for (int r = 0; r < NR; ++r) {
+          const __m512i p = _mm512_dpbusd_epi32(bias, wq[r], xq);
+          acc[t][r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wd[r], dx),
+                                            acc[t][r], kEvenLanes);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r) y[t * ldy + r] = reduce_add(acc[t][r]);
   }
-  if (b < n_blocks) {
-    const float* xb = x + b * 32;
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    for (int r = 0; r < NR; ++r)
-      acc[r][0] = q8_0_block(w + r * row_bytes + b * int64_t(kQ8_0BlockBytes), x0, x1, acc[r][0]);
+};
+
+// quant.h's activation rule: amax / 127 and its inverse in scalar F32 (as the reference),
+// x * id and vcvtps2dq with round-to-nearest-even; |q| <= 127, so the saturating narrow
+// never saturates. The quant sum is exact in int32.
+void quantize_acts(const float* x, int64_t n_blocks, Q8ActsOut out) {
+  int8_t* qs = out.qs;
+  for (int64_t b = 0; b < n_blocks; ++b, x += 32, qs += 32) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float db = amax / 127.0f;
+    const float id = db >= kF32MinNormal ? 1.0f / db : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id);
+    constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, vid), kRne);
+    const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, vid), kRne);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + 16), _mm512_cvtsepi32_epi8(q1));
+    out.d[b] = db;
+    out.sum[b] = db * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
-  for (int r = 0; r < NR; ++r) y[r] = reduce_add(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-void q8_0_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0, int64_t r1) {
-  const int64_t n_blocks = cols / kQ8_0BlockElems;
-  const int64_t row_bytes = n_blocks * int64_t(kQ8_0BlockBytes);
-  int64_t r = r0;
-  for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    q8_0_tile<kMatvecTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-  for (; r + 4 <= r1; r += 4) q8_0_tile<4>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-  for (; r < r1; ++r) q8_0_tile<1>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-}
-
-void q8_0_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
-  for (int64_t b = 0; b < n_blocks; ++b, blk += kQ8_0BlockBytes, out += 32) {
-    const __m512 d = _mm512_set1_ps(load_f16(blk));
-    _mm512_storeu_ps(out, _mm512_mul_ps(widen_i8(blk + 2), d));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(widen_i8(blk + 18), d));
+// Per-thread quantized X for calls that bring F32 activations (Scratch holds floats; the
+// quants take n / 4 of them).
+struct ActsScratch {
+  Scratch qs, d, sum;
+  Q8Acts quantize(const float* x, int64_t n_tokens, int64_t cols) {
+    const int64_t n_blocks = n_tokens * cols / 32;
+    const Q8ActsOut out{reinterpret_cast<int8_t*>(qs.get(size_t(n_tokens * cols / 4))),
+                        d.get(size_t(n_blocks)), sum.get(size_t(n_blocks))};
+    quantize_acts(x, n_blocks, out);
+    return {out.qs, out.d, out.sum};
   }
-}
+};
 
 // ---- Q4_K ------------------------------------------------------------------------------
 
@@ -171,121 +254,144 @@ Q4KScales q4_k_scales(const uint8_t* blk) {
           _mm256_mul_ps(widen8(m), _mm256_set1_ps(load_f16(blk + 2)))};
 }
 
-// Q4_K matvec: the 16 possible weights of a sub-block, (d * sc) * k - dmin * m for
-// k = 0..15, form a table in one zmm (bit-identical to dequantize_row: quant.cpp); vpermps
-// with the widened quant bytes as indices looks weights up directly (it reads only an
-// index's low 4 bits, so the low nibble needs no mask). Per 16 weights: a lookup and an
-// FMA with X, plus a shift for high nibbles, instead of mask, convert and a separate scale.
-// Against the factored form of quant_avx2.cpp (convert, d * sc per sub-block, mins against
-// X's sub-block sums) it measured the same speed (128 x 4096 from L2, 1 thread: 12-16 GB/s
-// for both on the shared Zen 5 dev box; 8.0 vs ~8.1 GB/s on a Xeon); it is kept because
-// its dot runs over exactly the dequantized weights, with no cancellation between a
-// scale sum and a min sum, and needs no X scratch.
-template <int NR>
-void q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t n_blocks, const float* x, float* y) {
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    alignas(32) float dsc[NR][8], neg_dm[NR][8];
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * int64_t(kQ4_KBlockBytes);
-      for (int64_t ahead = 0; ahead < int64_t(kQ4_KBlockBytes); ahead += 64) prefetch(blk + ahead);
-      Q4KScales s = q4_k_scales(blk);
-      _mm256_store_ps(dsc[r], s.dsc);
-      _mm256_store_ps(neg_dm[r], _mm256_sub_ps(_mm256_setzero_ps(), s.dm));
-    }
-    const float* xb = x + b * 256;
-    for (int g = 0; g < 4; ++g) {
-      const __m512 x0 = _mm512_loadu_ps(xb + 64 * g), x1 = _mm512_loadu_ps(xb + 64 * g + 16);
-      const __m512 x2 = _mm512_loadu_ps(xb + 64 * g + 32), x3 = _mm512_loadu_ps(xb + 64 * g + 48);
+// quant.h's order for Q4_K: a 64-weight group's 32 quant bytes hold sub-blocks 2g (low
+// nibbles) and 2g + 1 (high nibbles), so [low | high] in one zmm is the contract's even /
+// odd lane layout, against the 64 activation bytes of those two sub-blocks. The quants are
+// unsigned, as vpdpbusd wants: no bias. Mins: one FMA of 8 lanes per super-block, against
+// the activation block sums.
+struct Q4_KTile {
+  static constexpr int64_t kBlockElems = kQ4_KBlockElems, kBlockBytes = kQ4_KBlockBytes;
+  template <int NR, int NT>
+  static void run(const uint8_t* w, int64_t row_bytes, Q8Acts x, int64_t cols, float* y,
+                  int64_t ldy, int64_t prefetch_ahead) {
+    const int64_t n_blocks = cols / kBlockElems, n_x_blocks = cols / 32;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    __m512 acc[NT][NR];
+    __m256 macc[NT][NR];
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r)
+        acc[t][r] = _mm512_setzero_ps(), macc[t][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      __m512 dsc[NR];  // d * sc[j] in lanes 0-7 (permuted per group below)
       for (int r = 0; r < NR; ++r) {
-        const uint8_t* qs = w + r * row_bytes + b * int64_t(kQ4_KBlockBytes) + 16 + 32 * g;
-        const __m512i v0 =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-        const __m512i v1 =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
-        const __m512 lo =
-            _mm512_fmadd_ps(iota, _mm512_set1_ps(dsc[r][2 * g]), _mm512_set1_ps(neg_dm[r][2 * g]));
-        const __m512 hi = _mm512_fmadd_ps(iota, _mm512_set1_ps(dsc[r][2 * g + 1]),
-                                          _mm512_set1_ps(neg_dm[r][2 * g + 1]));
-        acc[r][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, lo), x0, acc[r][0]);
-        acc[r][1] =
-            _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), hi), x2, acc[r][1]);
-        acc[r][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v1, lo), x1, acc[r][0]);
-        acc[r][1] =
-            _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), hi), x3, acc[r][1]);
+        const uint8_t* blk = w + r * row_bytes + b * kBlockBytes;
+        if (prefetch_ahead != 0)
+          for (int64_t line = 0; line < kBlockBytes; line += 64)
+            prefetch_at(blk + prefetch_ahead + line);
+        const Q4KScales s = q4_k_scales(blk);
+        dsc[r] = _mm512_castps256_ps512(s.dsc);
+        for (int t = 0; t < NT; ++t)
+          macc[t][r] =
+              _mm256_fmadd_ps(s.dm, _mm256_loadu_ps(x.sum + t * n_x_blocks + 8 * b), macc[t][r]);
+      }
+      for (int g = 0; g < 4; ++g) {
+        const __m512i pick = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
+                                              2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g, 2 * g, 2 * g,
+                                              2 * g, 2 * g, 2 * g, 2 * g, 2 * g);
+        __m512i wq[NR];
+        __m512 wd[NR];
+        for (int r = 0; r < NR; ++r) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w + r * row_bytes + b * kBlockBytes + 16 + 32 * g));
+          const __m512i both =
+              _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+          wq[r] = _mm512_and_si512(both, low4);
+          wd[r] = _mm512_permutexvar_ps(pick, dsc[r]);
+        }
+        for (int t = 0; t < NT; ++t) {
+          const __m512i xq = _mm512_loadu_si512(x.qs + t * cols + b * 256 + 64 * g);
+          const __m512 dx = pair_act_scales(x.d + t * n_x_blocks + 8 * b + 2 * g);
+          for (int r = 0; r < NR; ++r) {
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[r], xq);
+            acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wd[r], dx), acc[t][r]);
+          }
+        }
       }
     }
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r) y[t * ldy + r] = reduce_add(acc[t][r]) - reduce_add8(macc[t][r]);
   }
-  for (int r = 0; r < NR; ++r) y[r] = reduce_add(_mm512_add_ps(acc[r][0], acc[r][1]));
-}
+};
 
-void q4_k_matvec(const uint8_t* w, const float* x, float* y, int64_t cols, int64_t r0, int64_t r1) {
-  const int64_t n_blocks = cols / kQ4_KBlockElems;
-  const int64_t row_bytes = n_blocks * int64_t(kQ4_KBlockBytes);
+// ---- drivers (both types) ----------------------------------------------------------------
+
+template <class Tile>
+void matvec_q8(const uint8_t* w, Q8Acts x, float* y, int64_t cols, int64_t r0, int64_t r1) {
+  const int64_t row_bytes = cols / Tile::kBlockElems * Tile::kBlockBytes;
   int64_t r = r0;
   for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    q4_k_tile<kMatvecTileRows>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-  for (; r + 4 <= r1; r += 4) q4_k_tile<4>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
-  for (; r < r1; ++r) q4_k_tile<1>(w + r * row_bytes, row_bytes, n_blocks, x, y + r);
+    Tile::template run<kMatvecTileRows, 1>(w + r * row_bytes, row_bytes, x, cols, y + r, 0,
+                                           kMatvecTileRows * row_bytes);
+  for (; r + 4 <= r1; r += 4)
+    Tile::template run<4, 1>(w + r * row_bytes, row_bytes, x, cols, y + r, 0, 4 * row_bytes);
+  for (; r < r1; ++r) Tile::template run<1, 1>(w + r * row_bytes, row_bytes, x, cols, y + r, 0, 0);
 }
 
-// w = (d * sc) * q - dmin * m with one rounding (quant.cpp): the FMA gives the same bits.
-void q4_k_dequantize(const uint8_t* blk, int64_t n_blocks, float* out) {
-  const __m512i low4 = _mm512_set1_epi32(15);
-  for (int64_t b = 0; b < n_blocks; ++b, blk += kQ4_KBlockBytes) {
-    Q4KScales s = q4_k_scales(blk);
-    alignas(32) float dsc[8], dm[8];
-    _mm256_store_ps(dsc, s.dsc);
-    _mm256_store_ps(dm, s.dm);
-    for (int g = 0; g < 4; ++g, out += 64) {
-      const uint8_t* qs = blk + 16 + 32 * g;
-      for (int h = 0; h < 2; ++h) {
-        const __m512i v =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h)));
-        const __m512 d0 = _mm512_set1_ps(dsc[2 * g]), m0 = _mm512_set1_ps(-dm[2 * g]);
-        const __m512 d1 = _mm512_set1_ps(dsc[2 * g + 1]), m1 = _mm512_set1_ps(-dm[2 * g + 1]);
-        _mm512_storeu_ps(out + 16 * h,
-                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), d0, m0));
-        _mm512_storeu_ps(out + 32 + 16 * h,
-                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d1, m1));
-      }
-    }
-  }
+// One row tile (NR rows) against every token, kMatmulTileTokens at a time. The first token
+// tile prefetches the next row tile (W of an expert comes from DRAM once per call); the
+// others find this tile in L1.
+template <class Tile, int NR>
+void matmul_row_tile_q8(const uint8_t* w, int64_t row_bytes, Q8Acts x, int64_t n_tokens,
+                        int64_t cols, float* y, int64_t ldy) {
+  const int64_t n_x_blocks = cols / 32;
+  auto at = [&](int64_t t) {
+    return Q8Acts{x.qs + t * cols, x.d + t * n_x_blocks, x.sum + t * n_x_blocks};
+  };
+  int64_t ahead = NR * row_bytes;
+  int64_t t = 0;
+  for (; t + kMatmulTileTokens <= n_tokens; t += kMatmulTileTokens, ahead = 0)
+    Tile::template run<NR, kMatmulTileTokens>(w, row_bytes, at(t), cols, y + t * ldy, ldy, ahead);
+  const int64_t left = n_tokens - t;
+  y += t * ldy;
+  if (left == 3) Tile::template run<NR, 3>(w, row_bytes, at(t), cols, y, ldy, ahead);
+  if (left == 2) Tile::template run<NR, 2>(w, row_bytes, at(t), cols, y, ldy, ahead);
+  if (left == 1) Tile::template run<NR, 1>(w, row_bytes, at(t), cols, y, ldy, ahead);
+}
+
+template <class Tile>
+void matmul_q8(const uint8_t* w, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy, int64_t cols,
+               int64_t r0, int64_t r1) {
+  const int64_t row_bytes = cols / Tile::kBlockElems * Tile::kBlockBytes;
+  int64_t r = r0;
+  for (; r + kMatmulTileRows <= r1; r += kMatmulTileRows)
+    matmul_row_tile_q8<Tile, kMatmulTileRows>(w + r * row_bytes, row_bytes, x, n_tokens, cols,
+                                              y + r, ldy);
+  for (; r < r1; ++r)
+    matmul_row_tile_q8<Tile, 1>(w + r * row_bytes, row_bytes, x, n_tokens, cols, y + r, ldy);
 }
 
 }  // namespace
 
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, Q8ActsOut out) {
+  quantize_acts(x, n_tokens * cols / 32, out);
+}
+
+void matvec_rows_q8(const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,
+                    int64_t r1) {
+  const auto* wb = static_cast<const uint8_t*>(w);
+  if (wt == DType::kQ8_0) return matvec_q8<Q8_0Tile>(wb, x, y, cols, r0, r1);
+  return matvec_q8<Q4_KTile>(wb, x, y, cols, r0, r1);
+}
+
+void matmul_rows_q8(const void* w, DType wt, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                    int64_t cols, int64_t r0, int64_t r1) {
+  if (r0 >= r1 || n_tokens <= 0) return;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  if (wt == DType::kQ8_0) return matmul_q8<Q8_0Tile>(wb, x, n_tokens, y, ldy, cols, r0, r1);
+  return matmul_q8<Q4_KTile>(wb, x, n_tokens, y, ldy, cols, r0, r1);
+}
+
 void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
                        int64_t r1) {
-  const auto* wb = static_cast<const uint8_t*>(w);
-  if (wt == DType::kQ8_0) return q8_0_matvec(wb, x, y, cols, r0, r1);
-  return q4_k_matvec(wb, x, y, cols, r0, r1);
+  thread_local ActsScratch scratch;
+  matvec_rows_q8(w, wt, scratch.quantize(x, 1, cols), y, cols, r0, r1);
 }
 
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1) {
   if (r0 >= r1 || n_tokens <= 0 || cols <= 0) return;
-  thread_local Scratch scratch;
-  const bool q8 = wt == DType::kQ8_0;
-  const int64_t n_blocks = cols / (q8 ? kQ8_0BlockElems : kQ4_KBlockElems);
-  const int64_t row_bytes = n_blocks * int64_t(q8 ? kQ8_0BlockBytes : kQ4_KBlockBytes);
-  int64_t block_rows = kDequantBlockBytes / int64_t(sizeof(float)) / cols;
-  block_rows = block_rows < 12 ? 12 : block_rows / 12 * 12;  // whole F32 register tiles
-  float* f32 = scratch.get(size_t(min64(block_rows, r1 - r0) * cols));
-  for (int64_t rb = r0; rb < r1; rb += block_rows) {
-    const int64_t n = min64(block_rows, r1 - rb);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint8_t* row = static_cast<const uint8_t*>(w) + (rb + i) * row_bytes;
-      if (q8) {
-        q8_0_dequantize(row, n_blocks, f32 + i * cols);
-      } else {
-        q4_k_dequantize(row, n_blocks, f32 + i * cols);
-      }
-    }
-    matmul_rows(f32, DType::kF32, x, n_tokens, y + rb, ldy, cols, 0, n);
-  }
+  thread_local ActsScratch scratch;
+  matmul_rows_q8(w, wt, scratch.quantize(x, n_tokens, cols), n_tokens, y, ldy, cols, r0, r1);
 }
 
 }  // namespace ts::cpu::avx512

@@ -85,6 +85,20 @@ std::vector<uint8_t> make_matrix(DType type, int64_t rows, int64_t cols, uint32_
   return out;
 }
 
+// y = W x on the CPU with F32 activations, the reference for the CUDA kernels that take F32
+// x: the CPU's own Q8_0 / Q4_K kernels quantize x to int8 blocks (backend/cpu/quant.h), so
+// quantized rows are dequantized (the reference conversion) and multiplied in F32.
+void cpu_matvec_f32_x(const void* w, DType t, const float* x, float* y, int64_t cols,
+                      int64_t rows) {
+  if (!ts::dtype_is_quantized(t)) return ts::cpu::matvec_rows(w, t, x, y, cols, 0, rows);
+  std::vector<float> f(size_t(rows * cols));
+  const size_t rb = ts::dtype_row_bytes(t, cols);
+  for (int64_t r = 0; r < rows; ++r)
+    ts::cpu::dequantize_row(t, static_cast<const uint8_t*>(w) + size_t(r) * rb,
+                            &f[size_t(r * cols)], cols);
+  ts::cpu::matvec_rows(f.data(), DType::kF32, x, y, cols, 0, rows);
+}
+
 double max_rel(const std::vector<float>& got, const std::vector<float>& want) {
   double num = 0, den = 0;
   for (size_t i = 0; i < want.size(); ++i) {
@@ -108,7 +122,7 @@ TEST(CudaKernels, GemvMatchesCpuForEveryDtype) {
         const std::vector<float> x = randn(size_t(n * cols), 5);
         std::vector<float> want(size_t(n * rows));
         for (int i = 0; i < n; ++i)
-          ts::cpu::matvec_rows(w.data(), t, &x[size_t(i * cols)], &want[size_t(i * rows)], cols, 0, rows);
+          cpu_matvec_f32_x(w.data(), t, &x[size_t(i * cols)], &want[size_t(i * rows)], cols, rows);
         Dev dw(w), dx(x), dy(want.size() * 4);
         ts::cuda::gemv({dw.p, t, rows, cols}, dx.as<float>(), n, dy.as<float>(), false, nullptr);
         EXPECT_LE(max_rel(dy.get<float>(), want), 1e-4)
@@ -161,7 +175,7 @@ TEST(CudaKernels, GemvQ8ActivationsMatchIntegerReference) {
       // and within Q8 activation error of the exact F32-activation product
       std::vector<float> exact(want.size());
       for (int t = 0; t < n; ++t)
-        ts::cpu::matvec_rows(w.data(), DType::kQ8_0, &x[size_t(t * cols)], &exact[size_t(t * rows)], cols, 0, rows);
+        cpu_matvec_f32_x(w.data(), DType::kQ8_0, &x[size_t(t * cols)], &exact[size_t(t * rows)], cols, rows);
       EXPECT_LE(max_rel(dy.get<float>(), exact), 2e-2);
     }
   }
@@ -411,10 +425,10 @@ TEST(CudaKernels, MoePhasesMatchCpu) {
     for (int tok = 0; tok < n; ++tok)
       for (int r = 0; r < k; ++r) {
         const int e = ids[size_t(tok * k + r)];
-        ts::cpu::matvec_rows(G[size_t(e)].data(), t, &x[size_t(tok * d)], g.data(), d, 0, de);
-        ts::cpu::matvec_rows(U[size_t(e)].data(), t, &x[size_t(tok * d)], u.data(), d, 0, de);
+        cpu_matvec_f32_x(G[size_t(e)].data(), t, &x[size_t(tok * d)], g.data(), d, de);
+        cpu_matvec_f32_x(U[size_t(e)].data(), t, &x[size_t(tok * d)], u.data(), d, de);
         ts::cpu::silu_mul(g.data(), u.data(), h.data(), de);
-        ts::cpu::matvec_rows(D[size_t(e)].data(), t, h.data(), o.data(), de, 0, d);
+        cpu_matvec_f32_x(D[size_t(e)].data(), t, h.data(), o.data(), de, d);
         for (int i = 0; i < d; ++i) want[size_t(tok * d + i)] += w[size_t(tok * k + r)] * o[size_t(i)];
       }
     Dev dg(gp), du(up), dd(dp), di(ids), dw(w), dx(x), dh(size_t(n * k * de) * 4),
