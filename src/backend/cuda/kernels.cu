@@ -22,7 +22,7 @@ namespace {
 // pdl_wait(), blocks until the kernels before it have completed and their writes are
 // visible, then lets the next one launch. Every kernel calls it, so the ordering is as
 // strict as a plain stream's (completion is transitive: no kernel completes before its
-// predecessor). TS_PDL=0 launches plainly (to measure what it saves).
+// predecessor). TURBOSPARK_CUDA_PDL=0 launches plainly (to measure what it saves).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -32,7 +32,7 @@ __device__ __forceinline__ void pdl_wait() {
 
 bool pdl_enabled() {
   static const bool on = [] {
-    const char* e = std::getenv("TS_PDL");
+    const char* e = std::getenv("TURBOSPARK_CUDA_PDL");
     return !(e && std::string_view(e) == "0");
   }();
   return on;
