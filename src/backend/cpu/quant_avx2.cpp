@@ -100,8 +100,9 @@ struct Q8_0Tile {
     __m256 acc[NT][NR][2];
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < NR; ++r) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      const int parity = int(b & 1);
+    // Block b into acc[...][parity]; parity a compile-time constant, so that acc stays in
+    // registers (indexed by b & 1 it lived on the stack, each FMA a load and a store).
+    auto block = [&]<int parity>(int64_t b) {
       __m256i wq[NR];
       __m256 wd[NR];
       for (int r = 0; r < NR; ++r) {
@@ -121,7 +122,13 @@ struct Q8_0Tile {
               _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(wd[r], dx), acc[t][r][parity]);
         }
       }
+    };
+    int64_t b = 0;
+    for (; b + 1 < n_blocks; b += 2) {
+      block.template operator()<0>(b);
+      block.template operator()<1>(b + 1);
     }
+    if (b < n_blocks) block.template operator()<0>(b);
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < NR; ++r)
         y[t * ldy + r] = reduce_add(_mm256_add_ps(acc[t][r][0], acc[t][r][1]));
