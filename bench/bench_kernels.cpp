@@ -182,7 +182,8 @@ int main(int argc, char** argv) {
   std::printf("roofline: AVX-512 read of 1 GiB, 1 thread: %.1f GB/s\n\n", measure_read_gbs(arena));
 
   const ts::DType dtypes[] = {ts::DType::kF32, ts::DType::kF16, ts::DType::kBF16};
-  const ts::cpu::Isa isas[] = {ts::cpu::Isa::kPortable, ts::cpu::Isa::kAvx2, ts::cpu::Isa::kAvx512};
+  const ts::cpu::Isa isas[] = {ts::cpu::Isa::kPortable, ts::cpu::Isa::kAvx2,
+                               ts::cpu::Isa::kAvx2Vnni, ts::cpu::Isa::kAvx512};
   std::printf("%-9s %-5s | %-24s | %-9s | %-27s\n", "", "", "matvec 4096x4096, GB/s", "lm head",
               "matmul T=256 2048x2048 GFLOP/s");
   std::printf("%-9s %-5s | %7s %7s %8s | %9s | %8s %8s %9s\n", "isa", "dtype", "1t", "1t-cpu", "2t",
@@ -190,7 +191,7 @@ int main(int argc, char** argv) {
   for (ts::DType wt : dtypes) {
     fill_weights(arena, wt, rng);
     for (ts::cpu::Isa isa : isas) {
-      if (isa > ts::cpu::detect_isa()) continue;
+      if (!ts::cpu::isa_supported(isa)) continue;
       ts::cpu::set_active_isa(isa);
       bool slow = isa == ts::cpu::Isa::kPortable;
       int r = slow ? 1 : reps;

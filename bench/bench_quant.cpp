@@ -175,12 +175,13 @@ int main(int argc, char** argv) {
               "matmul T=64 GFLOP/s");
   std::printf("%-9s %-5s | %7s %7s %7s %7s %11s | %8s %8s %8s\n", "isa", "dtype", "1t", "1t-cpu",
               "2t", "Gw/s", "L2 1t-cpu", "1t", "1t-cpu", "2t");
-  const ts::cpu::Isa isas[] = {ts::cpu::Isa::kPortable, ts::cpu::Isa::kAvx2, ts::cpu::Isa::kAvx512};
+  const ts::cpu::Isa isas[] = {ts::cpu::Isa::kPortable, ts::cpu::Isa::kAvx2,
+                               ts::cpu::Isa::kAvx2Vnni, ts::cpu::Isa::kAvx512};
   for (ts::DType wt : {ts::DType::kQ8_0, ts::DType::kQ4_K, ts::DType::kBF16}) {
     const size_t n_mats = fill(arena, wt, rng);
     const double bytes_per_weight = double(ts::dtype_row_bytes(wt, kCols)) / double(kCols);
     for (ts::cpu::Isa isa : isas) {
-      if (isa > ts::cpu::detect_isa()) continue;
+      if (!ts::cpu::isa_supported(isa)) continue;
       ts::cpu::set_active_isa(isa);
       const bool slow = isa == ts::cpu::Isa::kPortable;
       const int r = slow ? 1 : reps;

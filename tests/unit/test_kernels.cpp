@@ -133,7 +133,7 @@ class KernelTest : public ::testing::TestWithParam<std::tuple<Isa, DType>> {
   void SetUp() override {
     isa_ = std::get<0>(GetParam());
     wt_ = std::get<1>(GetParam());
-    if (isa_ > detect_isa()) {
+    if (!isa_supported(isa_)) {
       GTEST_SKIP() << "CPU lacks " << isa_name(isa_) << " (has " << isa_name(detect_isa()) << ")";
     }
     saved_isa_ = active_isa();
@@ -312,19 +312,29 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Isa, DType>>& i
 
 INSTANTIATE_TEST_SUITE_P(
     AllIsasAndDtypes, KernelTest,
-    ::testing::Combine(::testing::Values(Isa::kPortable, Isa::kAvx2, Isa::kAvx512),
+    ::testing::Combine(::testing::Values(Isa::kPortable, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512),
                        ::testing::Values(DType::kF32, DType::kF16, DType::kBF16)),
     param_name);
 
-TEST(IsaDispatch, SetActiveIsaClampsToDetected) {
+TEST(IsaDispatch, SetActiveIsaClampsToSupported) {
   Isa saved = active_isa();
   set_active_isa(Isa::kAvx512);
   EXPECT_EQ(active_isa(), detect_isa());
+  // AVX-VNNI without AVX-512 (Alder Lake) or AVX-512 without AVX-VNNI (Ice Lake, Zen 4):
+  // kAvx2Vnni falls back to kAvx2 where the CPU has AVX2 only.
+  set_active_isa(Isa::kAvx2Vnni);
+  const Isa want = isa_supported(Isa::kAvx2Vnni) ? Isa::kAvx2Vnni
+                   : isa_supported(Isa::kAvx2)   ? Isa::kAvx2
+                                                 : Isa::kPortable;
+  EXPECT_EQ(active_isa(), want);
   set_active_isa(Isa::kPortable);
   EXPECT_EQ(active_isa(), Isa::kPortable);
   set_active_isa(saved);
+  EXPECT_TRUE(isa_supported(Isa::kPortable));
+  EXPECT_TRUE(isa_supported(detect_isa()));
   EXPECT_EQ(isa_name(Isa::kPortable), "portable");
   EXPECT_EQ(isa_name(Isa::kAvx2), "avx2");
+  EXPECT_EQ(isa_name(Isa::kAvx2Vnni), "avx2vnni");
   EXPECT_EQ(isa_name(Isa::kAvx512), "avx512");
 }
 
@@ -335,8 +345,15 @@ TEST(IsaDispatch, DetectAgreesWithCompilerRuntime) {
   bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                 __builtin_cpu_supports("avx512bf16");
-  Isa expected = avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kPortable;
+  bool avx_vnni = avx2 && __builtin_cpu_supports("avxvnni");
+  Isa expected = avx512     ? Isa::kAvx512
+                 : avx_vnni ? Isa::kAvx2Vnni
+                 : avx2     ? Isa::kAvx2
+                            : Isa::kPortable;
   EXPECT_EQ(isa_name(detect_isa()), isa_name(expected));
+  EXPECT_EQ(isa_supported(Isa::kAvx2), avx2);
+  EXPECT_EQ(isa_supported(Isa::kAvx2Vnni), avx_vnni);
+  EXPECT_EQ(isa_supported(Isa::kAvx512), avx512);
 }
 
 TEST(IsaDispatchDeathTest, RejectsUnknownDtype) {

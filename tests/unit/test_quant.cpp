@@ -266,9 +266,10 @@ TEST(QuantActs, EveryIsaMatchesReferenceBytes) {
   }
   using Fn = void (*)(const float*, int64_t, int64_t, Q8ActsOut);
   const std::pair<Isa, Fn> isas[] = {{Isa::kAvx2, avx2::quantize_acts_q8},
+                                     {Isa::kAvx2Vnni, avx2vnni::quantize_acts_q8},
                                      {Isa::kAvx512, avx512::quantize_acts_q8}};
   for (auto [isa, fn] : isas) {
-    if (isa > detect_isa()) continue;
+    if (!isa_supported(isa)) continue;
     SCOPED_TRACE(std::string(isa_name(isa)));
     QuantizedX got(n_tokens, cols);
     fn(x.data(), n_tokens, cols, got.out());
@@ -449,7 +450,7 @@ class QuantKernelTest : public ::testing::TestWithParam<std::tuple<Isa, DType>> 
   void SetUp() override {
     isa_ = std::get<0>(GetParam());
     wt_ = std::get<1>(GetParam());
-    if (isa_ > detect_isa())
+    if (!isa_supported(isa_))
       GTEST_SKIP() << "CPU lacks " << isa_name(isa_) << " (has " << isa_name(detect_isa()) << ")";
     saved_isa_ = active_isa();
     set_active_isa(isa_);
@@ -613,7 +614,7 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Isa, DType>>& i
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, QuantKernelTest,
                          ::testing::Combine(::testing::Values(Isa::kPortable, Isa::kAvx2,
-                                                              Isa::kAvx512),
+                                                              Isa::kAvx2Vnni, Isa::kAvx512),
                                             ::testing::Values(DType::kQ8_0, DType::kQ4_K)),
                          param_name);
 

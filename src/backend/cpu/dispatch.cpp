@@ -39,49 +39,70 @@ uint64_t xcr0() {
   return uint64_t(edx) << 32 | eax;
 }
 
-Isa detect_isa_uncached() {
+// Bit i set: Isa(i) is usable on this CPU and OS.
+uint32_t supported_isas_uncached() {
+  auto with = [](uint32_t set, Isa isa) { return set | 1u << int(isa); };
+  uint32_t set = with(0, Isa::kPortable);
   Cpuid l1 = cpuid(1, 0);
   bool osxsave = bit(l1.ecx, 27);
   bool avx = bit(l1.ecx, 28), fma = bit(l1.ecx, 12), f16c = bit(l1.ecx, 29);
-  if (!osxsave || !avx || !fma || !f16c) return Isa::kPortable;
+  if (!osxsave || !avx || !fma || !f16c) return set;
   uint64_t xcr = xcr0();
   constexpr uint64_t kYmmState = 0x6;   // SSE + AVX upper halves
   constexpr uint64_t kZmmState = 0xe6;  // + opmask, ZMM0-15 upper halves, ZMM16-31
-  if ((xcr & kYmmState) != kYmmState) return Isa::kPortable;
+  if ((xcr & kYmmState) != kYmmState) return set;
   Cpuid l7 = cpuid(7, 0);
-  if (!bit(l7.ebx, 5)) return Isa::kPortable;  // AVX2
+  if (!bit(l7.ebx, 5)) return set;  // AVX2
+  set = with(set, Isa::kAvx2);
+  // Leaf 7 subleaf 1 exists only if l7.eax >= 1: EAX bit 4 AVX-VNNI, bit 5 AVX512_BF16.
+  Cpuid l7s1 = l7.eax >= 1 ? cpuid(7, 1) : Cpuid{};
+  if (bit(l7s1.eax, 4)) set = with(set, Isa::kAvx2Vnni);
   bool avx512 =
       bit(l7.ebx, 16) && bit(l7.ebx, 17) && bit(l7.ebx, 30) && bit(l7.ebx, 31);  // F, DQ, BW, VL
   // VNNI (vpdpbusd, the Q8_0 dot products) comes with every CPU that has AVX512_BF16.
   avx512 = avx512 && bit(l7.ecx, 11);
-  // AVX512_BF16 is leaf 7 subleaf 1 EAX bit 5; subleaf 1 exists only if l7.eax >= 1.
-  bool bf16 = l7.eax >= 1 && bit(cpuid(7, 1).eax, 5);
-  if (avx512 && bf16 && (xcr & kZmmState) == kZmmState) return Isa::kAvx512;
-  return Isa::kAvx2;
+  bool bf16 = bit(l7s1.eax, 5);
+  if (avx512 && bf16 && (xcr & kZmmState) == kZmmState) set = with(set, Isa::kAvx512);
+  return set;
 }
 
-Isa isa_from_env(Isa best) {
+uint32_t supported_isas() {
+  static const uint32_t set = supported_isas_uncached();
+  return set;
+}
+
+// The best supported ISA not above want (kPortable always is).
+Isa best_up_to(Isa want) {
+  for (int i = int(want); i > 0; --i)
+    if (isa_supported(Isa(i))) return Isa(i);
+  return Isa::kPortable;
+}
+
+Isa isa_from_env() {
   const char* env = std::getenv("TURBOSPARK_ISA");
-  if (env == nullptr || *env == '\0') return best;
+  if (env == nullptr || *env == '\0') return detect_isa();
   std::string_view v(env);
   Isa want;
   if (v == "portable") {
     want = Isa::kPortable;
   } else if (v == "avx2") {
     want = Isa::kAvx2;
+  } else if (v == "avx2vnni") {
+    want = Isa::kAvx2Vnni;
   } else if (v == "avx512") {
     want = Isa::kAvx512;
   } else {
-    std::fprintf(stderr, "turbospark: ignoring TURBOSPARK_ISA=%s (want portable|avx2|avx512)\n",
+    std::fprintf(stderr,
+                 "turbospark: ignoring TURBOSPARK_ISA=%s (want portable|avx2|avx2vnni|avx512)\n",
                  env);
-    return best;
+    return detect_isa();
   }
   // The variable only lowers the ISA; asking for more than the CPU has would crash later.
-  return std::min(want, best);
+  return best_up_to(want);
 }
 
 std::atomic<Isa>& active_slot() {
-  static std::atomic<Isa> slot{isa_from_env(detect_isa())};
+  static std::atomic<Isa> slot{isa_from_env()};
   return slot;
 }
 
@@ -125,6 +146,9 @@ Q8Acts quantize_acts(Isa isa, const float* x, int64_t n_tokens, int64_t cols) {
     case Isa::kAvx2:
       avx2::quantize_acts_q8(x, n_tokens, cols, out);
       break;
+    case Isa::kAvx2Vnni:
+      avx2vnni::quantize_acts_q8(x, n_tokens, cols, out);
+      break;
     case Isa::kAvx512:
       avx512::quantize_acts_q8(x, n_tokens, cols, out);
       break;
@@ -139,6 +163,8 @@ void matvec_rows_q8(Isa isa, const void* w, DType wt, Q8Acts x, float* y, int64_
       return portable::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
     case Isa::kAvx2:
       return avx2::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
+    case Isa::kAvx2Vnni:
+      return avx2vnni::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
     case Isa::kAvx512:
       return avx512::matvec_rows_q8(w, wt, x, y, cols, r0, r1);
   }
@@ -151,6 +177,8 @@ void matmul_rows_q8(Isa isa, const void* w, DType wt, Q8Acts x, int64_t n_tokens
       return portable::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
     case Isa::kAvx2:
       return avx2::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kAvx2Vnni:
+      return avx2vnni::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
     case Isa::kAvx512:
       return avx512::matmul_rows_q8(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
   }
@@ -158,16 +186,13 @@ void matmul_rows_q8(Isa isa, const void* w, DType wt, Q8Acts x, int64_t n_tokens
 
 }  // namespace
 
-Isa detect_isa() {
-  static const Isa best = detect_isa_uncached();
-  return best;
-}
+Isa detect_isa() { return best_up_to(Isa::kAvx512); }
+
+bool isa_supported(Isa isa) { return (supported_isas() >> int(isa)) & 1u; }
 
 Isa active_isa() { return active_slot().load(std::memory_order_relaxed); }
 
-void set_active_isa(Isa isa) {
-  active_slot().store(std::min(isa, detect_isa()), std::memory_order_relaxed);
-}
+void set_active_isa(Isa isa) { active_slot().store(best_up_to(isa), std::memory_order_relaxed); }
 
 std::string_view isa_name(Isa isa) {
   switch (isa) {
@@ -175,6 +200,8 @@ std::string_view isa_name(Isa isa) {
       return "portable";
     case Isa::kAvx2:
       return "avx2";
+    case Isa::kAvx2Vnni:
+      return "avx2vnni";
     case Isa::kAvx512:
       return "avx512";
   }
@@ -193,6 +220,9 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
       return portable::matvec_rows(w, wt, x, y, cols, r0, r1);
     case Isa::kAvx2:
       return avx2::matvec_rows(w, wt, x, y, cols, r0, r1);
+    case Isa::kAvx2Vnni:  // avx2's kernels but for the int8 dots
+      if (dtype_is_quantized(wt)) return avx2vnni::quant_matvec_rows(w, wt, x, y, cols, r0, r1);
+      return avx2::matvec_rows(w, wt, x, y, cols, r0, r1);
     case Isa::kAvx512:
       return avx512::matvec_rows(w, wt, x, y, cols, r0, r1);
   }
@@ -205,6 +235,10 @@ void matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, floa
     case Isa::kPortable:
       return portable::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
     case Isa::kAvx2:
+      return avx2::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
+    case Isa::kAvx2Vnni:
+      if (dtype_is_quantized(wt))
+        return avx2vnni::quant_matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
       return avx2::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);
     case Isa::kAvx512:
       return avx512::matmul_rows(w, wt, x, n_tokens, y, ldy, cols, r0, r1);

@@ -1,8 +1,8 @@
 // CPU kernels for the hot paths: matrix-vector (decode) and matrix-matrix (prefill) with
 // F32 activations and F32 / F16 / BF16 or block-quantized Q8_0 / Q4_K weights (quant.h;
 // cols must then be a whole number of blocks). One dispatch point picks the instruction set
-// at run time (AVX-512 with BF16 and VNNI, AVX2+FMA+F16C, or portable C++); every SIMD path is tested
-// against the portable one on random inputs.
+// at run time (AVX-512 with BF16 and VNNI, AVX2+FMA+F16C with or without AVX-VNNI, or portable
+// C++); every SIMD path is tested against the portable one on random inputs.
 //
 // Determinism: the value of an output element depends only on its row of W and its row of
 // X, never on the [r0, r1) range a call covers, so splitting rows across threads cannot
@@ -20,11 +20,17 @@ class ThreadPool;
 
 namespace ts::cpu {
 
-enum class Isa : uint8_t { kPortable, kAvx2, kAvx512 };
+// In order of preference. kAvx2Vnni is kAvx2 with AVX-VNNI's vpdpbusd (ymm) for the int8
+// dots of Q8_0 / Q4_K weights; F32 / F16 / BF16 weights take kAvx2's kernels. The order is
+// not one of supersets: an AVX-512 CPU may lack AVX-VNNI (Ice Lake, Zen 4), so "supported"
+// is isa_supported, not a comparison with detect_isa().
+enum class Isa : uint8_t { kPortable, kAvx2, kAvx2Vnni, kAvx512 };
 
-Isa detect_isa();              // best this CPU supports
-Isa active_isa();              // in use; env TURBOSPARK_ISA=portable|avx2|avx512 lowers it
-void set_active_isa(Isa isa);  // tests; clamps to detect_isa()
+Isa detect_isa();             // best this CPU supports
+bool isa_supported(Isa isa);  // this CPU (and its OS) can run it
+// In use; env TURBOSPARK_ISA=portable|avx2|avx2vnni|avx512 lowers it (as set_active_isa).
+Isa active_isa();
+void set_active_isa(Isa isa);  // tests; the best supported ISA not above isa
 std::string_view isa_name(Isa isa);
 
 // y[r] = sum_c W[r, c] * x[c] for r in [r0, r1). W row-major [rows, cols] of type wt.

@@ -45,8 +45,8 @@
 // All accumulators start at +0. The result is the halving sum of acc (acc[i] += acc[i + h]
 // for h = 8, 4, 2, 1 and i < h; then acc[0]), minus (Q4_K) the halving sum of macc
 // (h = 4, 2, 1). This is the order of a 512-bit VNNI loop (two 32-blocks per zmm, 4 bytes
-// per int32 lane) and of a 256-bit one with even / odd accumulators: portable::, avx2:: and
-// avx512:: give the same bits, and matvec equals matmul for each (row, token).
+// per int32 lane) and of a 256-bit one with even / odd accumulators: portable::, avx2::,
+// avx2vnni:: and avx512:: give the same bits, and matvec equals matmul for each (row, token).
 //
 // GCC fuses a * b + c into an FMA even at -std=c++20 and through intrinsics, so every F32
 // product above feeds an FMA as a multiplicand or a conversion, never an addition: a fused
@@ -145,6 +145,18 @@ void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_
 void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
                        int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
 }  // namespace avx2
+// avx2's kernels with AVX-VNNI's vpdpbusd for the int8 dots (quant_avx2_vnni.cpp).
+namespace avx2vnni {
+void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, Q8ActsOut out);
+void matvec_rows_q8(const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,
+                    int64_t r1);
+void matmul_rows_q8(const void* w, DType wt, Q8Acts x, int64_t n_tokens, float* y, int64_t ldy,
+                    int64_t cols, int64_t r0, int64_t r1);
+void quant_matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols, int64_t r0,
+                       int64_t r1);
+void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
+                       int64_t ldy, int64_t cols, int64_t r0, int64_t r1);
+}  // namespace avx2vnni
 namespace avx512 {
 void quantize_acts_q8(const float* x, int64_t n_tokens, int64_t cols, Q8ActsOut out);
 void matvec_rows_q8(const void* w, DType wt, Q8Acts x, float* y, int64_t cols, int64_t r0,

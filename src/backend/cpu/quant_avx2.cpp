@@ -3,9 +3,14 @@
 // kernels_avx2.cpp's entry points, which dispatch.cpp calls only when the CPU and OS
 // support them.
 //
-// Both types: X quantized to int8 blocks; per 32-block an integer dot (vpmaddubsw /
-// vpmaddwd) in quant.h's accumulation order, bit-identical to the portable reference.
-// matvec runs kMatvecTileRows rows per step; matmul 2 x 2 (row, token) tiles.
+// Both types: X quantized to int8 blocks; per 32-block an integer dot in quant.h's
+// accumulation order, bit-identical to the portable reference. matvec runs kMatvecTileRows
+// rows per step; matmul 2 x 2 (row, token) tiles.
+//
+// Two builds of this file: namespace avx2 (vpmaddubsw + vpmaddwd for the 4-byte dots) and,
+// from quant_avx2_vnni.cpp with TS_QUANT_AVX2_VNNI and -mavxvnni added, namespace avx2vnni
+// (AVX-VNNI's vpdpbusd on ymm: one instruction instead of two, same exact int32 sums, so
+// the same bits). dispatch.cpp picks avx2vnni when cpuid reports AVX-VNNI.
 //
 // Determinism: a row's operations depend only on cols, never on its tile or the [r0, r1)
 // range. ODR hazard as in kernels_avx2.cpp: anonymous namespace, intrinsics and library
@@ -18,7 +23,11 @@
 
 #include "backend/cpu/quant.h"
 
+#if TS_QUANT_AVX2_VNNI
+namespace ts::cpu::avx2vnni {
+#else
 namespace ts::cpu::avx2 {
+#endif
 namespace {
 
 // matvec rows per step. Four rows read 4,096 x 4,096 Q8_0 from DRAM at ~14 GB/s (1 thread)
@@ -64,13 +73,21 @@ struct Scratch {
 
 // ---- Q8_0 ------------------------------------------------------------------------------
 //
-// quant.h's integer order in 256-bit registers: one 32-block per ymm, vpmaddubsw +
-// vpmaddwd sum 4 byte products per int32 lane, even blocks into one accumulator (the
-// contract's lanes 0-7) and odd blocks into another (8-15). Q8_0 uses the sign trick (|w|
-// unsigned times x with w's sign; pair sums stay below 2 * 128 * 127 < 2^15, so vpmaddubsw
-// never saturates); Q4_K's quants are unsigned already (pair sums <= 2 * 15 * 127).
+// quant.h's integer order in 256-bit registers: one 32-block per ymm, dot4 sums 4 byte
+// products per int32 lane, even blocks into one accumulator (the contract's lanes 0-7) and
+// odd blocks into another (8-15). Q8_0 uses the sign trick (|w| unsigned times x with w's
+// sign; pair sums stay below 2 * 128 * 127 < 2^15, so vpmaddubsw never saturates); Q4_K's
+// quants are unsigned already (pair sums <= 2 * 15 * 127).
 
-__m256i lane_sums(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+// Lane l of the result: sum_{i < 4} u[4l + i] * s[4l + i], u unsigned and s signed bytes,
+// exact (at most 4 * 255 * 128 in magnitude).
+__m256i dot4(__m256i u, __m256i s) {
+#if TS_QUANT_AVX2_VNNI
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
 
 // acc[t][r][parity] for NR rows at w and NT tokens (token t of x at x.qs + t * cols,
 // x.d + t * cols / 32). prefetch_ahead: bytes ahead of each W block to prefetch (0: none).
@@ -83,8 +100,9 @@ struct Q8_0Tile {
     __m256 acc[NT][NR][2];
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < NR; ++r) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      const int parity = int(b & 1);
+    // Block b into acc[...][parity]; parity a compile-time constant, so that acc stays in
+    // registers (indexed by b & 1 it lived on the stack, each FMA a load and a store).
+    auto block = [&]<int parity>(int64_t b) {
       __m256i wq[NR];
       __m256 wd[NR];
       for (int r = 0; r < NR; ++r) {
@@ -98,14 +116,19 @@ struct Q8_0Tile {
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs + t * cols + b * 32));
         const __m256 dx = _mm256_broadcast_ss(x.d + t * n_blocks + b);
         for (int r = 0; r < NR; ++r) {
-          const __m256i p = lane_sums(
-              _mm256_maddubs_epi16(_mm256_sign_epi8(wq[r], wq[r]), _mm256_sign_epi8(xq, wq[r])));
+          const __m256i p = dot4(_mm256_sign_epi8(wq[r], wq[r]), _mm256_sign_epi8(xq, wq[r]));
           // d_w * d_x: one F32 multiplication, as the reference.
           acc[t][r][parity] =
               _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(wd[r], dx), acc[t][r][parity]);
         }
       }
+    };
+    int64_t b = 0;
+    for (; b + 1 < n_blocks; b += 2) {
+      block.template operator()<0>(b);
+      block.template operator()<1>(b + 1);
     }
+    if (b < n_blocks) block.template operator()<0>(b);
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < NR; ++r)
         y[t * ldy + r] = reduce_add(_mm256_add_ps(acc[t][r][0], acc[t][r][1]));
@@ -174,8 +197,8 @@ struct Q4_KTile {
           const float* dx = x.d + t * n_x_blocks + 8 * b + 2 * g;
           const __m256 dx0 = _mm256_broadcast_ss(dx), dx1 = _mm256_broadcast_ss(dx + 1);
           for (int r = 0; r < NR; ++r) {
-            const __m256i p0 = lane_sums(_mm256_maddubs_epi16(lo[r], x0));
-            const __m256i p1 = lane_sums(_mm256_maddubs_epi16(hi[r], x1));
+            const __m256i p0 = dot4(lo[r], x0);
+            const __m256i p1 = dot4(hi[r], x1);
             acc[t][r][0] =
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
                                 _mm256_mul_ps(_mm256_set1_ps(dsc[r][2 * g]), dx0), acc[t][r][0]);
@@ -308,4 +331,8 @@ void quant_matmul_rows(const void* w, DType wt, const float* x, int64_t n_tokens
   matmul_rows_q8(w, wt, scratch.quantize(x, n_tokens, cols), n_tokens, y, ldy, cols, r0, r1);
 }
 
+#if TS_QUANT_AVX2_VNNI
+}  // namespace ts::cpu::avx2vnni
+#else
 }  // namespace ts::cpu::avx2
+#endif
