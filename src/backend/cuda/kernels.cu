@@ -384,6 +384,17 @@ __global__ void embed_kernel(const uint8_t* table, DType type, size_t row_bytes,
   }
 }
 
+// Value v at index `at` of a row being quantized, where the calling warp's 32 lanes hold
+// one whole Q8 block (at = block start + lane): the block's bytes exactly as
+// quantize_act_kernel writes them.
+__device__ __forceinline__ void warp_quantize_q8(float v, size_t at, QAct q) {
+  float amax = fabsf(v);
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+  q.q[at] = int8_t(__float2int_rn(v * id));
+  if (at % 32 == 0) q.d[at / 32] = db;
+}
+
 __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int cols, float eps,
                                QAct q) {
   pdl_wait();
@@ -405,16 +416,8 @@ __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int col
   for (int i = threadIdx.x; i < cols; i += blockDim.x) {
     const float v = xr[i] * inv * w[i];
     yr[i] = v;
-    if (q.q) {
-      // A warp's lanes hold one whole Q8 block (blockDim and cols are multiples of 32):
-      // quantized exactly as quantize_act_kernel does.
-      float amax = fabsf(v);
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-      const size_t at = size_t(blockIdx.x) * cols + i;
-      q.q[at] = int8_t(__float2int_rn(v * id));
-      if (i % 32 == 0) q.d[at / 32] = db;
-    }
+    // A warp's lanes hold one whole Q8 block (blockDim and cols are multiples of 32).
+    if (q.q) warp_quantize_q8(v, size_t(blockIdx.x) * cols + i, q);
   }
 }
 
@@ -737,17 +740,8 @@ __global__ void attention_merge_kernel(AttentionArgs a) {
     }
     v *= inv;
     o[dim] = v;
-    if (a.out_q.q) {
-      // head_dim % 32 == 0 (attention() checks): a warp's lanes hold one whole Q8 block of the
-      // output row, quantized exactly as quantize_act_kernel does.
-      float amax = fabsf(v);
-      for (int off = 16; off > 0; off >>= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-      const size_t at = size_t(t) * a.n_heads * hd + size_t(h) * hd + dim;
-      a.out_q.q[at] = int8_t(__float2int_rn(v * id));
-      if (at % 32 == 0) a.out_q.d[at / 32] = db;
-    }
+    // head_dim % 32 == 0 (attention() checks): a warp's lanes hold one whole Q8 block.
+    if (a.out_q.q) warp_quantize_q8(v, size_t(t) * a.n_heads * hd + size_t(h) * hd + dim, a.out_q);
   }
 }
 
