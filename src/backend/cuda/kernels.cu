@@ -395,6 +395,37 @@ __device__ __forceinline__ void warp_quantize_q8(float v, size_t at, QAct q) {
   if (at % 32 == 0) q.d[at / 32] = db;
 }
 
+// One Q8 block by one thread: 32 values at x (16-byte aligned) -> d = max|x| / 127 and
+// q = round(x / d) at q (16-byte aligned). The bytes every Q8 activation path writes.
+__device__ __forceinline__ void quantize_block32(const float* x, int8_t* q, float* d) {
+  const float4* xb = reinterpret_cast<const float4*>(x);
+  float v[32];
+  float amax = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float4 f = xb[i];
+    v[4 * i] = f.x;
+    v[4 * i + 1] = f.y;
+    v[4 * i + 2] = f.z;
+    v[4 * i + 3] = f.w;
+  }
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+  *d = db;
+  int32_t packed[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(__float2int_rn(v[4 * i + j] * id)))) << (8 * j);
+    packed[i] = int32_t(w);
+  }
+  int4* qb = reinterpret_cast<int4*>(q);
+  qb[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+  qb[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+}
+
 __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int cols, float eps,
                                QAct q) {
   pdl_wait();
@@ -1154,18 +1185,46 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
       // All top_k rows in flight at once, then the same sums as below.
       __shared__ __align__(16) uint8_t staged[kRowWarps][kStagedBytes];
       uint8_t* tile = staged[warp];
+      // Lane k looks up rank k's row and weight: two memory latencies for all ranks, not
+      // two per rank before its copy can start.
+      const uint8_t* row = nullptr;
+      float wk = 0.0f;
+      if (lane < a.top_k) {
+        row = static_cast<const uint8_t*>(a.down[a.ids[t * a.top_k + lane]]) + size_t(r) * rb;
+        wk = a.weights[t * a.top_k + lane];
+      }
       for (int k = 0; k < a.top_k; ++k)
         warp_copy_async(tile + size_t(k) * rb,
-                        static_cast<const uint8_t*>(a.down[a.ids[t * a.top_k + k]]) + size_t(r) * rb,
+                        reinterpret_cast<const uint8_t*>(__shfl_sync(
+                            0xffffffffu, reinterpret_cast<unsigned long long>(row), k)),
                         int(rb), lane);
       warp_copy_wait();
       const int nb = a.d_expert / 32;
-      for (int k = 0; k < a.top_k; ++k) {
-        const int s = t * a.top_k + k;
-        float acc[1] = {};
-        q8q8_tile_dot<1>(tile + size_t(k) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
-                         a.hd + size_t(s) * nb, a.d_expert, 1, acc, lane);
-        total += a.weights[s] * warp_sum(acc[0]);
+      constexpr int kMaxK = 8;
+      if (a.top_k <= kMaxK) {
+        // Ranks unrolled, so their activation loads and reductions overlap; each rank's sum
+        // in q8q8_tile_dot's order.
+        float acc[kMaxK] = {};
+#pragma unroll
+        for (int k = 0; k < kMaxK; ++k)
+          if (k < a.top_k) {
+            float ak[1] = {};
+            const int s = t * a.top_k + k;
+            q8q8_tile_dot<1>(tile + size_t(k) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                             a.hd + size_t(s) * nb, a.d_expert, 1, ak, lane);
+            acc[k] = ak[0];
+          }
+#pragma unroll
+        for (int k = 0; k < kMaxK; ++k)
+          if (k < a.top_k) total += __shfl_sync(0xffffffffu, wk, k) * warp_sum(acc[k]);
+      } else {
+        for (int k = 0; k < a.top_k; ++k) {
+          const int s = t * a.top_k + k;
+          float acc[1] = {};
+          q8q8_tile_dot<1>(tile + size_t(k) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                           a.hd + size_t(s) * nb, a.d_expert, 1, acc, lane);
+          total += __shfl_sync(0xffffffffu, wk, k) * warp_sum(acc[0]);
+        }
       }
       if (lane == 0) {
         float* o = a.out + size_t(t) * a.d_model + r;
@@ -1280,34 +1339,8 @@ __global__ void quantize_q8_0_kernel(const float* x, uint8_t* out, int64_t n_blo
 __global__ void quantize_act_kernel(const float* x, int8_t* q, float* d, int64_t n_blocks) {
   pdl_wait();
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < n_blocks;
-       b += int64_t(gridDim.x) * blockDim.x) {
-    const float4* xb = reinterpret_cast<const float4*>(x + b * 32);
-    float v[32];
-    float amax = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 f = xb[i];
-      v[4 * i] = f.x;
-      v[4 * i + 1] = f.y;
-      v[4 * i + 2] = f.z;
-      v[4 * i + 3] = f.w;
-    }
-#pragma unroll
-    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-    d[b] = db;
-    int32_t packed[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      uint32_t w = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(__float2int_rn(v[4 * i + j] * id)))) << (8 * j);
-      packed[i] = int32_t(w);
-    }
-    int4* qb = reinterpret_cast<int4*>(q + b * 32);
-    qb[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
-    qb[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
-  }
+       b += int64_t(gridDim.x) * blockDim.x)
+    quantize_block32(x + b * 32, q + b * 32, d + b);
 }
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
