@@ -1249,6 +1249,76 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
   }
 }
 
+// Phase 2 with a warp per (output row, rank): grid (d_model, n), block 32 * top_k (top_k <=
+// kMaxRankWarps). Warp k computes rank k's sum for row r exactly as moe_down_sum_kernel does
+// (same lane order, same reduction); the sums meet in shared memory and one thread adds them,
+// weighted, in rank order. Same bits as moe_down_sum_kernel, with top_k times the warps, each
+// with a single short row in flight instead of one warp waiting on all of them.
+constexpr int kMaxRankWarps = 8;
+constexpr int kRankRowBytes = 1088;  // Q8_0 rows staged per warp: up to 1,024 columns
+
+template <DType T>
+__global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeArgs a) {
+  pdl_wait();
+  const int k = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.x, t = blockIdx.y, s = t * a.top_k + k;
+  const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
+  const uint8_t* row = static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r) * rb;
+  __shared__ float sums[kMaxRankWarps];
+  float acc = 0.0f;
+  if constexpr (T == DType::kQ8_0) {
+    __shared__ __align__(16) uint8_t staged[kMaxRankWarps][kRankRowBytes];
+    warp_copy_async(staged[k], row, int(rb), lane);
+    warp_copy_wait();
+    const int nb = a.d_expert / 32;
+    float ak[1] = {};
+    q8q8_tile_dot<1>(staged[k], 0, nb, a.hq + size_t(s) * a.d_expert, a.hd + size_t(s) * nb,
+                     a.d_expert, 1, ak, lane);
+    acc = ak[0];
+  } else {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+    const float* h = a.h + size_t(s) * a.d_expert;
+#pragma unroll 4
+    for (int c = lane * 8; c < a.d_expert; c += 256) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + c));
+      const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+      const float4* xv = reinterpret_cast<const float4*>(h + c);
+      const float4 x0 = xv[0], x1 = xv[1];
+      const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float lo, hi;
+        if constexpr (T == DType::kBF16) {
+          lo = bf16_bits(u[i] & 0xffffu);
+          hi = __uint_as_float(u[i] & 0xffff0000u);
+        } else {
+          lo = f16_bits(u[i] & 0xffffu);
+          hi = f16_bits(u[i] >> 16);
+        }
+        acc += lo * xs[2 * i] + hi * xs[2 * i + 1];
+      }
+    }
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) sums[k] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0;
+    for (int j = 0; j < a.top_k; ++j) total += a.weights[t * a.top_k + j] * sums[j];
+    float* o = a.out + size_t(t) * a.d_model + r;
+    *o = a.accumulate ? *o + total : total;
+  }
+}
+
+// Whether moe_down_rank_kernel takes phase 2 (else moe_down_sum_kernel).
+bool moe_down_by_rank(const MoeArgs& a) {
+  if (a.top_k < 1 || a.top_k > kMaxRankWarps) return false;
+  if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16)
+    return a.d_expert % 8 == 0 && a.d_expert <= 4096;
+  return a.down_dtype == DType::kQ8_0 && a.hq && a.d_expert % 256 == 0 &&
+         size_t(a.d_expert / 32) * 34 <= size_t(kRankRowBytes);
+}
+
 __device__ __forceinline__ void store_as(void* dst, DType type, size_t i, float v) {
   if (type == DType::kF32) static_cast<float*>(dst)[i] = v;
   else if (type == DType::kBF16) static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16(v);
@@ -1699,6 +1769,16 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
 }
 
 void moe_down_sum(const MoeArgs& a, cudaStream_t s) {
+  if (moe_down_by_rank(a)) {
+    const dim3 grid(unsigned(a.d_model), unsigned(a.n));
+    const unsigned block = unsigned(32 * a.top_k);
+    switch (a.down_dtype) {
+      case DType::kBF16: launch_kernel(moe_down_rank_kernel<DType::kBF16>, grid, block, 0, s, a); break;
+      case DType::kF16: launch_kernel(moe_down_rank_kernel<DType::kF16>, grid, block, 0, s, a); break;
+      default: launch_kernel(moe_down_rank_kernel<DType::kQ8_0>, grid, block, 0, s, a); break;
+    }
+    return;
+  }
   const dim3 grid(unsigned((a.d_model + kWarps - 1) / kWarps), unsigned(a.n));
   switch (a.down_dtype) {
     case DType::kF32: launch_kernel(moe_down_sum_kernel<DType::kF32>, grid, 32 * kWarps, 0, s, a); break;
