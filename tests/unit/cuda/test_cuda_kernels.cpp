@@ -447,7 +447,8 @@ TEST(CudaKernels, MoePhasesMatchCpu) {
 
 // The MoE phases on Q8_0 weights with Q8 activations (dp4a), against per-block integer dot
 // products: qwen3's shape (d_expert 768, top 8: every row of a slot staged whole in shared
-// memory) and rows too wide to stage (the tiled path). h is checked against the reference's,
+// memory), a 4,096-wide model (gate|up's larger staging) and rows too wide to stage (the
+// tiled path). h is checked against the reference's,
 // and the down sum against the reference computed from the kernel's own h, quantized the
 // same way, so it must agree to float rounding of the rank-ordered sum.
 TEST(CudaKernels, MoePhasesQ8ActivationsMatchIntegerReference) {
@@ -479,7 +480,7 @@ TEST(CudaKernels, MoePhasesQ8ActivationsMatchIntegerReference) {
     }
     return acc;
   };
-  for (const Case c : {Case{512, 768, 8}, Case{4608, 2048, 3}}) {
+  for (const Case c : {Case{512, 768, 8}, Case{4096, 256, 2}, Case{4608, 2048, 3}}) {
     const int n_experts = 10, n = 2, ns = n * c.k;
     std::vector<std::vector<uint8_t>> G, U, D;
     std::vector<Dev*> owned;
