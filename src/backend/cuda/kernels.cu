@@ -1715,42 +1715,33 @@ bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
   return group <= kGqaMaxWarps * kGqaMaxHeadsPerWarp && gqa_smem_floats(group, head_dim) * 4 <= 48 * 1024;
 }
 
-static void attention_launch(const AttentionArgs& a, cudaStream_t s) {
+void attention(const AttentionArgs& args, cudaStream_t s) {
+  AttentionArgs a = args;
+  const size_t out_values = size_t(a.n) * size_t(a.n_heads) * size_t(a.head_dim);
+  // The Q8 copy of the output (args.out_q): written by the merge where the heads are whole Q8
+  // blocks, else by a quantize_act launch after the kernel.
   if (a.tensor_cores && a.n >= kTcAttentionMin && (a.head_dim == 64 || a.head_dim == 128)) {
     // Per device, so set at every launch (a host-side call); a failure shows at the launch.
     const auto kernel = a.head_dim == 64 ? attention_tc_kernel<64> : attention_tc_kernel<128>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFaSmem));
-    launch_kernel(kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kFaQ - 1) / kFaQ)), 128, kFaSmem, s, a);
-    return;
-  }
-  if (a.n > 1 && a.head_dim <= kPrefillHd && a.head_dim % 4 == 0) {
-    launch_kernel(attention_prefill_kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)), 32 * kAttnWarps, 0, s, a);
-    return;
-  }
-  if (gqa_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
-    const int group = a.n_heads / a.n_kv_heads;
-    const size_t smem = gqa_smem_floats(group, a.head_dim) * 4;
-    launch_kernel(attention_gqa_kernel, dim3(unsigned(a.n_kv_heads), unsigned(a.n_splits), unsigned(a.n)),
-                  32 * std::min(group, kGqaMaxWarps), smem, s, a);
-  } else {
-    launch_kernel(attention_split_kernel, dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)), 32 * kAttnWarps, 0, s, a);
-  }
-  launch_kernel(attention_merge_kernel, dim3(unsigned(a.n_heads), unsigned(a.n)), 128, 0, s, a);
-}
-
-void attention(const AttentionArgs& args, cudaStream_t s) {
-  // The merge quantizes its output when heads are whole Q8 blocks; other paths quantize after.
-  const bool merge_path = !(args.tensor_cores && args.n >= kTcAttentionMin &&
-                            (args.head_dim == 64 || args.head_dim == 128)) &&
-                          !(args.n > 1 && args.head_dim <= kPrefillHd && args.head_dim % 4 == 0);
-  AttentionArgs a = args;
-  if (a.out_q.q && !(merge_path && a.head_dim % 32 == 0)) {
     a.out_q = {};
-    attention_launch(a, s);
-    quantize_act(a.out, int64_t(a.n) * a.n_heads * a.head_dim, args.out_q, s);
-    return;
+    launch_kernel(kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kFaQ - 1) / kFaQ)), 128, kFaSmem, s, a);
+  } else if (a.n > 1 && a.head_dim <= kPrefillHd && a.head_dim % 4 == 0) {
+    a.out_q = {};
+    launch_kernel(attention_prefill_kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)), 32 * kAttnWarps, 0, s, a);
+  } else {
+    if (a.head_dim % 32 != 0) a.out_q = {};
+    if (gqa_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
+      const int group = a.n_heads / a.n_kv_heads;
+      const size_t smem = gqa_smem_floats(group, a.head_dim) * 4;
+      launch_kernel(attention_gqa_kernel, dim3(unsigned(a.n_kv_heads), unsigned(a.n_splits), unsigned(a.n)),
+                    32 * std::min(group, kGqaMaxWarps), smem, s, a);
+    } else {
+      launch_kernel(attention_split_kernel, dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)), 32 * kAttnWarps, 0, s, a);
+    }
+    launch_kernel(attention_merge_kernel, dim3(unsigned(a.n_heads), unsigned(a.n)), 128, 0, s, a);
   }
-  attention_launch(a, s);
+  if (args.out_q.q && !a.out_q.q) quantize_act(a.out, int64_t(out_values), args.out_q, s);
 }
 
 void route(const RouteArgs& a, cudaStream_t s) {
