@@ -1119,7 +1119,9 @@ __global__ void moe_gate_up_kernel(MoeArgs a) {
   if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
 }
 
-// grid (ceil(d_model / kWarps), n): warp per (token, row), ranks summed in order.
+// grid (ceil(d_model / kWarps), n): warp per (token, row), ranks summed in order. For the
+// shapes moe_down_rank_kernel does not take (top_k > 8, long rows such as Mixtral's 14,336,
+// Q8_0 rows over 1,024 columns, F32 and Q4_K).
 template <DType T>
 __global__ void moe_down_sum_kernel(MoeArgs a) {
   pdl_wait();
@@ -1128,58 +1130,6 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
   if (r >= a.d_model) return;
   const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
   float total = 0;
-  if constexpr (T == DType::kBF16 || T == DType::kF16) {
-    // All top_k rows' loads in flight at once (one row each is short: d_expert values).
-    constexpr int kMaxK = 8;
-    // (Long rows, e.g. Mixtral's 14336, keep the unrolled single-row loop below.)
-    if ((a.d_expert & 7) == 0 && a.top_k <= kMaxK && a.d_expert <= 4096) {
-      const uint16_t* rows[kMaxK];
-      const float* hs[kMaxK];
-      float acc[kMaxK];
-#pragma unroll
-      for (int k = 0; k < kMaxK; ++k) {
-        const int s = t * a.top_k + min(k, a.top_k - 1);
-        rows[k] = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.down[a.ids[s]]) +
-                                                    size_t(r) * rb);
-        hs[k] = a.h + size_t(s) * a.d_expert;
-        acc[k] = 0.0f;
-      }
-      for (int c = lane * 8; c < a.d_expert; c += 256) {
-        uint4 raw[kMaxK];
-#pragma unroll
-        for (int k = 0; k < kMaxK; ++k)
-          if (k < a.top_k) raw[k] = __ldg(reinterpret_cast<const uint4*>(rows[k] + c));
-#pragma unroll
-        for (int k = 0; k < kMaxK; ++k)
-          if (k < a.top_k) {
-            const uint32_t u[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
-            const float4* xv = reinterpret_cast<const float4*>(hs[k] + c);
-            const float4 x0 = xv[0], x1 = xv[1];
-            const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              float lo, hi;
-              if constexpr (T == DType::kBF16) {
-                lo = bf16_bits(u[i] & 0xffffu);
-                hi = __uint_as_float(u[i] & 0xffff0000u);
-              } else {
-                lo = f16_bits(u[i] & 0xffffu);
-                hi = f16_bits(u[i] >> 16);
-              }
-              acc[k] += lo * xs[2 * i] + hi * xs[2 * i + 1];
-            }
-          }
-      }
-#pragma unroll
-      for (int k = 0; k < kMaxK; ++k)
-        if (k < a.top_k) total += a.weights[t * a.top_k + k] * warp_sum(acc[k]);
-      if (lane == 0) {
-        float* o = a.out + size_t(t) * a.d_model + r;
-        *o = a.accumulate ? *o + total : total;
-      }
-      return;
-    }
-  }
   if constexpr (T == DType::kQ8_0) {
     if (a.hq && size_t(a.top_k) * rb <= size_t(kStagedBytes)) {
       // All top_k rows in flight at once, then the same sums as below.
@@ -1250,10 +1200,12 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
 }
 
 // Phase 2 with a warp per (output row, rank): grid (d_model, n), block 32 * top_k (top_k <=
-// kMaxRankWarps). Warp k computes rank k's sum for row r exactly as moe_down_sum_kernel does
-// (same lane order, same reduction); the sums meet in shared memory and one thread adds them,
-// weighted, in rank order. Same bits as moe_down_sum_kernel, with top_k times the warps, each
-// with a single short row in flight instead of one warp waiting on all of them.
+// kMaxRankWarps). Warp k computes rank k's dot product for row r (BF16/F16: lane j takes
+// 8-column chunks j, j + 32, ...; Q8_0: the row staged, lane j takes blocks j, j + 32, ... as
+// moe_down_sum_kernel's staged path), reduced by warp_sum; the sums meet in shared memory and
+// one thread adds them, weighted, in rank order. Per token the sum is over ranks in order
+// whatever the residency, and each warp has a single short row in flight instead of one warp
+// waiting on all top_k.
 constexpr int kMaxRankWarps = 8;
 constexpr int kRankRowBytes = 1088;  // Q8_0 rows staged per warp: up to 1,024 columns
 
