@@ -395,37 +395,6 @@ __device__ __forceinline__ void warp_quantize_q8(float v, size_t at, QAct q) {
   if (at % 32 == 0) q.d[at / 32] = db;
 }
 
-// One Q8 block by one thread: 32 values at x (16-byte aligned) -> d = max|x| / 127 and
-// q = round(x / d) at q (16-byte aligned). The bytes every Q8 activation path writes.
-__device__ __forceinline__ void quantize_block32(const float* x, int8_t* q, float* d) {
-  const float4* xb = reinterpret_cast<const float4*>(x);
-  float v[32];
-  float amax = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float4 f = xb[i];
-    v[4 * i] = f.x;
-    v[4 * i + 1] = f.y;
-    v[4 * i + 2] = f.z;
-    v[4 * i + 3] = f.w;
-  }
-#pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-  *d = db;
-  int32_t packed[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    uint32_t w = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(__float2int_rn(v[4 * i + j] * id)))) << (8 * j);
-    packed[i] = int32_t(w);
-  }
-  int4* qb = reinterpret_cast<int4*>(q);
-  qb[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
-  qb[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
-}
-
 __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int cols, float eps,
                                QAct q) {
   pdl_wait();
@@ -1150,31 +1119,12 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
                         int(rb), lane);
       warp_copy_wait();
       const int nb = a.d_expert / 32;
-      constexpr int kMaxK = 8;
-      if (a.top_k <= kMaxK) {
-        // Ranks unrolled, so their activation loads and reductions overlap; each rank's sum
-        // in q8q8_tile_dot's order.
-        float acc[kMaxK] = {};
-#pragma unroll
-        for (int k = 0; k < kMaxK; ++k)
-          if (k < a.top_k) {
-            float ak[1] = {};
-            const int s = t * a.top_k + k;
-            q8q8_tile_dot<1>(tile + size_t(k) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
-                             a.hd + size_t(s) * nb, a.d_expert, 1, ak, lane);
-            acc[k] = ak[0];
-          }
-#pragma unroll
-        for (int k = 0; k < kMaxK; ++k)
-          if (k < a.top_k) total += __shfl_sync(0xffffffffu, wk, k) * warp_sum(acc[k]);
-      } else {
-        for (int k = 0; k < a.top_k; ++k) {
-          const int s = t * a.top_k + k;
-          float acc[1] = {};
-          q8q8_tile_dot<1>(tile + size_t(k) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
-                           a.hd + size_t(s) * nb, a.d_expert, 1, acc, lane);
-          total += __shfl_sync(0xffffffffu, wk, k) * warp_sum(acc[0]);
-        }
+      for (int k = 0; k < a.top_k; ++k) {
+        const int s = t * a.top_k + k;
+        float acc[1] = {};
+        q8q8_tile_dot<1>(tile + size_t(k) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                         a.hd + size_t(s) * nb, a.d_expert, 1, acc, lane);
+        total += __shfl_sync(0xffffffffu, wk, k) * warp_sum(acc[0]);
       }
       if (lane == 0) {
         float* o = a.out + size_t(t) * a.d_model + r;
@@ -1361,8 +1311,34 @@ __global__ void quantize_q8_0_kernel(const float* x, uint8_t* out, int64_t n_blo
 __global__ void quantize_act_kernel(const float* x, int8_t* q, float* d, int64_t n_blocks) {
   pdl_wait();
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < n_blocks;
-       b += int64_t(gridDim.x) * blockDim.x)
-    quantize_block32(x + b * 32, q + b * 32, d + b);
+       b += int64_t(gridDim.x) * blockDim.x) {
+    const float4* xb = reinterpret_cast<const float4*>(x + b * 32);
+    float v[32];
+    float amax = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 f = xb[i];
+      v[4 * i] = f.x;
+      v[4 * i + 1] = f.y;
+      v[4 * i + 2] = f.z;
+      v[4 * i + 3] = f.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    d[b] = db;
+    int32_t packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(__float2int_rn(v[4 * i + j] * id)))) << (8 * j);
+      packed[i] = int32_t(w);
+    }
+    int4* qb = reinterpret_cast<int4*>(q + b * 32);
+    qb[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+    qb[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+  }
 }
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
@@ -1669,7 +1645,6 @@ bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
 
 void attention(const AttentionArgs& args, cudaStream_t s) {
   AttentionArgs a = args;
-  const size_t out_values = size_t(a.n) * size_t(a.n_heads) * size_t(a.head_dim);
   // The Q8 copy of the output (args.out_q): written by the merge where the heads are whole Q8
   // blocks, else by a quantize_act launch after the kernel.
   if (a.tensor_cores && a.n >= kTcAttentionMin && (a.head_dim == 64 || a.head_dim == 128)) {
@@ -1693,7 +1668,8 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
     }
     launch_kernel(attention_merge_kernel, dim3(unsigned(a.n_heads), unsigned(a.n)), 128, 0, s, a);
   }
-  if (args.out_q.q && !a.out_q.q) quantize_act(a.out, int64_t(out_values), args.out_q, s);
+  if (args.out_q.q && !a.out_q.q)
+    quantize_act(a.out, int64_t(a.n) * a.n_heads * a.head_dim, args.out_q, s);
 }
 
 void route(const RouteArgs& a, cudaStream_t s) {

@@ -448,9 +448,9 @@ TEST(CudaKernels, MoePhasesMatchCpu) {
 // The MoE phases on Q8_0 weights with Q8 activations (dp4a), against per-block integer dot
 // products: qwen3's shape (d_expert 768, top 8: every row of a slot staged whole in shared
 // memory), a 4,096-wide model (gate|up's larger staging) and rows too wide to stage (the
-// tiled path). h is checked against the reference's,
-// and the down sum against the reference computed from the kernel's own h, quantized the
-// same way, so it must agree to float rounding of the rank-ordered sum.
+// tiled path). h is checked against the reference's, and the down sum against the reference
+// computed from the kernel's own h, quantized the same way, so it must agree to float
+// rounding of the rank-ordered sum.
 TEST(CudaKernels, MoePhasesQ8ActivationsMatchIntegerReference) {
   SKIP_WITHOUT_GPU();
   struct Case {
