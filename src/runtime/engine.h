@@ -54,6 +54,7 @@ struct ExpertCacheReport {
   uint64_t hits = 0;
   uint64_t copied_bytes = 0;  // host -> device
   double copy_ms = 0;         // time the copy stream spent copying
+  double bind_ms = 0;         // host time planning each step's misses and issuing their copies
 };
 
 class Engine {

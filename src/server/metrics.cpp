@@ -101,6 +101,8 @@ std::string Metrics::prometheus(int queue_depth, int running) const {
            double(gpu_->copied_bytes));
     metric("turbospark_gpu_expert_copy_seconds_total", "counter",
            "Time the copy stream spent copying experts.", gpu_->copy_ms / 1e3);
+    metric("turbospark_gpu_expert_bind_seconds_total", "counter",
+           "Host time spent planning misses and issuing their copies.", gpu_->bind_ms / 1e3);
   }
   metric("turbospark_stream_bytes_total", "counter", "Bytes of SSE frames sent to clients.",
          double(stream_bytes_));

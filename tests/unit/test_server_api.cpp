@@ -414,13 +414,15 @@ TEST(ServerMetrics, GpuExpertCacheCountersAppearOnlyWithAGpuCache) {
   m.record_generation(g, store,
                       ts::runtime::ExpertCacheReport{.residency = "host", .slots_per_layer = 64,
                                                      .requests = 200, .hits = 150,
-                                                     .copied_bytes = 5000, .copy_ms = 250});
+                                                     .copied_bytes = 5000, .copy_ms = 250,
+                                                     .bind_ms = 125});
   text = m.prometheus(0, 0);
   for (const char* line :
        {"turbospark_gpu_expert_cache_slots_per_layer 64\n", "turbospark_gpu_expert_requests_total 200\n",
         "turbospark_gpu_expert_hits_total 150\n", "turbospark_gpu_expert_cache_hit_rate 0.75\n",
         "turbospark_gpu_expert_h2d_bytes_total 5000\n",
-        "turbospark_gpu_expert_copy_seconds_total 0.25\n", "turbospark_completion_tokens_total 8\n"})
+        "turbospark_gpu_expert_copy_seconds_total 0.25\n",
+        "turbospark_gpu_expert_bind_seconds_total 0.125\n", "turbospark_completion_tokens_total 8\n"})
     EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;
 }
 

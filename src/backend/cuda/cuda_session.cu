@@ -369,6 +369,8 @@ class CudaSession final : public runtime::Engine {
   Status warm_expert_cache();
   void point_expert(int layer, int e, uint8_t* at);
   Status copy_experts(int layer, std::span<const int> ids, std::span<uint8_t* const> dst);
+  Status copy_misses(int layer, std::span<const int> ids, std::span<uint8_t* const> dst);
+  Status upload_table(int layer, cudaStream_t stream);
   Status bind_step(int layer, int n, const MoeArgs* hits);
   Status bind_ids(int layer, int n, const MoeArgs* hits);
   bool prefetch_applies(int n) const;
@@ -442,6 +444,7 @@ class CudaSession final : public runtime::Engine {
     bool copies_timed = false;
     bool table_stale = false;  // tab_host changed since tab_dev was written
   };
+  void start_copy_timer(CachedLayer& C);
   experts::ExpertStore* store_ = nullptr;  // streamed: where misses are read from
   std::vector<void*> pinned_store_;         // its slot memory, registered by this session
   double used_fraction_ = 1.0;              // of the experts, by the last grouped MoE layer
@@ -452,7 +455,9 @@ class CudaSession final : public runtime::Engine {
   // is recorded when the GEMMs reading buffer i are done).
   std::vector<uint8_t*> staging_;
   std::vector<cudaEvent_t> staging_free_;
-  cudaEvent_t loaded_ = nullptr;
+  // A binding's copies (bind_ids): the table and every miss's gate|up part (gate_up_loaded_),
+  // then the down parts (loaded_), so phase 1 of the misses runs under the down copies.
+  cudaEvent_t loaded_ = nullptr, gate_up_loaded_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;
   uint8_t* layer_tmp_ = nullptr;  // a layer's experts while they are built at load
   size_t layer_tmp_bytes_ = 0;
@@ -487,6 +492,7 @@ CudaSession::~CudaSession() {
   for (cudaEvent_t e : {pf_ready_[0], pf_ready_[1], pf_free_[0], pf_free_[1]})
     if (e) cudaEventDestroy(e);
   if (loaded_) cudaEventDestroy(loaded_);
+  if (gate_up_loaded_) cudaEventDestroy(gate_up_loaded_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (graph_) cudaGraphExecDestroy(graph_);
   for (cudaGraphExec_t g : segments_) cudaGraphExecDestroy(g);
@@ -915,6 +921,7 @@ Status CudaSession::init_expert_cache() {
   if (moe_layers == 0) return {};
   CUDA_TRY(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   CUDA_TRY(cudaEventCreateWithFlags(&loaded_, cudaEventDisableTiming));
+  CUDA_TRY(cudaEventCreateWithFlags(&gate_up_loaded_, cudaEventDisableTiming));
   // Staging: every distinct expert of a GEMV-sized chunk (up to kGemvMaxTokens tokens), at
   // least two for the prefill ring.
   const int n_staging =
@@ -1033,10 +1040,7 @@ Status CudaSession::copy_experts(int layer, std::span<const int> ids,
   if (ids.empty()) return {};
   CachedLayer& C = cached_[size_t(layer)];
   const DevLayer& D = w_.layers[size_t(layer)];
-  if (!C.copies_timed) {
-    CUDA_TRY(cudaEventRecord(C.copy_begin, copy_stream_));
-    C.copies_timed = true;
-  }
+  start_copy_timer(C);
   if (C.host) {
     for (size_t i = 0; i < ids.size(); ++i)
       CUDA_TRY(cudaMemcpyAsync(dst[i], C.host + size_t(ids[i]) * D.expert_bytes,
@@ -1070,14 +1074,58 @@ Status CudaSession::copy_experts(int layer, std::span<const int> ids,
   return {};
 }
 
+void CudaSession::start_copy_timer(CachedLayer& C) {
+  if (C.copies_timed) return;
+  cudaEventRecord(C.copy_begin, copy_stream_);
+  C.copies_timed = true;
+}
+
+// A binding's copies, in the order its kernels need them: every miss but the last whole,
+// the last one's gate|up part, gate_up_loaded_ (phase 1 may run), the last one's down part,
+// loaded_ (phase 2 may run). Phase 1 of the misses so runs under that last down part; one
+// split copy only, since each extra transfer cost ~3 us of copy rate, as much as splitting
+// every expert gained (docs/PERF.md). From the files (reader threads fill whole experts)
+// both events follow all the copies.
+Status CudaSession::copy_misses(int layer, std::span<const int> ids,
+                                std::span<uint8_t* const> dst) {
+  CachedLayer& C = cached_[size_t(layer)];
+  const DevLayer& D = w_.layers[size_t(layer)];
+  if (!C.host || ids.empty()) {
+    TS_TRY(copy_experts(layer, ids, dst));
+    CUDA_TRY(cudaEventRecord(gate_up_loaded_, copy_stream_));
+    CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
+    return {};
+  }
+  start_copy_timer(C);
+  const size_t last = ids.size() - 1;
+  for (size_t i = 0; i < last; ++i)
+    CUDA_TRY(cudaMemcpyAsync(dst[i], C.host + size_t(ids[i]) * D.expert_bytes, D.expert_bytes,
+                             cudaMemcpyHostToDevice, copy_stream_));
+  // gate and up are [0, down_off) of an expert's bytes, down the rest.
+  const uint8_t* src = C.host + size_t(ids[last]) * D.expert_bytes;
+  CUDA_TRY(cudaMemcpyAsync(dst[last], src, D.down_off, cudaMemcpyHostToDevice, copy_stream_));
+  CUDA_TRY(cudaEventRecord(gate_up_loaded_, copy_stream_));
+  CUDA_TRY(cudaMemcpyAsync(dst[last] + D.down_off, src + D.down_off, D.expert_bytes - D.down_off,
+                           cudaMemcpyHostToDevice, copy_stream_));
+  cache_report_.copied_bytes += uint64_t(ids.size()) * D.expert_bytes;
+  CUDA_TRY(cudaEventRecord(C.copy_end, copy_stream_));
+  CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
+  return {};
+}
+
+// The device table of `layer` from its host mirror, on `stream`.
+Status CudaSession::upload_table(int layer, cudaStream_t stream) {
+  CachedLayer& C = cached_[size_t(layer)];
+  CUDA_TRY(cudaMemcpyAsync(C.tab_dev, C.tab_host, 3 * size_t(hp_.n_experts) * sizeof(void*),
+                           cudaMemcpyHostToDevice, stream));
+  C.table_stale = false;
+  return {};
+}
+
 // The device table of `layer` from its host mirror, on the copy stream after the copies; the
 // compute stream waits for both.
 Status CudaSession::sync_expert_table(int layer, bool wait) {
-  const size_t ne = size_t(hp_.n_experts);
-  CachedLayer& C = cached_[size_t(layer)];
-  CUDA_TRY(cudaMemcpyAsync(C.tab_dev, C.tab_host, 3 * ne * sizeof(void*), cudaMemcpyHostToDevice,
-                           copy_stream_));
-  C.table_stale = false;
+  TS_TRY(upload_table(layer, copy_stream_));
   CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
   if (wait) CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
   return {};
@@ -1124,6 +1172,11 @@ Status CudaSession::end_segment() {
 // hit and phase 1 runs for them now, on the compute stream, while the misses are copied; the
 // caller's phase 1 then runs the other slots (mask value 0) after the copies.
 Status CudaSession::bind_ids(int layer, int n, const MoeArgs* hits) {
+  struct Timer {  // host time spent binding, on every return path
+    double& ms;
+    Clock::time_point t0 = Clock::now();
+    ~Timer() { ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+  } timer{cache_report_.bind_ms};
   const int k = hp_.top_k;
   std::vector<int> ids;  // distinct, in rank order of first use
   for (int i = 0; i < n * k; ++i)
@@ -1163,7 +1216,16 @@ Status CudaSession::bind_ids(int layer, int n, const MoeArgs* hits) {
     }
   }
   for (size_t i = 0; i < miss.size(); ++i) point_expert(layer, miss[i], dst[i]);
-  TS_TRY(copy_experts(layer, miss, dst));
+  // The expert-grouped prefill binds through the host views only: the device table may be
+  // stale without misses.
+  const bool stale = C.table_stale;
+  // The table first, on the copy stream: a few KB ahead of the experts' bytes. (After the
+  // last gate|up part it cost copy rate; on the compute stream it queued behind the copies
+  // on the same copy engine: docs/PERF.md.)
+  if (stale) TS_TRY(upload_table(layer, copy_stream_));
+  // Nothing to copy, nothing recorded: the compute stream's waits on these events (phase 2's
+  // is in the decode graph) then find an earlier, finished record.
+  if (stale || !miss.empty()) TS_TRY(copy_misses(layer, miss, dst));
   // Early phase 1 needs the hits' device table entries to be current: not after a grouped
   // prefill left the table stale.
   const bool early = hits && fresh_table && !miss.empty() && miss.size() < ids.size();
@@ -1177,17 +1239,15 @@ Status CudaSession::bind_ids(int layer, int n, const MoeArgs* hits) {
                              stream_));
     slot_hit_set_ = early;
   }
-  // The expert-grouped prefill binds through the host views only: the device table may lag.
-  if (!C.table_stale) return {};
-  TS_TRY(sync_expert_table(layer, /*wait=*/false));
+  if (!stale) return {};
   if (early) {
     // The hits' table entries and slots are not touched by the copies (the table copy
-    // rewrites their entries with the same addresses).
+    // rewrites their entries with the same addresses, possibly while this runs).
     MoeArgs a = *hits;
     a.mask_value = 1;
     moe_gate_up(a, stream_);
   }
-  CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
+  CUDA_TRY(cudaStreamWaitEvent(stream_, gate_up_loaded_, 0));
   return {};
 }
 
@@ -1209,10 +1269,7 @@ Status CudaSession::prefetch_layer(int layer) {
   CachedLayer& C = cached_[size_t(layer)];
   const size_t eb = w_.layers[size_t(layer)].expert_bytes;
   CUDA_TRY(cudaStreamWaitEvent(copy_stream_, pf_free_[b], 0));
-  if (!C.copies_timed) {
-    CUDA_TRY(cudaEventRecord(C.copy_begin, copy_stream_));
-    C.copies_timed = true;
-  }
+  start_copy_timer(C);
   for (int e = 0; e < hp_.n_experts;) {
     if (C.cache->slot_of(e) >= 0) {
       ++e;
@@ -1598,6 +1655,12 @@ Status CudaSession::moe_block(int layer, int n) {
       quantize_act(h1_, int64_t(n) * k * hp_.d_expert, qh_, stream_);
       a.hq = qh_.q;
       a.hd = qh_.d;
+    }
+    if (cached()) {
+      // The misses' down parts (bind_ids). Inside a decode graph segment this is an external
+      // event wait node: each replay waits for the record its binding made just before.
+      CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_,
+                                   capturing_segments_ ? cudaEventWaitExternal : 0));
     }
     TS_TRY(prof_.time("experts down+sum", down_bytes, stream_,
                       [&] { return launch([&] { moe_down_sum(a, stream_); }); }));

@@ -150,17 +150,20 @@ Status cmd_bench_cuda(const Args& args) {
     const double req = double(c->requests - cache0.requests);
     const double bytes = double(c->copied_bytes - cache0.copied_bytes);
     const double copy_s = (c->copy_ms - cache0.copy_ms) / 1e3;
+    const double bind_s = (c->bind_ms - cache0.bind_ms) / 1e3;
     nlohmann::json out = {{"hit_rate", req > 0 ? double(c->hits - cache0.hits) / req : 1.0},
                           {"h2d_bytes_per_token", bytes / double(tokens)},
                           {"h2d_gbps_copying", copy_s > 0 ? bytes / copy_s / 1e9 : 0.0},
                           {"h2d_gbps_overall", bytes / seconds / 1e9},
-                          {"copy_share", copy_s / seconds}};
+                          {"copy_share", copy_s / seconds},
+                          {"bind_us_per_token", bind_s * 1e6 / double(tokens)}};
     if (!json)
       std::printf("%sexpert cache: hit rate %.1f%%, %.1f MB/token host->device, %.1f GB/s while "
-                  "copying, %.1f GB/s over the run, copying %.0f%% of the time\n",
+                  "copying, %.1f GB/s over the run, copying %.0f%% of the time, host binding "
+                  "%.0f us/token\n",
                   indent, 100.0 * out["hit_rate"].get<double>(), bytes / double(tokens) / 1e6,
                   out["h2d_gbps_copying"].get<double>(), bytes / seconds / 1e9,
-                  100.0 * copy_s / seconds);
+                  100.0 * copy_s / seconds, bind_s * 1e6 / double(tokens));
     return out;
   };
   if (!json)

@@ -48,6 +48,7 @@ nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engi
     gpu_cache = {{"h2d_bytes", bytes},
                  {"h2d_bytes_per_token", double(bytes) / t},
                  {"copy_ms", ms},
+                 {"bind_ms", c->bind_ms - since.cache.bind_ms},
                  {"h2d_gbps", ms > 0 ? double(bytes) / (ms * 1e-3) / 1e9 : 0.0}};
   }
   return {
@@ -90,9 +91,10 @@ void print_stats(const nlohmann::json& j) {
     const nlohmann::json& g = j["gpu_expert_cache"];
     std::fprintf(stderr,
                  "stats: GPU expert cache %d slots/layer, host->device %.1f MB (%.2f MB/token), "
-                 "%.1f GB/s while copying\n",
+                 "%.1f GB/s while copying, host binding %.1f ms\n",
                  j["slots_per_layer"].get<int>(), double(g["h2d_bytes"].get<uint64_t>()) / 1e6,
-                 g["h2d_bytes_per_token"].get<double>() / 1e6, g["h2d_gbps"].get<double>());
+                 g["h2d_bytes_per_token"].get<double>() / 1e6, g["h2d_gbps"].get<double>(),
+                 g["bind_ms"].get<double>());
   }
 }
 
