@@ -1,7 +1,7 @@
 // Host -> device expert copies, three ways, for the GPU expert cache (issue 5; docs/PERF.md
-// "the order of a binding's copies"): cudaMemcpyAsync per expert on one or two streams, and
-// one gather kernel whose threads read the experts from mapped pinned memory (16-byte loads)
-// and write them into device slots. It answers whether a kernel can beat the per-transfer
+// "the order of a binding's copies"): cudaMemcpyAsync per expert on one or two streams, one
+// cudaMemcpyBatchAsync per layer, and one gather kernel whose threads read the experts from
+// mapped pinned memory (16-byte loads) and write them into device slots. It answers whether a kernel can beat the per-transfer
 // ramp of the copy engine at one layer's worth of misses (4 x 5.01 MB of Q8_0 experts at
 // qwen3-30b-a3b's shape), before that is tried inside the engine.
 //
@@ -83,6 +83,20 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpyAsync(slots + dst_of(l, m), host + src_of(l, m), bytes,
                             cudaMemcpyHostToDevice, s[m % streams]));
   };
+  auto batch_layer = [&](int l) {
+    void* dsts[8];
+    const void* srcs[8];
+    size_t sizes[8];
+    for (int m = 0; m < misses; ++m) {
+      dsts[m] = slots + dst_of(l, m);
+      srcs[m] = host + src_of(l, m);
+      sizes[m] = bytes;
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t first = 0;
+    CHECK(cudaMemcpyBatchAsync(dsts, srcs, sizes, size_t(misses), &attr, &first, 1, s[0]));
+  };
   auto kernel_layer = [&](int l, int blocks) {
     Gather g{};
     for (int m = 0; m < misses; ++m) {
@@ -118,6 +132,12 @@ int main(int argc, char** argv) {
   };
   measure("cudaMemcpyAsync, 1 stream", [&](int l) { memcpy_layer(l, 1); });
   measure("cudaMemcpyAsync, 2 streams", [&](int l) { memcpy_layer(l, 2); });
+  measure("cudaMemcpyBatchAsync", [&](int l) { batch_layer(l); });
+  // The ceiling: the same bytes as one transfer (contiguous experts into contiguous slots).
+  measure("one contiguous transfer", [&](int l) {
+    CHECK(cudaMemcpyAsync(slots, host + size_t(l % (n_host - misses)) * bytes,
+                          size_t(misses) * bytes, cudaMemcpyHostToDevice, s[0]));
+  });
   for (int blocks : {16, 32, 66, 132, 264, 528}) {
     char name[64];
     std::snprintf(name, sizeof name, "gather kernel, %d blocks", blocks);
