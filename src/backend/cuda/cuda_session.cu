@@ -444,7 +444,7 @@ class CudaSession final : public runtime::Engine {
     bool copies_timed = false;
     bool table_stale = false;  // tab_host changed since tab_dev was written
   };
-  void start_copy_timer(CachedLayer& C);
+  Status start_copy_timer(CachedLayer& C);
   experts::ExpertStore* store_ = nullptr;  // streamed: where misses are read from
   std::vector<void*> pinned_store_;         // its slot memory, registered by this session
   double used_fraction_ = 1.0;              // of the experts, by the last grouped MoE layer
@@ -455,8 +455,9 @@ class CudaSession final : public runtime::Engine {
   // is recorded when the GEMMs reading buffer i are done).
   std::vector<uint8_t*> staging_;
   std::vector<cudaEvent_t> staging_free_;
-  // A binding's copies (bind_ids): the table and every miss's gate|up part (gate_up_loaded_),
-  // then the down parts (loaded_), so phase 1 of the misses runs under the down copies.
+  // A binding's copies (bind_ids, copy_misses): gate_up_loaded_ once the table and all of the
+  // misses but the last one's down part have landed (phase 1 may run), loaded_ after that
+  // down part too (phase 2 may run).
   cudaEvent_t loaded_ = nullptr, gate_up_loaded_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;
   uint8_t* layer_tmp_ = nullptr;  // a layer's experts while they are built at load
@@ -1040,7 +1041,7 @@ Status CudaSession::copy_experts(int layer, std::span<const int> ids,
   if (ids.empty()) return {};
   CachedLayer& C = cached_[size_t(layer)];
   const DevLayer& D = w_.layers[size_t(layer)];
-  start_copy_timer(C);
+  TS_TRY(start_copy_timer(C));
   if (C.host) {
     for (size_t i = 0; i < ids.size(); ++i)
       CUDA_TRY(cudaMemcpyAsync(dst[i], C.host + size_t(ids[i]) * D.expert_bytes,
@@ -1074,10 +1075,12 @@ Status CudaSession::copy_experts(int layer, std::span<const int> ids,
   return {};
 }
 
-void CudaSession::start_copy_timer(CachedLayer& C) {
-  if (C.copies_timed) return;
-  cudaEventRecord(C.copy_begin, copy_stream_);
+// The first copy of a layer in this forward records when the copy stream starts on it.
+Status CudaSession::start_copy_timer(CachedLayer& C) {
+  if (C.copies_timed) return {};
+  CUDA_TRY(cudaEventRecord(C.copy_begin, copy_stream_));
   C.copies_timed = true;
+  return {};
 }
 
 // A binding's copies, in the order its kernels need them: every miss but the last whole,
@@ -1096,7 +1099,7 @@ Status CudaSession::copy_misses(int layer, std::span<const int> ids,
     CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
     return {};
   }
-  start_copy_timer(C);
+  TS_TRY(start_copy_timer(C));
   const size_t last = ids.size() - 1;
   for (size_t i = 0; i < last; ++i)
     CUDA_TRY(cudaMemcpyAsync(dst[i], C.host + size_t(ids[i]) * D.expert_bytes, D.expert_bytes,
@@ -1269,7 +1272,7 @@ Status CudaSession::prefetch_layer(int layer) {
   CachedLayer& C = cached_[size_t(layer)];
   const size_t eb = w_.layers[size_t(layer)].expert_bytes;
   CUDA_TRY(cudaStreamWaitEvent(copy_stream_, pf_free_[b], 0));
-  start_copy_timer(C);
+  TS_TRY(start_copy_timer(C));
   for (int e = 0; e < hp_.n_experts;) {
     if (C.cache->slot_of(e) >= 0) {
       ++e;
