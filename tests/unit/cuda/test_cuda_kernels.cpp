@@ -717,4 +717,207 @@ TEST(CudaKernels, GatherAndSlotSumMatchReference) {
     }
 }
 
+// ---- Elementwise kernels and the synthetic-weight generators (bench --synthetic, --routing):
+// each against a CPU reference; the generators' hash is replicated here bit for bit.
+
+// One element of a float matrix of `type`, as the CPU reads it.
+float elem_of(const std::vector<uint8_t>& m, DType type, size_t i) {
+  uint16_t h;
+  switch (type) {
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, &m[4 * i], 4);
+      return f;
+    }
+    case DType::kBF16: std::memcpy(&h, &m[2 * i], 2); return ts::bf16_to_f32(h);
+    default: std::memcpy(&h, &m[2 * i], 2); return ts::f16_to_f32(h);
+  }
+}
+
+TEST(CudaKernels, EmbedRowsCopiesTheSelectedRowsAsF32) {
+  SKIP_WITHOUT_GPU();
+  const int vocab = 37, d = 300;  // d not a multiple of the block size
+  const std::vector<int> ids = {5, 0, 36, 5, 17};
+  for (const DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const std::vector<uint8_t> table = make_matrix(t, vocab, d, 3);
+    Dev dt(table), di(ids), dx(ids.size() * size_t(d) * 4);
+    const ts::cuda::DevMatrix m{dt.p, t, vocab, d};
+    ts::cuda::embed_rows(m, di.as<int>(), int(ids.size()), dx.as<float>(), nullptr);
+    const std::vector<float> x = dx.get<float>();
+    for (size_t i = 0; i < ids.size(); ++i)
+      for (int c = 0; c < d; ++c)
+        ASSERT_EQ(x[i * d + size_t(c)], elem_of(table, t, size_t(ids[i]) * d + size_t(c)))
+            << ts::dtype_name(t) << " row " << i << " col " << c;
+  }
+}
+
+TEST(CudaKernels, AddBiasAndAddInplaceMatchReference) {
+  SKIP_WITHOUT_GPU();
+  const int n = 3, dim = 1000;
+  const std::vector<float> y = randn(size_t(n * dim), 41), b = randn(size_t(dim), 42),
+                           z = randn(size_t(n * dim), 43);
+  Dev dy(y), db(b), dz(z);
+  ts::cuda::add_bias(dy.as<float>(), db.as<float>(), n, dim, nullptr);
+  const std::vector<float> got = dy.get<float>();
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < dim; ++i)
+      ASSERT_EQ(got[size_t(t * dim + i)], y[size_t(t * dim + i)] + b[size_t(i)]);
+  ts::cuda::add_inplace(dy.as<float>(), dz.as<float>(), int64_t(n) * dim, nullptr);
+  const std::vector<float> got2 = dy.get<float>();
+  for (size_t i = 0; i < got2.size(); ++i) ASSERT_EQ(got2[i], got[i] + z[i]);
+}
+
+TEST(CudaKernels, MoeResidualAddsExpertsAndGatedSharedExpert) {
+  SKIP_WITHOUT_GPU();
+  const int n = 3, d = 700;
+  const std::vector<float> x = randn(size_t(n * d), 51), moe = randn(size_t(n * d), 52),
+                           shared = randn(size_t(n * d), 53), z = {-2.0f, 0.3f, 4.0f};
+  Dev dm(moe), ds(shared), dz(z);
+  for (int mode = 0; mode < 3; ++mode) {  // no shared expert; ungated; gated by sigmoid(z)
+    Dev dx(x);
+    ts::cuda::moe_residual(dx.as<float>(), dm.as<float>(), mode > 0 ? ds.as<float>() : nullptr,
+                           mode == 2 ? dz.as<float>() : nullptr, n, d, nullptr);
+    const std::vector<float> got = dx.get<float>();
+    for (int t = 0; t < n; ++t) {
+      const float g = mode == 2 ? 1.0f / (1.0f + std::exp(-z[size_t(t)])) : 1.0f;
+      for (int i = 0; i < d; ++i) {
+        const size_t at = size_t(t * d + i);
+        const float want = x[at] + moe[at] + (mode > 0 ? g * shared[at] : 0.0f);
+        ASSERT_NEAR(got[at], want, 1e-5f * (1.0f + std::fabs(want))) << "mode " << mode;
+      }
+    }
+  }
+}
+
+TEST(CudaKernels, ConvertF32RoundsToNearestEven) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 5000;
+  std::vector<float> x = randn(size_t(n), 61, 3.0f);
+  x[0] = 0.0f;
+  x[1] = -0.0f;
+  x[2] = 1.0f + 1.0f / 256.0f;  // a BF16 tie: rounds to even (1.0)
+  x[3] = 70000.0f;              // F16 overflow: inf
+  Dev dx(x);
+  for (const DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    Dev out(size_t(n) * ts::dtype_row_bytes(t, 1));
+    ts::cuda::convert_f32(dx.as<float>(), out.p, t, n, nullptr);
+    const std::vector<uint8_t> got = out.get<uint8_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[size_t(i)];
+      if (t == DType::kF32) {
+        ASSERT_EQ(0, std::memcmp(&got[size_t(4 * i)], &v, 4)) << i;
+      } else {
+        uint16_t h;
+        std::memcpy(&h, &got[size_t(2 * i)], 2);
+        ASSERT_EQ(h, t == DType::kBF16 ? ts::f32_to_bf16(v) : ts::f32_to_f16(v))
+            << ts::dtype_name(t) << " element " << i << " = " << v;
+      }
+    }
+  }
+}
+
+uint64_t mix64_ref(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+TEST(CudaKernels, FillUniformAndFillValueMatchTheirDefinitions) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 10000;
+  const float scale = 0.25f;
+  const uint64_t seed = 1234;
+  std::vector<float> want(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t z = mix64_ref(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
+    const float u = float(z >> 40) * (1.0f / 16777216.0f);
+    want[size_t(i)] = (2.0f * u - 1.0f) * scale;
+  }
+  for (const DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    Dev out(size_t(n) * ts::dtype_row_bytes(t, 1));
+    ts::cuda::fill_uniform(out.p, t, n, scale, seed, nullptr);
+    const std::vector<uint8_t> got = out.get<uint8_t>();
+    double mean = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = elem_of(got, t, size_t(i));
+      const float w = t == DType::kF32    ? want[size_t(i)]
+                      : t == DType::kBF16 ? ts::bf16_to_f32(ts::f32_to_bf16(want[size_t(i)]))
+                                          : ts::f16_to_f32(ts::f32_to_f16(want[size_t(i)]));
+      ASSERT_EQ(v, w) << ts::dtype_name(t) << " element " << i;
+      ASSERT_LE(std::fabs(v), scale);
+      mean += v;
+    }
+    EXPECT_LT(std::fabs(mean / double(n)), 0.01) << "not centred";
+  }
+  // Another seed, other values.
+  Dev a(size_t(n) * 4);
+  ts::cuda::fill_uniform(a.p, DType::kF32, n, scale, seed + 1, nullptr);
+  const std::vector<float> other = a.get<float>();
+  int same = 0;
+  for (int64_t i = 0; i < n; ++i) same += other[size_t(i)] == want[size_t(i)];
+  EXPECT_LT(same, 10);
+  ts::cuda::fill_value(a.as<float>(), n - 1, -3.5f, nullptr);
+  const std::vector<float> filled = a.get<float>();
+  for (int64_t i = 0; i < n - 1; ++i) ASSERT_EQ(filled[size_t(i)], -3.5f) << i;
+  EXPECT_EQ(filled[size_t(n - 1)], other[size_t(n - 1)]) << "wrote past n";
+}
+
+TEST(CudaKernels, FillQ4KRandomWritesItsBlocksAndStaysInRange) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 256 * 40;
+  const float scale = 0.5f;
+  const uint64_t seed = 99;
+  const size_t bytes = size_t(n / 256) * 144;
+  Dev out(bytes + 144);  // one poisoned block after the last
+  ts::cuda::fill_q4_k_random(out.p, n, scale, seed, nullptr);
+  const std::vector<uint8_t> got = out.get<uint8_t>();
+  for (int64_t b = 0; b < n / 256; ++b) {
+    const uint8_t* blk = &got[size_t(b) * 144];
+    uint16_t d, dmin;
+    std::memcpy(&d, blk, 2);
+    std::memcpy(&dmin, blk + 2, 2);
+    ASSERT_EQ(d, ts::f32_to_f16(2.0f * scale / (15.0f * 63.0f))) << "block " << b;
+    ASSERT_EQ(dmin, ts::f32_to_f16(scale / 63.0f)) << "block " << b;
+    for (int i = 0; i < 140; i += 4) {
+      const uint32_t z = uint32_t(mix64_ref(seed * 0x9e3779b97f4a7c15ull + uint64_t(b) * 64 + uint64_t(i)));
+      ASSERT_EQ(0, std::memcmp(blk + 4 + i, &z, 4)) << "block " << b << " byte " << i;
+    }
+  }
+  for (size_t i = bytes; i < got.size(); ++i) ASSERT_EQ(got[i], 0xff) << "wrote past n";
+  std::vector<float> vals(static_cast<size_t>(n));
+  ts::cpu::dequantize_row(DType::kQ4_K, got.data(), vals.data(), n);
+  for (const float v : vals) {
+    ASSERT_GE(v, -scale * 1.01f);
+    ASSERT_LE(v, 2.0f * scale * 1.01f);
+  }
+}
+
+TEST(CudaKernels, SyntheticRouteIsBiasPlusGumbelNoisePerPosition) {
+  SKIP_WITHOUT_GPU();
+  const int n = 3, ne = 128, pos0 = 17;
+  const uint64_t seed = 5;
+  std::vector<float> bias(static_cast<size_t>(ne));
+  for (int e = 0; e < ne; ++e) bias[size_t(e)] = 0.01f * float(e);
+  Dev db(bias), dpos(std::vector<int>{pos0});
+  for (const bool with_bias : {false, true}) {
+    Dev dl(size_t(n * ne) * 4);
+    ts::cuda::synthetic_route(dl.as<float>(), with_bias ? db.as<float>() : nullptr,
+                              dpos.as<int>(), n, ne, seed, nullptr);
+    const std::vector<float> got = dl.get<float>();
+    for (int t = 0; t < n; ++t)
+      for (int e = 0; e < ne; ++e) {
+        const uint64_t z = mix64_ref(seed * 0x9e3779b97f4a7c15ull +
+                                     (uint64_t(uint32_t(pos0 + t)) << 20) + uint64_t(e));
+        const float u = (float(z >> 40) + 0.5f) * (1.0f / 16777216.0f);
+        const float want = (with_bias ? bias[size_t(e)] : 0.0f) - std::log(-std::log(u));
+        ASSERT_NEAR(got[size_t(t * ne + e)], want, 1e-5f * (1.0f + std::fabs(want)))
+            << "t " << t << " e " << e;
+      }
+    // Consecutive positions draw differently.
+    int same = 0;
+    for (int e = 0; e < ne; ++e) same += got[size_t(e)] == got[size_t(ne + e)];
+    EXPECT_LT(same, 4);
+  }
+}
+
 }  // namespace
