@@ -370,7 +370,7 @@ class CudaSession final : public runtime::Engine {
   void point_expert(int layer, int e, uint8_t* at);
   Status copy_experts(int layer, std::span<const int> ids, std::span<uint8_t* const> dst);
   Status copy_misses(int layer, std::span<const int> ids, std::span<uint8_t* const> dst);
-  Status upload_table(int layer, cudaStream_t stream);
+  Status upload_table(int layer);
   Status bind_step(int layer, int n, const MoeArgs* hits);
   Status bind_ids(int layer, int n, const MoeArgs* hits);
   bool prefetch_applies(int n) const;
@@ -1116,11 +1116,11 @@ Status CudaSession::copy_misses(int layer, std::span<const int> ids,
   return {};
 }
 
-// The device table of `layer` from its host mirror, on `stream`.
-Status CudaSession::upload_table(int layer, cudaStream_t stream) {
+// The device table of `layer` from its host mirror, on the copy stream.
+Status CudaSession::upload_table(int layer) {
   CachedLayer& C = cached_[size_t(layer)];
   CUDA_TRY(cudaMemcpyAsync(C.tab_dev, C.tab_host, 3 * size_t(hp_.n_experts) * sizeof(void*),
-                           cudaMemcpyHostToDevice, stream));
+                           cudaMemcpyHostToDevice, copy_stream_));
   C.table_stale = false;
   return {};
 }
@@ -1128,7 +1128,7 @@ Status CudaSession::upload_table(int layer, cudaStream_t stream) {
 // The device table of `layer` from its host mirror, on the copy stream after the copies; the
 // compute stream waits for both.
 Status CudaSession::sync_expert_table(int layer, bool wait) {
-  TS_TRY(upload_table(layer, copy_stream_));
+  TS_TRY(upload_table(layer));
   CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
   if (wait) CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
   return {};
@@ -1219,16 +1219,17 @@ Status CudaSession::bind_ids(int layer, int n, const MoeArgs* hits) {
     }
   }
   for (size_t i = 0; i < miss.size(); ++i) point_expert(layer, miss[i], dst[i]);
-  // The expert-grouped prefill binds through the host views only: the device table may be
-  // stale without misses.
+  // Misses make the table stale; so may the expert-grouped prefill, which binds through the
+  // host views only. The table goes first, on the copy stream: a few KB ahead of the experts'
+  // bytes (after the last gate|up part it cost copy rate; on the compute stream it queued
+  // behind the copies on the same copy engine: docs/PERF.md). Nothing stale, nothing copied
+  // or recorded: the compute stream's waits on these events (phase 2's is in the decode
+  // graph) then find an earlier, finished record.
   const bool stale = C.table_stale;
-  // The table first, on the copy stream: a few KB ahead of the experts' bytes. (After the
-  // last gate|up part it cost copy rate; on the compute stream it queued behind the copies
-  // on the same copy engine: docs/PERF.md.)
-  if (stale) TS_TRY(upload_table(layer, copy_stream_));
-  // Nothing to copy, nothing recorded: the compute stream's waits on these events (phase 2's
-  // is in the decode graph) then find an earlier, finished record.
-  if (stale || !miss.empty()) TS_TRY(copy_misses(layer, miss, dst));
+  if (stale) {
+    TS_TRY(upload_table(layer));
+    TS_TRY(copy_misses(layer, miss, dst));
+  }
   // Early phase 1 needs the hits' device table entries to be current: not after a grouped
   // prefill left the table stale.
   const bool early = hits && fresh_table && !miss.empty() && miss.size() < ids.size();

@@ -76,6 +76,22 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Eight BF16 / F16 weights (one 16-byte load) as F32, in column order.
+template <DType T>
+__device__ __forceinline__ void unpack8(uint4 raw, float wf[8]) {
+  const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (T == DType::kBF16) {
+      wf[2 * i] = bf16_bits(u[i] & 0xffffu);
+      wf[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    } else {
+      wf[2 * i] = f16_bits(u[i] & 0xffffu);
+      wf[2 * i + 1] = f16_bits(u[i] >> 16);
+    }
+  }
+}
+
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
   return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
 }
@@ -181,19 +197,8 @@ __device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int 
     if ((cols & 7) == 0) {
 #pragma unroll 4
       for (int c = lane * 8; c < cols; c += 256) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + c));
-        const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
         float wf[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if constexpr (T == DType::kBF16) {
-            wf[2 * i] = bf16_bits(u[i] & 0xffffu);
-            wf[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-          } else {
-            wf[2 * i] = f16_bits(u[i] & 0xffffu);
-            wf[2 * i + 1] = f16_bits(u[i] >> 16);
-          }
-        }
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
 #pragma unroll
         for (int t = 0; t < NT; ++t)
           if (t < nt) {
@@ -1182,23 +1187,13 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeAr
     const float* h = a.h + size_t(s) * a.d_expert;
 #pragma unroll 4
     for (int c = lane * 8; c < a.d_expert; c += 256) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + c));
-      const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+      float wf[8];
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
       const float4* xv = reinterpret_cast<const float4*>(h + c);
       const float4 x0 = xv[0], x1 = xv[1];
       const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float lo, hi;
-        if constexpr (T == DType::kBF16) {
-          lo = bf16_bits(u[i] & 0xffffu);
-          hi = __uint_as_float(u[i] & 0xffff0000u);
-        } else {
-          lo = f16_bits(u[i] & 0xffffu);
-          hi = f16_bits(u[i] >> 16);
-        }
-        acc += lo * xs[2 * i] + hi * xs[2 * i + 1];
-      }
+      for (int i = 0; i < 4; ++i) acc += wf[2 * i] * xs[2 * i] + wf[2 * i + 1] * xs[2 * i + 1];
     }
   }
   acc = warp_sum(acc);
