@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -420,6 +421,12 @@ class CudaSession final : public runtime::Engine {
   int* h_tokens_ = nullptr;
   int* h_pos_ = nullptr;
   int* h_ids_ = nullptr;
+  // Experiment (TURBOSPARK_IDS_FLAG=1): decode segments end with the router writing the ids
+  // into mapped host memory [flag, ids...] (ids_flag_dev_ as the device sees it).
+  bool ids_flag_ = false;
+  int* ids_flag_host_ = nullptr;
+  int* ids_flag_dev_ = nullptr;
+  Status wait_ids_flag(int k);
   float* h_logits_ = nullptr;
   std::vector<float> last_logits_;
   runtime::PhaseTimes phases_;
@@ -500,7 +507,8 @@ CudaSession::~CudaSession() {
   if (blas_) cublasDestroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
   for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_),
-                  static_cast<void*>(h_ids_), static_cast<void*>(h_slot_hit_), static_cast<void*>(h_logits_)})
+                  static_cast<void*>(h_ids_), static_cast<void*>(h_slot_hit_), static_cast<void*>(h_logits_),
+                  static_cast<void*>(ids_flag_host_)})
     if (p) cudaFreeHost(p);
 }
 
@@ -798,6 +806,12 @@ Status CudaSession::init(const std::string& device_name) {
   CUDA_TRY(cudaMallocHost(&h_tokens_, c * 4));
   CUDA_TRY(cudaMallocHost(&h_pos_, 4));
   CUDA_TRY(cudaMallocHost(&h_ids_, c * k * 4));
+  if (const char* v = std::getenv("TURBOSPARK_IDS_FLAG"); v && std::string(v) == "1" && cached()) {
+    CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&ids_flag_host_), size_t(k + 1) * 4,
+                           cudaHostAllocMapped));
+    CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ids_flag_dev_), ids_flag_host_, 0));
+    ids_flag_ = true;
+  }
   CUDA_TRY(cudaMallocHost(&h_slot_hit_, size_t(kGemvMaxTokens) * k * 4));
   TS_ASSIGN(slot_hit_, arena_.alloc_n<int>(size_t(kGemvMaxTokens) * k));
   segment_hits_.resize(size_t(hp.n_layers));
@@ -1137,6 +1151,15 @@ Status CudaSession::sync_expert_table(int layer, bool wait) {
 // A GEMV-sized step (n <= kGemvMaxTokens): binds every distinct selected expert of `layer`.
 Status CudaSession::bind_step(int layer, int n, const MoeArgs* hits) {
   const int k = hp_.top_k;
+  if (ids_flag_ && capturing_segments_ && n == 1) {
+    // The router kernel of this segment writes the ids to the host and raises the flag.
+    *reinterpret_cast<volatile int*>(ids_flag_host_) = 0;
+    TS_TRY(end_segment());
+    TS_TRY(wait_ids_flag(k));
+    if (hits) segment_hits_[size_t(layer)] = *hits;
+    TS_TRY(bind_ids(layer, n, hits));
+    return begin_segment();
+  }
   CUDA_TRY(cudaMemcpyAsync(h_ids_, sel_ids_, size_t(n) * size_t(k) * 4, cudaMemcpyDeviceToHost,
                            stream_));
   if (capturing_segments_) {
@@ -1379,11 +1402,34 @@ Status CudaSession::decode_segments() {
     return {};
   }
   for (size_t i = 0; i < segments_.size(); ++i) {
+    const bool binds = i < segment_layers_.size();
+    if (binds && ids_flag_) *reinterpret_cast<volatile int*>(ids_flag_host_) = 0;
     CUDA_TRY(cudaGraphLaunch(segments_[i], stream_));
-    if (i == segment_layers_.size()) break;
-    CUDA_TRY(cudaStreamSynchronize(stream_));
+    if (!binds) break;
+    if (ids_flag_) {
+      TS_TRY(wait_ids_flag(hp_.top_k));
+    } else {
+      CUDA_TRY(cudaStreamSynchronize(stream_));
+    }
     TS_TRY(bind_ids(segment_layers_[i], 1, &segment_hits_[size_t(segment_layers_[i])]));
   }
+  return {};
+}
+
+// Spins until the segment's router kernel has raised the flag, then copies its k ids to
+// h_ids_. Never hangs: the stream is polled, and an idle or failed stream without the flag is
+// an error.
+Status CudaSession::wait_ids_flag(int k) {
+  volatile int* flag = ids_flag_host_;
+  for (uint64_t spin = 1; *flag == 0; ++spin) {
+    if (spin % 1024 != 0) continue;
+    const cudaError_t q = cudaStreamQuery(stream_);
+    if (q == cudaErrorNotReady) continue;
+    if (q != cudaSuccess) return cuda_error("cudaStreamQuery", q, __FILE__, __LINE__);
+    if (*flag == 0) return make_error("internal: the router's ids never reached the host");
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  for (int i = 0; i < k; ++i) h_ids_[i] = reinterpret_cast<volatile int*>(ids_flag_host_)[1 + i];
   return {};
 }
 
@@ -1616,9 +1662,12 @@ Status CudaSession::moe_block(int layer, int n) {
                     route_seed_ + uint64_t(layer), stream_);
   TS_TRY(prof_.time("top-k", double(n) * hp_.n_experts * 4, stream_, [&] {
     return launch([&] {
+  const bool to_host = ids_flag_ && capturing_segments_ && n == 1;
   route({.logits = router_, .ids = sel_ids_, .weights = sel_w_,
          .hist = hist_ + size_t(layer) * size_t(hp_.n_experts), .n = n,
-         .n_experts = hp_.n_experts, .top_k = k, .renormalize = hp_.moe.renormalize},
+         .n_experts = hp_.n_experts, .top_k = k, .renormalize = hp_.moe.renormalize,
+         .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
+         .host_flag = to_host ? ids_flag_dev_ : nullptr},
         stream_);
     });
   }));

@@ -1045,6 +1045,7 @@ __global__ void route_kernel(RouteArgs a) {
       const bool norm_now = a.renormalize && a.top_k <= 32;
       if (lane <= r % 32) {
         a.ids[size_t(t) * a.top_k + base + lane] = mine_e;
+        if (a.host_ids) a.host_ids[size_t(t) * a.top_k + base + lane] = mine_e;
         a.weights[size_t(t) * a.top_k + base + lane] = norm_now ? mine_w / picked_sum : mine_w;
         if (a.hist) atomicAdd(a.hist + mine_e, 1ull);
       }
@@ -1053,6 +1054,12 @@ __global__ void route_kernel(RouteArgs a) {
   if (a.renormalize && a.top_k > 32) {
     __syncwarp();
     for (int r = lane; r < a.top_k; r += 32) a.weights[size_t(t) * a.top_k + r] /= picked_sum;
+  }
+  if (a.host_flag) {
+    // Every lane's host writes are visible system-wide before lane 0 raises the flag.
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) *reinterpret_cast<volatile int*>(a.host_flag) = 1;
   }
 }
 
