@@ -421,9 +421,9 @@ class CudaSession final : public runtime::Engine {
   int* h_tokens_ = nullptr;
   int* h_pos_ = nullptr;
   int* h_ids_ = nullptr;
-  // Experiment (TURBOSPARK_IDS_FLAG=1): decode segments end with the router writing the ids
-  // into mapped host memory [flag, ids...] (ids_flag_dev_ as the device sees it).
-  bool ids_flag_ = false;
+  // With the GPU expert cache, decode segments end with the router writing the ids into
+  // mapped host memory [flag, ids...] (ids_flag_dev_ as the device sees it): the host reads
+  // them without a device-to-host copy and a stream synchronization.
   int* ids_flag_host_ = nullptr;
   int* ids_flag_dev_ = nullptr;
   Status wait_ids_flag(int k);
@@ -466,6 +466,9 @@ class CudaSession final : public runtime::Engine {
   // misses but the last one's down part have landed (phase 1 may run), loaded_ after that
   // down part too (phase 2 may run).
   cudaEvent_t loaded_ = nullptr, gate_up_loaded_ = nullptr;
+  std::vector<void*> batch_dst_;  // copy_misses' cudaMemcpyBatchAsync arguments
+  std::vector<const void*> batch_src_;
+  std::vector<size_t> batch_bytes_;
   cudaStream_t copy_stream_ = nullptr;
   uint8_t* layer_tmp_ = nullptr;  // a layer's experts while they are built at load
   size_t layer_tmp_bytes_ = 0;
@@ -806,11 +809,10 @@ Status CudaSession::init(const std::string& device_name) {
   CUDA_TRY(cudaMallocHost(&h_tokens_, c * 4));
   CUDA_TRY(cudaMallocHost(&h_pos_, 4));
   CUDA_TRY(cudaMallocHost(&h_ids_, c * k * 4));
-  if (const char* v = std::getenv("TURBOSPARK_IDS_FLAG"); v && std::string(v) == "1" && cached()) {
+  if (cached()) {
     CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&ids_flag_host_), size_t(k + 1) * 4,
                            cudaHostAllocMapped));
     CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ids_flag_dev_), ids_flag_host_, 0));
-    ids_flag_ = true;
   }
   CUDA_TRY(cudaMallocHost(&h_slot_hit_, size_t(kGemvMaxTokens) * k * 4));
   TS_ASSIGN(slot_hit_, arena_.alloc_n<int>(size_t(kGemvMaxTokens) * k));
@@ -1114,14 +1116,25 @@ Status CudaSession::copy_misses(int layer, std::span<const int> ids,
     return {};
   }
   TS_TRY(start_copy_timer(C));
+  // One batch: every miss but the last whole, and the last one's gate|up part ([0, down_off)
+  // of an expert's bytes). One call costs the copy engine less than a transfer per expert
+  // (docs/PERF.md: 53.6 vs 52.6 GB/s while copying).
   const size_t last = ids.size() - 1;
-  for (size_t i = 0; i < last; ++i)
-    CUDA_TRY(cudaMemcpyAsync(dst[i], C.host + size_t(ids[i]) * D.expert_bytes, D.expert_bytes,
-                             cudaMemcpyHostToDevice, copy_stream_));
-  // gate and up are [0, down_off) of an expert's bytes, down the rest.
-  const uint8_t* src = C.host + size_t(ids[last]) * D.expert_bytes;
-  CUDA_TRY(cudaMemcpyAsync(dst[last], src, D.down_off, cudaMemcpyHostToDevice, copy_stream_));
+  batch_dst_.resize(ids.size());
+  batch_src_.resize(ids.size());
+  batch_bytes_.resize(ids.size());
+  for (size_t i = 0; i <= last; ++i) {
+    batch_dst_[i] = dst[i];
+    batch_src_[i] = C.host + size_t(ids[i]) * D.expert_bytes;
+    batch_bytes_[i] = i < last ? D.expert_bytes : D.down_off;
+  }
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attr_first = 0;
+  CUDA_TRY(cudaMemcpyBatchAsync(batch_dst_.data(), batch_src_.data(), batch_bytes_.data(),
+                                ids.size(), &attr, &attr_first, 1, copy_stream_));
   CUDA_TRY(cudaEventRecord(gate_up_loaded_, copy_stream_));
+  const uint8_t* src = C.host + size_t(ids[last]) * D.expert_bytes;
   CUDA_TRY(cudaMemcpyAsync(dst[last] + D.down_off, src + D.down_off, D.expert_bytes - D.down_off,
                            cudaMemcpyHostToDevice, copy_stream_));
   cache_report_.copied_bytes += uint64_t(ids.size()) * D.expert_bytes;
@@ -1151,8 +1164,10 @@ Status CudaSession::sync_expert_table(int layer, bool wait) {
 // A GEMV-sized step (n <= kGemvMaxTokens): binds every distinct selected expert of `layer`.
 Status CudaSession::bind_step(int layer, int n, const MoeArgs* hits) {
   const int k = hp_.top_k;
-  if (ids_flag_ && capturing_segments_ && n == 1) {
-    // The router kernel of this segment writes the ids to the host and raises the flag.
+  if (capturing_segments_) {
+    // Decode graph segments (one token): what was captured since the last break runs now; it
+    // ends with the router kernel writing the ids to the host and raising the flag. Capture
+    // resumes after the binding, for the MoE kernels on.
     *reinterpret_cast<volatile int*>(ids_flag_host_) = 0;
     TS_TRY(end_segment());
     TS_TRY(wait_ids_flag(k));
@@ -1162,15 +1177,6 @@ Status CudaSession::bind_step(int layer, int n, const MoeArgs* hits) {
   }
   CUDA_TRY(cudaMemcpyAsync(h_ids_, sel_ids_, size_t(n) * size_t(k) * 4, cudaMemcpyDeviceToHost,
                            stream_));
-  if (capturing_segments_) {
-    // Decode graph segments: what was captured since the last break runs now (it ends with
-    // the ids' copy), and capture resumes after the binding, for the MoE kernels on.
-    TS_TRY(end_segment());
-    CUDA_TRY(cudaStreamSynchronize(stream_));
-    if (hits) segment_hits_[size_t(layer)] = *hits;
-    TS_TRY(bind_ids(layer, n, hits));
-    return begin_segment();
-  }
   CUDA_TRY(cudaStreamSynchronize(stream_));
   return bind_ids(layer, n, hits);
 }
@@ -1403,14 +1409,10 @@ Status CudaSession::decode_segments() {
   }
   for (size_t i = 0; i < segments_.size(); ++i) {
     const bool binds = i < segment_layers_.size();
-    if (binds && ids_flag_) *reinterpret_cast<volatile int*>(ids_flag_host_) = 0;
+    if (binds) *reinterpret_cast<volatile int*>(ids_flag_host_) = 0;
     CUDA_TRY(cudaGraphLaunch(segments_[i], stream_));
     if (!binds) break;
-    if (ids_flag_) {
-      TS_TRY(wait_ids_flag(hp_.top_k));
-    } else {
-      CUDA_TRY(cudaStreamSynchronize(stream_));
-    }
+    TS_TRY(wait_ids_flag(hp_.top_k));
     TS_TRY(bind_ids(segment_layers_[i], 1, &segment_hits_[size_t(segment_layers_[i])]));
   }
   return {};
@@ -1662,7 +1664,7 @@ Status CudaSession::moe_block(int layer, int n) {
                     route_seed_ + uint64_t(layer), stream_);
   TS_TRY(prof_.time("top-k", double(n) * hp_.n_experts * 4, stream_, [&] {
     return launch([&] {
-  const bool to_host = ids_flag_ && capturing_segments_ && n == 1;
+  const bool to_host = capturing_segments_;  // decode segments: one token
   route({.logits = router_, .ids = sel_ids_, .weights = sel_w_,
          .hist = hist_ + size_t(layer) * size_t(hp_.n_experts), .n = n,
          .n_experts = hp_.n_experts, .top_k = k, .renormalize = hp_.moe.renormalize,

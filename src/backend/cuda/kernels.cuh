@@ -113,7 +113,7 @@ struct RouteArgs {
   unsigned long long* hist;  // [n_experts] of this layer
   int n, n_experts, top_k;
   bool renormalize;
-  // Experiment (TURBOSPARK_IDS_FLAG=1, n == 1 only): the ids also written to mapped host
+  // Optional (n == 1 only; the GPU expert cache's decode segments): the ids also written to mapped host
   // memory, then *host_flag = 1 after a system-wide fence, so the host can bind without a
   // device-to-host copy and a stream synchronization.
   int* host_ids = nullptr;

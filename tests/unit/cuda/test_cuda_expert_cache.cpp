@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -122,14 +121,6 @@ TEST_P(CudaExpertCache, HostModeByteIdenticalToResidentForEveryCacheSize) {
                                     .layer_prefetch = false};
     expect_same(base, run(*model_, g), "host, no prefetch, " + std::to_string(slots) + " slots");
   }
-  // Experiment (TURBOSPARK_IDS_FLAG=1): decode segments hand the ids to the host through
-  // mapped memory and a flag instead of a copy and a synchronization.
-  setenv("TURBOSPARK_IDS_FLAG", "1", 1);
-  for (int slots : {1, hp.top_k}) {
-    ts::runtime::GpuExpertOptions g{.residency = GpuResidency::kHost, .slots_per_layer = slots};
-    expect_same(base, run(*model_, g), "host, ids flag, " + std::to_string(slots) + " slots");
-  }
-  unsetenv("TURBOSPARK_IDS_FLAG");
 }
 
 // Misses read from the checkpoint files by the streamed ExpertStore (1 or 2 host slots, so

@@ -397,6 +397,37 @@ TEST(CudaKernels, RouteMatchesSelectExperts) {
   }
 }
 
+// The expert cache's decode path: one token's ids also land in mapped host memory, and the
+// flag is raised only after them.
+TEST(CudaKernels, RouteWritesIdsAndFlagToMappedHostMemory) {
+  SKIP_WITHOUT_GPU();
+  for (int n_experts : {8, 128, 300}) {
+    const int k = n_experts == 300 ? 40 : std::min(8, n_experts / 2);
+    std::vector<float> logits = randn(size_t(n_experts), uint32_t(7 + n_experts), 2.0f);
+    std::vector<int> want_ids(static_cast<size_t>(k));
+    std::vector<float> want_w(static_cast<size_t>(k));
+    ts::model::select_experts(logits, {.renormalize = true},
+                              {.ids = want_ids, .weights = want_w});
+    int* host = nullptr;
+    ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host), size_t(k + 1) * 4, cudaHostAllocMapped),
+              cudaSuccess);
+    for (int i = 0; i <= k; ++i) host[i] = i == 0 ? 0 : -7;  // flag down, ids poisoned
+    int* dev = nullptr;
+    ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0), cudaSuccess);
+    Dev dl(logits), di(std::vector<int>(size_t(k), -7)), dw(want_w.size() * 4);
+    ts::cuda::route({.logits = dl.as<float>(), .ids = di.as<int>(), .weights = dw.as<float>(),
+                     .hist = nullptr, .n = 1, .n_experts = n_experts, .top_k = k,
+                     .renormalize = true, .host_ids = dev + 1, .host_flag = dev},
+                    nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(host[0], 1) << n_experts;
+    EXPECT_EQ(std::vector<int>(host + 1, host + 1 + k), want_ids) << n_experts;
+    EXPECT_EQ(di.get<int>(), want_ids) << n_experts;
+    EXPECT_LE(max_rel(dw.get<float>(), want_w), 1e-6);
+    cudaFreeHost(host);
+  }
+}
+
 // Both MoE phases against the CPU composition: per slot h = silu(G x) * (U x), then
 // out = sum_r w_r D_r h_r in rank order.
 TEST(CudaKernels, MoePhasesMatchCpu) {
