@@ -857,17 +857,15 @@ __global__ void attention_prefill_kernel(AttentionArgs a) {
   }
 }
 
-// Prefill attention on tensor cores (BF16 WMMA, F32 accumulation). A block takes kFaQ
-// queries of one head, 16 per warp, and walks the keys in tiles of kFaK twice: pass 1 finds
-// each query's softmax max and sum (online, scalars only), pass 2 forms the normalized
-// probabilities P (BF16) and accumulates O += P V in fragments, so O never needs rescaling.
-// Scores are recomputed in pass 2 (1.5x the QK^T work) instead of keeping O in shared memory.
+// Prefill attention on tensor cores, one pass (flash attention 2): BF16 mma.sync
+// m16n8k16 with F32 accumulation. A block takes kFaQ queries of one head, 16 per warp, and
+// walks the keys in tiles of kFaK staged as BF16 in shared memory. Scores, probabilities and
+// the output stay in registers: a thread holds rows lane/4 and lane/4 + 8 of its warp's 16,
+// the C fragment of S = Q K^T for two adjacent 8-key tiles is already the A fragment of P for
+// P V, and the online softmax rescales O by row. Max and sum in the log2 domain (exp2f).
 constexpr int kFaQ = 64, kFaK = 64, kFaHd = 128;
-constexpr int kFaLd = kFaHd + 8;   // BF16 row stride of the Q / K / V tiles
-constexpr int kFaSLd = kFaK + 4;   // F32 row stride of the score tile
-constexpr int kFaPLd = kFaK + 8;   // BF16 row stride of the probability tile
-constexpr size_t kFaSmem = size_t(kFaQ + 2 * kFaK) * kFaLd * 2 + size_t(kFaQ) * kFaSLd * 4 +
-                           size_t(kFaQ) * kFaPLd * 2;
+constexpr int kFaLd = kFaHd + 8;   // BF16 row stride of the Q / K / V tiles (ldmatrix: no bank conflicts)
+constexpr size_t kFaSmem = size_t(kFaQ + 2 * kFaK) * kFaLd * 2;
 
 // Rows [r0, r0 + rows) of a [*, stride] F32 matrix, columns [col0, col0 + HD), as BF16 in
 // s[row][0..HD) (row stride kFaLd); rows past `valid` are zero. Every load of a thread is
@@ -894,104 +892,156 @@ __device__ __forceinline__ void fa_stage(const float* src, size_t stride, int r0
   }
 }
 
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+// d += a b: 16x16 (row) x 16x8 (col), BF16 in, F32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
 template <int HD>
-__global__ void __launch_bounds__(128) attention_tc_kernel(AttentionArgs a) {
+__global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
   pdl_wait();
-  namespace wmma = nvcuda::wmma;
   extern __shared__ __align__(128) unsigned char fa_smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(fa_smem);
   __nv_bfloat16* ks = qs + kFaQ * kFaLd;
   __nv_bfloat16* vs = ks + kFaK * kFaLd;
-  float* ss = reinterpret_cast<float*>(vs + kFaK * kFaLd);
-  __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(ss + kFaQ * kFaSLd);
-  constexpr int hd = HD, nj = HD / 16;
-  const int h = blockIdx.x, t0 = blockIdx.y * kFaQ;
+  constexpr int kSt = kFaK / 8, kOt = HD / 8;  // 8-column tiles of S and of O
+  const int h = blockIdx.x;
+  const int t0 = (gridDim.y - 1 - blockIdx.y) * kFaQ;  // the longest query tiles first
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
-  const int g = h / (a.n_heads / a.n_kv_heads), kv_dim = a.n_kv_heads * hd, q_dim = a.n_heads * hd;
+  const int grp = lane / 4, tig = lane % 4;
+  const int g = h / (a.n_heads / a.n_kv_heads), kv_dim = a.n_kv_heads * HD, q_dim = a.n_heads * HD;
   const int pos0 = *a.pos, nq = min(kFaQ, a.n - t0), last_key = pos0 + t0 + nq - 1;
-  const float scale = rsqrtf(float(hd));
-  fa_stage<HD, kFaQ>(a.q + size_t(t0) * q_dim, size_t(q_dim), 0, nq, size_t(h) * hd, qs);
-  // Lanes 2r and 2r + 1 own row r0 + r of the warp, keys [0, 32) and [32, 64) of a tile.
-  const int my_row = r0 + lane / 2, half = lane % 2, qpos = pos0 + t0 + my_row;
-  const int warp_last = pos0 + t0 + r0 + 15;  // the warp's last query position
-  float m_run = -INFINITY, l_run = 0.0f, inv_l = 0.0f;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[kFaHd / 16];
+  const float scale2 = rsqrtf(float(HD)) * 1.4426950408889634f;  // log2(e) / sqrt(hd)
+  fa_stage<HD, kFaQ>(a.q + size_t(t0) * q_dim, size_t(q_dim), 0, nq, size_t(h) * HD, qs);
+  const int q_first = pos0 + t0 + r0;                 // the warp's first query position
+  const int qpos0 = q_first + grp, qpos1 = qpos0 + 8;  // this thread's two rows
+  const bool active = r0 < nq;
+  float o[kOt][4];
 #pragma unroll
-  for (int j = 0; j < kFaHd / 16; ++j) wmma::fill_fragment(o[j], 0.0f);
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int k0 = 0; k0 <= last_key; k0 += kFaK) {
-      __syncthreads();  // the previous tile is no longer read
-      const size_t base = size_t(k0) * kv_dim;
-      fa_stage<HD, kFaK>(a.k_cache + base, size_t(kv_dim), 0, last_key + 1 - k0, size_t(g) * hd, ks);
-      if (pass == 1)
-        fa_stage<HD, kFaK>(a.v_cache + base, size_t(kv_dim), 0, last_key + 1 - k0, size_t(g) * hd, vs);
-      __syncthreads();
-      if (k0 > warp_last) continue;  // every key of the tile is after the warp's queries
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[kFaK / 16];
+  for (int j = 0; j < kOt; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's columns only
+  // ldmatrix row addresses: lane supplies row lane % 8 of matrix lane / 8.
+  const int mi = lane / 8, mr = lane % 8;
+  for (int k0 = 0; k0 <= last_key; k0 += kFaK) {
+    __syncthreads();  // the previous tile is no longer read
+    const size_t base = size_t(k0) * kv_dim;
+    // In halves: 8 float4 loads in flight per thread, so the loads do not hold the registers
+    // the output needs (3 blocks per SM).
 #pragma unroll
-      for (int j = 0; j < kFaK / 16; ++j) wmma::fill_fragment(s[j], 0.0f);
-      for (int kk = 0; kk < hd; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fq;
-        wmma::load_matrix_sync(fq, qs + r0 * kFaLd + kk, kFaLd);
-#pragma unroll
-        for (int j = 0; j < kFaK / 16; ++j) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fk;
-          wmma::load_matrix_sync(fk, ks + 16 * j * kFaLd + kk, kFaLd);
-          wmma::mma_sync(s[j], fq, fk, s[j]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kFaK / 16; ++j)
-        wmma::store_matrix_sync(ss + r0 * kFaSLd + 16 * j, s[j], kFaSLd, wmma::mem_row_major);
-      __syncwarp();
-      const float* srow = ss + my_row * kFaSLd + half * 32;
-      const int key0 = k0 + half * 32;
-      if (pass == 0) {
-        float mt = -INFINITY;
-        for (int c = 0; c < 32; ++c)
-          if (key0 + c <= qpos) mt = fmaxf(mt, srow[c] * scale);
-        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-        const float m_new = fmaxf(m_run, mt);
-        float sum = 0.0f;
-        for (int c = 0; c < 32; ++c)
-          if (key0 + c <= qpos) sum += expf(srow[c] * scale - m_new);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l_run = (m_run == -INFINITY ? 0.0f : l_run * expf(m_run - m_new)) + sum;
-        m_run = m_new;
-      } else {
-        __nv_bfloat16* prow = ps + my_row * kFaPLd + half * 32;
-        for (int c = 0; c < 32; ++c)
-          prow[c] = __float2bfloat16(key0 + c <= qpos ? expf(srow[c] * scale - m_run) * inv_l : 0.0f);
-        __syncwarp();
-#pragma unroll
-        for (int kk = 0; kk < kFaK; kk += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fp;
-          wmma::load_matrix_sync(fp, ps + r0 * kFaPLd + kk, kFaPLd);
-#pragma unroll
-          for (int j = 0; j < kFaHd / 16; ++j) {
-            if (j >= nj) break;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fv;
-            wmma::load_matrix_sync(fv, vs + kk * kFaLd + 16 * j, kFaLd);
-            wmma::mma_sync(o[j], fp, fv, o[j]);
-          }
-        }
-      }
-      __syncwarp();  // the score / probability rows are rewritten by the next tile
+    for (int r = 0; r < kFaK; r += kFaK / 2) {
+      fa_stage<HD, kFaK / 2>(a.k_cache + base, size_t(kv_dim), r, last_key + 1 - k0, size_t(g) * HD, ks + r * kFaLd);
+      fa_stage<HD, kFaK / 2>(a.v_cache + base, size_t(kv_dim), r, last_key + 1 - k0, size_t(g) * HD, vs + r * kFaLd);
     }
-    inv_l = 1.0f / l_run;
-  }
-  // Output rows through shared memory (the K / V tiles are free): each warp its 16 rows.
-  __syncthreads();
-  float* orow = reinterpret_cast<float*>(ks) + size_t(r0) * (kFaHd + 4);
+    __syncthreads();
+    if (!active || k0 > q_first + 15) continue;  // every key of the tile is after the warp's queries
+    float s[kSt][4];
 #pragma unroll
-  for (int j = 0; j < kFaHd / 16; ++j) {
-    if (j >= nj) break;
-    wmma::store_matrix_sync(orow + 16 * j, o[j], kFaHd + 4, wmma::mem_row_major);
+    for (int j = 0; j < kSt; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      unsigned qa[4];
+      ldsm_x4(qa, qs + (r0 + (mi % 2) * 8 + mr) * kFaLd + kk * 16 + (mi / 2) * 8);
+#pragma unroll
+      for (int jj = 0; jj < kSt / 2; ++jj) {
+        unsigned kb[4];
+        ldsm_x4(kb, ks + (jj * 16 + (mi / 2) * 8 + mr) * kFaLd + kk * 16 + (mi % 2) * 8);
+        mma_bf16(s[2 * jj], qa, kb[0], kb[1]);
+        mma_bf16(s[2 * jj + 1], qa, kb[2], kb[3]);
+      }
+    }
+    // Scale, mask (keys after the row's position), row maxima over the quad.
+    const bool masked = k0 + kFaK - 1 > q_first;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kSt; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int key = k0 + j * 8 + tig * 2 + c;
+        s[j][c] = masked && key > qpos0 ? -INFINITY : s[j][c] * scale2;
+        s[j][2 + c] = masked && key > qpos1 ? -INFINITY : s[j][2 + c] * scale2;
+        mx0 = fmaxf(mx0, s[j][c]);
+        mx1 = fmaxf(mx1, s[j][2 + c]);
+      }
+    }
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+    }
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // A row with no key yet keeps m = -inf: subtract 0 then (its p are all 0).
+    const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1;
+    const float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
+    m0 = n0;
+    m1 = n1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSt; ++j) {
+      s[j][0] = exp2f(s[j][0] - u0);
+      s[j][1] = exp2f(s[j][1] - u0);
+      s[j][2] = exp2f(s[j][2] - u1);
+      s[j][3] = exp2f(s[j][3] - u1);
+      sum0 += s[j][0] + s[j][1];
+      sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * c0 + sum0;
+    l1 = l1 * c1 + sum1;
+#pragma unroll
+    for (int j = 0; j < kOt; ++j) {
+      o[j][0] *= c0;
+      o[j][1] *= c0;
+      o[j][2] *= c1;
+      o[j][3] *= c1;
+    }
+    // O += P V: the S fragments of keys [16 kk, 16 kk + 16) are P's A fragment.
+#pragma unroll
+    for (int kk = 0; kk < kFaK / 16; ++kk) {
+      const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int jj = 0; jj < kOt / 2; ++jj) {
+        unsigned vb[4];
+        ldsm_x4_trans(vb, vs + (kk * 16 + (mi % 2) * 8 + mr) * kFaLd + jj * 16 + (mi / 2) * 8);
+        mma_bf16(o[2 * jj], pa, vb[0], vb[1]);
+        mma_bf16(o[2 * jj + 1], pa, vb[2], vb[3]);
+      }
+    }
   }
-  __syncwarp();
-  for (int i = lane; i < 16 * hd; i += 32) {
-    const int r = i / hd, dim = i % hd;
-    if (r0 + r < nq) a.out[size_t(t0 + r0 + r) * q_dim + size_t(h) * hd + dim] = orow[r * (kFaHd + 4) + dim];
+  if (!active) return;
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+  const int row0 = r0 + grp, row1 = row0 + 8;
+#pragma unroll
+  for (int j = 0; j < kOt; ++j) {
+    const int dim = j * 8 + tig * 2;
+    if (row0 < nq)
+      *reinterpret_cast<float2*>(a.out + size_t(t0 + row0) * q_dim + size_t(h) * HD + dim) =
+          make_float2(o[j][0] * i0, o[j][1] * i0);
+    if (row1 < nq)
+      *reinterpret_cast<float2*>(a.out + size_t(t0 + row1) * q_dim + size_t(h) * HD + dim) =
+          make_float2(o[j][2] * i1, o[j][3] * i1);
   }
 }
 

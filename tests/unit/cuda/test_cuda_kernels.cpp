@@ -328,7 +328,7 @@ TEST(CudaKernels, TensorCoreAttentionMatchesReference) {
     int n, pos0, n_heads, n_kv, hd;
   };
   for (const Case c : {Case{100, 0, 4, 2, 128}, Case{70, 37, 2, 1, 64}, Case{16, 200, 4, 4, 128},
-                       Case{130, 5, 8, 2, 64}}) {
+                       Case{130, 5, 8, 2, 64}, Case{300, 0, 4, 1, 128}, Case{200, 150, 8, 8, 64}}) {
     const int qd = c.n_heads * c.hd, kvd = c.n_kv * c.hd, n_ctx = c.pos0 + c.n;
     const std::vector<float> q = randn(size_t(c.n * qd), 51), kc = randn(size_t(n_ctx * kvd), 52),
                              vc = randn(size_t(n_ctx * kvd), 53);
