@@ -1515,27 +1515,47 @@ __device__ __forceinline__ void store_bf16(const StepRegs& r, __nv_bfloat16* s) 
     *reinterpret_cast<uint4*>(s + row * kGLd + q * 8) = r.v[i];
   }
 }
-// Q8_0 rows (k a multiple of 32): thread t takes half of row t / 2's block.
+// Q8_0 rows (k a multiple of 32): thread t takes half of row t / 2's block. Blocks are 34
+// bytes apart, so a half-block's 16 quants start 2-byte aligned: read as 4 or 5 aligned
+// 32-bit words (the last one a 16-bit read) and shifted into place, never past the block.
 __device__ __forceinline__ void load_q8_0(const uint8_t* base, int rows, int k, int k0, StepRegs& r) {
   const int row = threadIdx.x / 2, half = threadIdx.x % 2;
   r.d = 0;
   r.v[0] = make_uint4(0, 0, 0, 0);
   if (row >= rows) return;
   const uint8_t* blk = base + size_t(row) * size_t(k / 32) * 34 + size_t(k0 / 32) * 34;
-  // Blocks are 34 bytes apart: 2-byte loads.
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(blk + 2 + half * 16);
   r.d = *reinterpret_cast<const uint16_t*>(blk);
-  r.v[0] = make_uint4(q[0] | uint32_t(q[1]) << 16, q[2] | uint32_t(q[3]) << 16,
-                      q[4] | uint32_t(q[5]) << 16, q[6] | uint32_t(q[7]) << 16);
+  const uint8_t* q = blk + 2 + half * 16;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(q) & ~uintptr_t(3));
+  uint32_t x[4];
+  if ((reinterpret_cast<uintptr_t>(q) & 3) == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = w[i];
+  } else {  // 2 bytes past a word boundary
+    uint32_t y[5];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) y[i] = w[i];
+    y[4] = *reinterpret_cast<const uint16_t*>(w + 4);  // only its low half is used
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = __funnelshift_r(y[i], y[i + 1], 16);
+  }
+  r.v[0] = make_uint4(x[0], x[1], x[2], x[3]);
 }
 __device__ __forceinline__ void store_q8_0(const StepRegs& r, __nv_bfloat16* s) {
   const int row = threadIdx.x / 2, half = threadIdx.x % 2;
-  __nv_bfloat16* dst = s + row * kGLd + half * 16;
   const float d = f16_bits(r.d);
   const uint32_t w[4] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w};
+  uint32_t o[8];
 #pragma unroll
-  for (int i = 0; i < 16; ++i)
-    dst[i] = __float2bfloat16(d * float(int8_t((w[i / 4] >> (8 * (i % 4))) & 0xff)));
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t word = w[i / 2] >> (16 * (i % 2));
+    const __nv_bfloat162 v = __floats2bfloat162_rn(d * float(int8_t(word & 0xff)),
+                                                   d * float(int8_t((word >> 8) & 0xff)));
+    o[i] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(s + row * kGLd + half * 16);
+  dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
 __device__ __forceinline__ void load_weights(const void* w, DType t, int n, int k, int n0, int k0,
