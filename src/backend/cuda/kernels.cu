@@ -1480,7 +1480,7 @@ void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
 
 
 // ---- expert-grouped GEMMs (prefill) on tensor cores
-// A block computes a [kGroupTile rows, kGroupTile outputs] tile of one expert with 4 warps
+// Q8_0 weights: a block computes a [kGroupTile rows, kGroupTile outputs] tile of one expert with 4 warps
 // (32 x 32 each, 2 x 2 WMMA fragments of 16 x 16), stepping through the weight columns 32 at a
 // time (one Q8_0 block): the x rows and the weight rows of the step are staged as BF16 in
 // shared memory. Every output element is a sum over columns in one fixed order, so results
@@ -1558,6 +1558,10 @@ __device__ __forceinline__ void store_q8_0(const StepRegs& r, __nv_bfloat16* s) 
   dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
+// The BF16 branches are not reached since BF16 weights take grouped_gemm_v2_kernel; they stay
+// because without them the compiler gives the Q8_0 kernel 128 registers instead of 164 (4
+// blocks per SM instead of the 3 it was measured with, and 4 measured slower: docs/PERF.md)
+// until that is measured again.
 __device__ __forceinline__ void load_weights(const void* w, DType t, int n, int k, int n0, int k0,
                                              StepRegs& r) {
   const int rows = min(kGroupTile, n - n0);
@@ -1649,6 +1653,161 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedArgs a) {
       static_cast<float*>(a.out)[o] = c0[r * kGCLd + c];
     }
   }
+}
+
+// The grouped GEMMs for BF16 weights, with larger warp tiles: a block computes
+// [kGroupTile = 64 rows, kG2N = 128 outputs] of one expert with 4 warps, each all 64 rows x 32
+// outputs (of gate and of up in phase 1), on mma.sync m16n8k16 with ldmatrix fragments: per
+// 16 columns a warp loads 4 fragments of x and 2 (+2) of the weights for 16 (32) MMAs — half
+// the shared-memory reads per MMA of the WMMA kernel above, which ncu showed bound by that
+// pipe (docs/PERF.md). Steps of 32 columns through two cp.async buffers (zero-filled past the
+// edges), one barrier a step. Q8_0 weights stay on the kernel above: this one's Q8_0 loader
+// (a thread per weight row) measured slower (docs/PERF.md).
+constexpr int kG2N = 128, kG2Ld = kGK + 8;  // 80-byte rows: ldmatrix without bank conflicts
+constexpr int kG2Stage = (kGroupTile + 2 * kG2N) * kG2Ld;  // BF16 elements per stage
+constexpr size_t kG2Smem = size_t(2 * kG2Stage) * 2;
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Rows [0, rows) of a [*, k] BF16 matrix, columns k0..k0+31, into s (row stride kG2Ld):
+// ROWS x 4 16-byte pieces, zero past rows / k (k a multiple of 8).
+template <int ROWS>
+__device__ __forceinline__ void g2_copy_bf16(const uint8_t* base, int rows, int k, int k0, __nv_bfloat16* s) {
+#pragma unroll
+  for (int i = 0; i < ROWS * 4 / 128; ++i) {
+    const int c = threadIdx.x + 128 * i, row = c / 4, col = k0 + (c % 4) * 8;
+    const bool ok = row < rows && col < k;
+    const uint8_t* src = ok ? base + (size_t(row) * k + col) * 2 : base;
+    cp_async16_zfill(s + row * kG2Ld + (c % 4) * 8, src, ok);
+  }
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(128) grouped_gemm_v2_kernel(GroupedArgs a) {
+  pdl_wait();
+  extern __shared__ __align__(128) unsigned char g2_smem[];
+  __nv_bfloat16* const stage0 = reinterpret_cast<__nv_bfloat16*>(g2_smem);
+  const GroupTile tile = a.tiles[blockIdx.y];
+  const int n0 = blockIdx.x * kG2N;
+  const int n_rows = min(kG2N, a.n - n0);  // weight rows of this block
+  const uint8_t* w0 = static_cast<const uint8_t*>(a.direct0 ? a.direct0 : a.w0[tile.expert]);
+  const uint8_t* w1 = kGateUp ? static_cast<const uint8_t*>(a.direct1 ? a.direct1 : a.w1[tile.expert]) : nullptr;
+  const size_t w_row = size_t(a.k) * 2;  // BF16 rows
+  w0 += size_t(n0) * w_row;
+  if (kGateUp) w1 += size_t(n0) * w_row;
+  const uint8_t* x = static_cast<const uint8_t*>(a.x) + size_t(tile.row0) * size_t(a.k) * 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tig = lane % 4;
+  const int mi = lane / 8, mr = lane % 8, wc = warp * 32;
+  const int steps = (a.k + kGK - 1) / kGK;
+
+  float acc0[4][4][4], acc1[kGateUp ? 4 : 1][4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        acc0[i][j][c] = 0.0f;
+        if (kGateUp) acc1[i][j][c] = 0.0f;
+      }
+  // Stage layout: x [64][kG2Ld], w0 [128][kG2Ld], w1 [128][kG2Ld].
+  const auto xs_of = [&](int b) { return stage0 + b * kG2Stage; };
+  const auto w0s_of = [&](int b) { return stage0 + b * kG2Stage + kGroupTile * kG2Ld; };
+  const auto w1s_of = [&](int b) { return stage0 + b * kG2Stage + (kGroupTile + kG2N) * kG2Ld; };
+  const auto issue = [&](int step, int b) {  // a step's loads into buffer b
+    g2_copy_bf16<kGroupTile>(x, tile.m, a.k, step * kGK, xs_of(b));
+    g2_copy_bf16<kG2N>(w0, n_rows, a.k, step * kGK, w0s_of(b));
+    if (kGateUp) g2_copy_bf16<kG2N>(w1, n_rows, a.k, step * kGK, w1s_of(b));
+    cp_async_commit();
+  };
+  issue(0, 0);
+  cp_async_wait_all();
+  __syncthreads();
+  for (int step = 0; step < steps; ++step) {
+    const int b = step & 1;
+    const bool more = step + 1 < steps;
+    // Buffer b ^ 1's last readers (the previous step) passed the previous barrier.
+    if (more) issue(step + 1, b ^ 1);
+    const __nv_bfloat16* xs = xs_of(b);
+    const __nv_bfloat16* ws0 = w0s_of(b);
+    const __nv_bfloat16* ws1 = w1s_of(b);
+#pragma unroll
+    for (int kk = 0; kk < kGK; kk += 16) {
+      unsigned fa[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        ldsm_x4(fa[i], xs + (16 * i + (mi % 2) * 8 + mr) * kG2Ld + kk + (mi / 2) * 8);
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        unsigned fb[4];
+        ldsm_x4(fb, ws0 + (wc + 16 * jj + (mi / 2) * 8 + mr) * kG2Ld + kk + (mi % 2) * 8);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          mma_bf16(acc0[i][2 * jj], fa[i], fb[0], fb[1]);
+          mma_bf16(acc0[i][2 * jj + 1], fa[i], fb[2], fb[3]);
+        }
+        if (kGateUp) {
+          ldsm_x4(fb, ws1 + (wc + 16 * jj + (mi / 2) * 8 + mr) * kG2Ld + kk + (mi % 2) * 8);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            mma_bf16(acc1[i][2 * jj], fa[i], fb[0], fb[1]);
+            mma_bf16(acc1[i][2 * jj + 1], fa[i], fb[2], fb[3]);
+          }
+        }
+      }
+    }
+    if (more) cp_async_wait_all();
+    __syncthreads();
+  }
+  // Thread holds rows 16 i + grp (+ 8), outputs wc + 8 j + 2 tig (+ 1).
+  const bool pairs = a.n % 2 == 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * i + grp + 8 * h;
+      if (r >= tile.m) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = n0 + wc + 8 * j + 2 * tig;
+        if (col >= a.n) continue;
+        const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
+        float v[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if (kGateUp) {
+            // silu(g) * u as silu_mul_kernel computes it, rounded as convert_f32 rounds.
+            const float g = acc0[i][j][2 * h + c], u = acc1[i][j][2 * h + c];
+            v[c] = g / (1.0f + expf(-g)) * u;
+          } else {
+            v[c] = acc0[i][j][2 * h + c];
+          }
+        }
+        const bool both = col + 1 < a.n;
+        if (kGateUp) {
+          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + o;
+          if (both && pairs) {
+            *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(v[0], v[1]);
+          } else {
+            out[0] = __float2bfloat16(v[0]);
+            if (both) out[1] = __float2bfloat16(v[1]);
+          }
+        } else {
+          float* out = static_cast<float*>(a.out) + o;
+          if (both && pairs) {
+            *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+          } else {
+            out[0] = v[0];
+            if (both) out[1] = v[1];
+          }
+        }
+      }
+    }
 }
 
 }  // namespace
@@ -1827,14 +1986,26 @@ bool grouped_supports(DType type, int64_t cols) {
   return false;
 }
 
+namespace {
+template <bool kGateUp>
+void launch_grouped_v2(const GroupedArgs& a, cudaStream_t s) {
+  cudaFuncSetAttribute(grouped_gemm_v2_kernel<kGateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       int(kG2Smem));
+  const dim3 grid(unsigned((a.n + kG2N - 1) / kG2N), unsigned(a.n_tiles));
+  launch_kernel(grouped_gemm_v2_kernel<kGateUp>, grid, 128, kG2Smem, s, a);
+}
+}  // namespace
+
 void grouped_gate_up(const GroupedArgs& a, cudaStream_t s) {
   if (a.n_tiles == 0) return;
+  if (a.dtype == DType::kBF16) return launch_grouped_v2<true>(a, s);
   const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
   launch_kernel(grouped_gemm_kernel<true>, grid, 128, 0, s, a);
 }
 
 void grouped_down(const GroupedArgs& a, cudaStream_t s) {
   if (a.n_tiles == 0) return;
+  if (a.dtype == DType::kBF16) return launch_grouped_v2<false>(a, s);
   const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
   launch_kernel(grouped_gemm_kernel<false>, grid, 128, 0, s, a);
 }

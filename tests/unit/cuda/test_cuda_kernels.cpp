@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backend/cpu/kernels.h"
@@ -628,8 +629,15 @@ TEST(CudaKernels, DequantizeMatchesCpuReference) {
 // rows (tile edges), output widths off the 64-column tile, tables vs direct addresses.
 TEST(CudaKernels, GroupedGemmsMatchReference) {
   SKIP_WITHOUT_GPU();
+  // Two shapes: outputs within one block and across two (BF16 blocks are 128 outputs wide,
+  // Q8_0 ones 64), 5 and 8 column steps.
+  struct Shape {
+    int d, de;
+  };
+  for (const Shape sh : {Shape{160, 96}, Shape{256, 160}})
   for (DType t : {DType::kBF16, DType::kQ8_0}) {
-    const int d = 160, de = 96;
+    const int d = sh.d, de = sh.de;
+    const std::string what = std::string(ts::dtype_name(t)) + " d " + std::to_string(d);
     const std::vector<int> rows_of = {1, 64, 70, 130};  // rows per expert, sorted by expert
     const int n_experts = int(rows_of.size());
     std::vector<ts::cuda::GroupTile> tiles;
@@ -696,8 +704,8 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
       (direct ? h_direct : h_tab) = dh.get<uint16_t>();
       (direct ? y_direct : y_tab) = dy.get<float>();
     }
-    ASSERT_EQ(h_tab, h_direct) << ts::dtype_name(t);
-    ASSERT_EQ(0, std::memcmp(y_tab.data(), y_direct.data(), y_tab.size() * 4)) << ts::dtype_name(t);
+    ASSERT_EQ(h_tab, h_direct) << what;
+    ASSERT_EQ(0, std::memcmp(y_tab.data(), y_direct.data(), y_tab.size() * 4)) << what;
     // Reference: phase 1 from the BF16 inputs; phase 2 from the kernel's own BF16 h, so each
     // phase is checked alone.
     std::vector<float> h_want(size_t(ns * de)), h_got(size_t(ns * de)), y_want(size_t(ns * d));
@@ -720,8 +728,8 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
       }
     }
     // h is rounded to BF16 (relative 2^-9); y accumulates in F32.
-    EXPECT_LE(max_rel(h_got, h_want), 8e-3) << ts::dtype_name(t);
-    EXPECT_LE(max_rel(y_tab, y_want), 1e-5) << ts::dtype_name(t);
+    EXPECT_LE(max_rel(h_got, h_want), 8e-3) << what;
+    EXPECT_LE(max_rel(y_tab, y_want), 1e-5) << what;
     for (Dev* p : owned) delete p;
   }
 }
