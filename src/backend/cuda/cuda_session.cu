@@ -1216,7 +1216,9 @@ Status CudaSession::bind_ids(int layer, int n, const MoeArgs* hits) {
   CachedLayer& C = cached_[size_t(layer)];
   const DevLayer& D = w_.layers[size_t(layer)];
   const bool fresh_table = !C.table_stale;
-  // The previous step of this layer is finished (the stream was just synchronized).
+  // The previous step of this layer is finished: the stream was just synchronized, or (decode
+  // segments) this step's router kernel has raised its flag, and it runs after everything
+  // before it on the stream has completed (griddepcontrol.wait).
   C.cache->unprotect_all();
   std::vector<bool> hit(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) hit[i] = C.cache->slot_of(ids[i]) >= 0;
@@ -1264,7 +1266,7 @@ Status CudaSession::bind_ids(int layer, int n, const MoeArgs* hits) {
   const bool early = hits && fresh_table && !miss.empty() && miss.size() < ids.size();
   if (early || (hits && slot_hit_set_)) {
     // The mask: this step's hits, or all zero again (copied only when it changes; the
-    // previous copy from this buffer is done: the stream was synchronized).
+    // previous copy from this buffer, in an earlier layer's binding, is done: see above).
     const int rows = early ? n * k : kGemvMaxTokens * k;
     for (int s = 0; s < rows; ++s)
       h_slot_hit_[s] = early && hit[size_t(std::find(ids.begin(), ids.end(), h_ids_[s]) - ids.begin())];
