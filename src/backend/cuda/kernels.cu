@@ -1558,7 +1558,7 @@ __device__ __forceinline__ void store_q8_0(const StepRegs& r, __nv_bfloat16* s) 
   dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
-// The BF16 branches are not reached since BF16 weights take grouped_gemm_v2_kernel; they stay
+// The BF16 branches are not reached since BF16 weights take grouped_mma_kernel; they stay
 // because without them the compiler gives the Q8_0 kernel 128 registers instead of 164 (4
 // blocks per SM instead of the 3 it was measured with, and 4 measured slower: docs/PERF.md)
 // until that is measured again.
@@ -1656,16 +1656,16 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedArgs a) {
 }
 
 // The grouped GEMMs for BF16 weights, with larger warp tiles: a block computes
-// [kGroupTile = 64 rows, kG2N = 128 outputs] of one expert with 4 warps, each all 64 rows x 32
+// [kGroupTile = 64 rows, kMmaN = 128 outputs] of one expert with 4 warps, each all 64 rows x 32
 // outputs (of gate and of up in phase 1), on mma.sync m16n8k16 with ldmatrix fragments: per
 // 16 columns a warp loads 4 fragments of x and 2 (+2) of the weights for 16 (32) MMAs — half
 // the shared-memory reads per MMA of the WMMA kernel above, which ncu showed bound by that
 // pipe (docs/PERF.md). Steps of 32 columns through two cp.async buffers (zero-filled past the
 // edges), one barrier a step. Q8_0 weights stay on the kernel above: this one's Q8_0 loader
 // (a thread per weight row) measured slower (docs/PERF.md).
-constexpr int kG2N = 128, kG2Ld = kGK + 8;  // 80-byte rows: ldmatrix without bank conflicts
-constexpr int kG2Stage = (kGroupTile + 2 * kG2N) * kG2Ld;  // BF16 elements per stage
-constexpr size_t kG2Smem = size_t(2 * kG2Stage) * 2;
+constexpr int kMmaN = 128, kMmaLd = kGK + 8;  // 80-byte rows: ldmatrix without bank conflicts
+constexpr int kMmaStage = (kGroupTile + 2 * kMmaN) * kMmaLd;  // BF16 elements per stage
+constexpr size_t kMmaSmem = size_t(2 * kMmaStage) * 2;
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
   const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -1674,27 +1674,27 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, b
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
-// Rows [0, rows) of a [*, k] BF16 matrix, columns k0..k0+31, into s (row stride kG2Ld):
+// Rows [0, rows) of a [*, k] BF16 matrix, columns k0..k0+31, into s (row stride kMmaLd):
 // ROWS x 4 16-byte pieces, zero past rows / k (k a multiple of 8).
 template <int ROWS>
-__device__ __forceinline__ void g2_copy_bf16(const uint8_t* base, int rows, int k, int k0, __nv_bfloat16* s) {
+__device__ __forceinline__ void mma_copy_bf16(const uint8_t* base, int rows, int k, int k0, __nv_bfloat16* s) {
 #pragma unroll
   for (int i = 0; i < ROWS * 4 / 128; ++i) {
     const int c = threadIdx.x + 128 * i, row = c / 4, col = k0 + (c % 4) * 8;
     const bool ok = row < rows && col < k;
     const uint8_t* src = ok ? base + (size_t(row) * k + col) * 2 : base;
-    cp_async16_zfill(s + row * kG2Ld + (c % 4) * 8, src, ok);
+    cp_async16_zfill(s + row * kMmaLd + (c % 4) * 8, src, ok);
   }
 }
 
 template <bool kGateUp>
-__global__ void __launch_bounds__(128) grouped_gemm_v2_kernel(GroupedArgs a) {
+__global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
   pdl_wait();
-  extern __shared__ __align__(128) unsigned char g2_smem[];
-  __nv_bfloat16* const stage0 = reinterpret_cast<__nv_bfloat16*>(g2_smem);
+  extern __shared__ __align__(128) unsigned char mma_smem[];
+  __nv_bfloat16* const stage0 = reinterpret_cast<__nv_bfloat16*>(mma_smem);
   const GroupTile tile = a.tiles[blockIdx.y];
-  const int n0 = blockIdx.x * kG2N;
-  const int n_rows = min(kG2N, a.n - n0);  // weight rows of this block
+  const int n0 = blockIdx.x * kMmaN;
+  const int n_rows = min(kMmaN, a.n - n0);  // weight rows of this block
   const uint8_t* w0 = static_cast<const uint8_t*>(a.direct0 ? a.direct0 : a.w0[tile.expert]);
   const uint8_t* w1 = kGateUp ? static_cast<const uint8_t*>(a.direct1 ? a.direct1 : a.w1[tile.expert]) : nullptr;
   const size_t w_row = size_t(a.k) * 2;  // BF16 rows
@@ -1715,14 +1715,14 @@ __global__ void __launch_bounds__(128) grouped_gemm_v2_kernel(GroupedArgs a) {
         acc0[i][j][c] = 0.0f;
         if (kGateUp) acc1[i][j][c] = 0.0f;
       }
-  // Stage layout: x [64][kG2Ld], w0 [128][kG2Ld], w1 [128][kG2Ld].
-  const auto xs_of = [&](int b) { return stage0 + b * kG2Stage; };
-  const auto w0s_of = [&](int b) { return stage0 + b * kG2Stage + kGroupTile * kG2Ld; };
-  const auto w1s_of = [&](int b) { return stage0 + b * kG2Stage + (kGroupTile + kG2N) * kG2Ld; };
+  // Stage layout: x [64][kMmaLd], w0 [128][kMmaLd], w1 [128][kMmaLd].
+  const auto xs_of = [&](int b) { return stage0 + b * kMmaStage; };
+  const auto w0s_of = [&](int b) { return stage0 + b * kMmaStage + kGroupTile * kMmaLd; };
+  const auto w1s_of = [&](int b) { return stage0 + b * kMmaStage + (kGroupTile + kMmaN) * kMmaLd; };
   const auto issue = [&](int step, int b) {  // a step's loads into buffer b
-    g2_copy_bf16<kGroupTile>(x, tile.m, a.k, step * kGK, xs_of(b));
-    g2_copy_bf16<kG2N>(w0, n_rows, a.k, step * kGK, w0s_of(b));
-    if (kGateUp) g2_copy_bf16<kG2N>(w1, n_rows, a.k, step * kGK, w1s_of(b));
+    mma_copy_bf16<kGroupTile>(x, tile.m, a.k, step * kGK, xs_of(b));
+    mma_copy_bf16<kMmaN>(w0, n_rows, a.k, step * kGK, w0s_of(b));
+    if (kGateUp) mma_copy_bf16<kMmaN>(w1, n_rows, a.k, step * kGK, w1s_of(b));
     cp_async_commit();
   };
   issue(0, 0);
@@ -1741,18 +1741,18 @@ __global__ void __launch_bounds__(128) grouped_gemm_v2_kernel(GroupedArgs a) {
       unsigned fa[4][4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        ldsm_x4(fa[i], xs + (16 * i + (mi % 2) * 8 + mr) * kG2Ld + kk + (mi / 2) * 8);
+        ldsm_x4(fa[i], xs + (16 * i + (mi % 2) * 8 + mr) * kMmaLd + kk + (mi / 2) * 8);
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
         unsigned fb[4];
-        ldsm_x4(fb, ws0 + (wc + 16 * jj + (mi / 2) * 8 + mr) * kG2Ld + kk + (mi % 2) * 8);
+        ldsm_x4(fb, ws0 + (wc + 16 * jj + (mi / 2) * 8 + mr) * kMmaLd + kk + (mi % 2) * 8);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           mma_bf16(acc0[i][2 * jj], fa[i], fb[0], fb[1]);
           mma_bf16(acc0[i][2 * jj + 1], fa[i], fb[2], fb[3]);
         }
         if (kGateUp) {
-          ldsm_x4(fb, ws1 + (wc + 16 * jj + (mi / 2) * 8 + mr) * kG2Ld + kk + (mi % 2) * 8);
+          ldsm_x4(fb, ws1 + (wc + 16 * jj + (mi / 2) * 8 + mr) * kMmaLd + kk + (mi % 2) * 8);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             mma_bf16(acc1[i][2 * jj], fa[i], fb[0], fb[1]);
@@ -1988,24 +1988,24 @@ bool grouped_supports(DType type, int64_t cols) {
 
 namespace {
 template <bool kGateUp>
-void launch_grouped_v2(const GroupedArgs& a, cudaStream_t s) {
-  cudaFuncSetAttribute(grouped_gemm_v2_kernel<kGateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       int(kG2Smem));
-  const dim3 grid(unsigned((a.n + kG2N - 1) / kG2N), unsigned(a.n_tiles));
-  launch_kernel(grouped_gemm_v2_kernel<kGateUp>, grid, 128, kG2Smem, s, a);
+void launch_grouped_mma(const GroupedArgs& a, cudaStream_t s) {
+  cudaFuncSetAttribute(grouped_mma_kernel<kGateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       int(kMmaSmem));
+  const dim3 grid(unsigned((a.n + kMmaN - 1) / kMmaN), unsigned(a.n_tiles));
+  launch_kernel(grouped_mma_kernel<kGateUp>, grid, 128, kMmaSmem, s, a);
 }
 }  // namespace
 
 void grouped_gate_up(const GroupedArgs& a, cudaStream_t s) {
   if (a.n_tiles == 0) return;
-  if (a.dtype == DType::kBF16) return launch_grouped_v2<true>(a, s);
+  if (a.dtype == DType::kBF16) return launch_grouped_mma<true>(a, s);
   const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
   launch_kernel(grouped_gemm_kernel<true>, grid, 128, 0, s, a);
 }
 
 void grouped_down(const GroupedArgs& a, cudaStream_t s) {
   if (a.n_tiles == 0) return;
-  if (a.dtype == DType::kBF16) return launch_grouped_v2<false>(a, s);
+  if (a.dtype == DType::kBF16) return launch_grouped_mma<false>(a, s);
   const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
   launch_kernel(grouped_gemm_kernel<false>, grid, 128, 0, s, a);
 }
