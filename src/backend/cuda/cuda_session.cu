@@ -510,8 +510,8 @@ CudaSession::~CudaSession() {
   if (blas_) cublasDestroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
   for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_),
-                  static_cast<void*>(h_ids_), static_cast<void*>(h_slot_hit_), static_cast<void*>(h_logits_),
-                  static_cast<void*>(ids_flag_host_)})
+                  static_cast<void*>(h_ids_), static_cast<void*>(h_slot_hit_),
+                  static_cast<void*>(h_logits_), static_cast<void*>(ids_flag_host_)})
     if (p) cudaFreeHost(p);
 }
 
@@ -1666,13 +1666,18 @@ Status CudaSession::moe_block(int layer, int n) {
                     route_seed_ + uint64_t(layer), stream_);
   TS_TRY(prof_.time("top-k", double(n) * hp_.n_experts * 4, stream_, [&] {
     return launch([&] {
-  const bool to_host = capturing_segments_;  // decode segments: one token
-  route({.logits = router_, .ids = sel_ids_, .weights = sel_w_,
-         .hist = hist_ + size_t(layer) * size_t(hp_.n_experts), .n = n,
-         .n_experts = hp_.n_experts, .top_k = k, .renormalize = hp_.moe.renormalize,
-         .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
-         .host_flag = to_host ? ids_flag_dev_ : nullptr},
-        stream_);
+      const bool to_host = capturing_segments_;  // decode segments: one token
+      route({.logits = router_,
+             .ids = sel_ids_,
+             .weights = sel_w_,
+             .hist = hist_ + size_t(layer) * size_t(hp_.n_experts),
+             .n = n,
+             .n_experts = hp_.n_experts,
+             .top_k = k,
+             .renormalize = hp_.moe.renormalize,
+             .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
+             .host_flag = to_host ? ids_flag_dev_ : nullptr},
+            stream_);
     });
   }));
   if (iv_.trace_router) {

@@ -864,7 +864,8 @@ __global__ void attention_prefill_kernel(AttentionArgs a) {
 // the C fragment of S = Q K^T for two adjacent 8-key tiles is already the A fragment of P for
 // P V, and the online softmax rescales O by row. Max and sum in the log2 domain (exp2f).
 constexpr int kFaQ = 64, kFaK = 64, kFaHd = 128;
-constexpr int kFaLd = kFaHd + 8;   // BF16 row stride of the Q / K / V tiles (ldmatrix: no bank conflicts)
+constexpr int kFaLd =
+    kFaHd + 8;  // BF16 row stride of the Q / K / V tiles (ldmatrix: no bank conflicts)
 constexpr size_t kFaSmem = size_t(kFaQ + 2 * kFaK) * kFaLd * 2;
 
 // Rows [r0, r0 + rows) of a [*, stride] F32 matrix, columns [col0, col0 + HD), as BF16 in
@@ -897,17 +898,22 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 }
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
 }
 __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
 }
 // d += a b: 16x16 (row) x 16x8 (col), BF16 in, F32 accumulate.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -930,7 +936,7 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
   const int pos0 = *a.pos, nq = min(kFaQ, a.n - t0), last_key = pos0 + t0 + nq - 1;
   const float scale2 = rsqrtf(float(HD)) * 1.4426950408889634f;  // log2(e) / sqrt(hd)
   fa_stage<HD, kFaQ>(a.q + size_t(t0) * q_dim, size_t(q_dim), 0, nq, size_t(h) * HD, qs);
-  const int q_first = pos0 + t0 + r0;                 // the warp's first query position
+  const int q_first = pos0 + t0 + r0;                  // the warp's first query position
   const int qpos0 = q_first + grp, qpos1 = qpos0 + 8;  // this thread's two rows
   const bool active = r0 < nq;
   float o[kOt][4];
@@ -946,11 +952,14 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
     // the output needs (3 blocks per SM).
 #pragma unroll
     for (int r = 0; r < kFaK; r += kFaK / 2) {
-      fa_stage<HD, kFaK / 2>(a.k_cache + base, size_t(kv_dim), r, last_key + 1 - k0, size_t(g) * HD, ks + r * kFaLd);
-      fa_stage<HD, kFaK / 2>(a.v_cache + base, size_t(kv_dim), r, last_key + 1 - k0, size_t(g) * HD, vs + r * kFaLd);
+      fa_stage<HD, kFaK / 2>(a.k_cache + base, size_t(kv_dim), r, last_key + 1 - k0, size_t(g) * HD,
+                             ks + r * kFaLd);
+      fa_stage<HD, kFaK / 2>(a.v_cache + base, size_t(kv_dim), r, last_key + 1 - k0, size_t(g) * HD,
+                             vs + r * kFaLd);
     }
     __syncthreads();
-    if (!active || k0 > q_first + 15) continue;  // every key of the tile is after the warp's queries
+    if (!active || k0 > q_first + 15)
+      continue;  // every key of the tile is after the warp's queries
     float s[kSt][4];
 #pragma unroll
     for (int j = 0; j < kSt; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
@@ -1013,7 +1022,8 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
     // O += P V: the S fragments of keys [16 kk, 16 kk + 16) are P's A fragment.
 #pragma unroll
     for (int kk = 0; kk < kFaK / 16; ++kk) {
-      const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+      const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
+                              pack_bf16(s[2 * kk][2], s[2 * kk][3]),
                               pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                               pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
@@ -1478,13 +1488,12 @@ void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
   }
 }
 
-
 // ---- expert-grouped GEMMs (prefill) on tensor cores
-// Q8_0 weights: a block computes a [kGroupTile rows, kGroupTile outputs] tile of one expert with 4 warps
-// (32 x 32 each, 2 x 2 WMMA fragments of 16 x 16), stepping through the weight columns 32 at a
-// time (one Q8_0 block): the x rows and the weight rows of the step are staged as BF16 in
-// shared memory. Every output element is a sum over columns in one fixed order, so results
-// do not depend on where the weights live.
+// Q8_0 weights: a block computes a [kGroupTile rows, kGroupTile outputs] tile of one expert with 4
+// warps (32 x 32 each, 2 x 2 WMMA fragments of 16 x 16), stepping through the weight columns 32 at
+// a time (one Q8_0 block): the x rows and the weight rows of the step are staged as BF16 in shared
+// memory. Every output element is a sum over columns in one fixed order, so results do not depend
+// on where the weights live.
 constexpr int kGK = 32;              // columns per step
 constexpr int kGLd = kGK + 8;        // shared row stride in BF16 (80 bytes: WMMA needs 32-byte
                                      // aligned fragment rows, the pad spreads banks)
@@ -1526,7 +1535,8 @@ __device__ __forceinline__ void load_q8_0(const uint8_t* base, int rows, int k, 
   const uint8_t* blk = base + size_t(row) * size_t(k / 32) * 34 + size_t(k0 / 32) * 34;
   r.d = *reinterpret_cast<const uint16_t*>(blk);
   const uint8_t* q = blk + 2 + half * 16;
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(q) & ~uintptr_t(3));
+  const uint32_t* w =
+      reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(q) & ~uintptr_t(3));
   uint32_t x[4];
   if ((reinterpret_cast<uintptr_t>(q) & 3) == 0) {
 #pragma unroll
@@ -1672,12 +1682,15 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, b
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(gmem), "r"(n));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 
 // Rows [0, rows) of a [*, k] BF16 matrix, columns k0..k0+31, into s (row stride kMmaLd):
 // ROWS x 4 16-byte pieces, zero past rows / k (k a multiple of 8).
 template <int ROWS>
-__device__ __forceinline__ void mma_copy_bf16(const uint8_t* base, int rows, int k, int k0, __nv_bfloat16* s) {
+__device__ __forceinline__ void mma_copy_bf16(const uint8_t* base, int rows, int k, int k0,
+                                              __nv_bfloat16* s) {
 #pragma unroll
   for (int i = 0; i < ROWS * 4 / 128; ++i) {
     const int c = threadIdx.x + 128 * i, row = c / 4, col = k0 + (c % 4) * 8;
@@ -1696,7 +1709,8 @@ __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
   const int n0 = blockIdx.x * kMmaN;
   const int n_rows = min(kMmaN, a.n - n0);  // weight rows of this block
   const uint8_t* w0 = static_cast<const uint8_t*>(a.direct0 ? a.direct0 : a.w0[tile.expert]);
-  const uint8_t* w1 = kGateUp ? static_cast<const uint8_t*>(a.direct1 ? a.direct1 : a.w1[tile.expert]) : nullptr;
+  const uint8_t* w1 =
+      kGateUp ? static_cast<const uint8_t*>(a.direct1 ? a.direct1 : a.w1[tile.expert]) : nullptr;
   const size_t w_row = size_t(a.k) * 2;  // BF16 rows
   w0 += size_t(n0) * w_row;
   if (kGateUp) w1 += size_t(n0) * w_row;

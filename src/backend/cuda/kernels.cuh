@@ -113,8 +113,8 @@ struct RouteArgs {
   unsigned long long* hist;  // [n_experts] of this layer
   int n, n_experts, top_k;
   bool renormalize;
-  // Optional (n == 1 only; the GPU expert cache's decode segments): the ids also written to mapped host
-  // memory, then *host_flag = 1 after a system-wide fence, so the host can bind without a
+  // Optional (n == 1 only; the GPU expert cache's decode segments): the ids also written to mapped
+  // host memory, then *host_flag = 1 after a system-wide fence, so the host can bind without a
   // device-to-host copy and a stream synchronization.
   int* host_ids = nullptr;
   int* host_flag = nullptr;

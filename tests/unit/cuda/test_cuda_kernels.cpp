@@ -407,18 +407,25 @@ TEST(CudaKernels, RouteWritesIdsAndFlagToMappedHostMemory) {
     std::vector<float> logits = randn(size_t(n_experts), uint32_t(7 + n_experts), 2.0f);
     std::vector<int> want_ids(static_cast<size_t>(k));
     std::vector<float> want_w(static_cast<size_t>(k));
-    ts::model::select_experts(logits, {.renormalize = true},
-                              {.ids = want_ids, .weights = want_w});
+    ts::model::select_experts(logits, {.renormalize = true}, {.ids = want_ids, .weights = want_w});
     int* host = nullptr;
-    ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host), size_t(k + 1) * 4, cudaHostAllocMapped),
-              cudaSuccess);
+    ASSERT_EQ(
+        cudaHostAlloc(reinterpret_cast<void**>(&host), size_t(k + 1) * 4, cudaHostAllocMapped),
+        cudaSuccess);
     for (int i = 0; i <= k; ++i) host[i] = i == 0 ? 0 : -7;  // flag down, ids poisoned
     int* dev = nullptr;
     ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0), cudaSuccess);
     Dev dl(logits), di(std::vector<int>(size_t(k), -7)), dw(want_w.size() * 4);
-    ts::cuda::route({.logits = dl.as<float>(), .ids = di.as<int>(), .weights = dw.as<float>(),
-                     .hist = nullptr, .n = 1, .n_experts = n_experts, .top_k = k,
-                     .renormalize = true, .host_ids = dev + 1, .host_flag = dev},
+    ts::cuda::route({.logits = dl.as<float>(),
+                     .ids = di.as<int>(),
+                     .weights = dw.as<float>(),
+                     .hist = nullptr,
+                     .n = 1,
+                     .n_experts = n_experts,
+                     .top_k = k,
+                     .renormalize = true,
+                     .host_ids = dev + 1,
+                     .host_flag = dev},
                     nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(host[0], 1) << n_experts;
@@ -635,103 +642,116 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
     int d, de;
   };
   for (const Shape sh : {Shape{160, 96}, Shape{256, 160}})
-  for (DType t : {DType::kBF16, DType::kQ8_0}) {
-    const int d = sh.d, de = sh.de;
-    const std::string what = std::string(ts::dtype_name(t)) + " d " + std::to_string(d);
-    const std::vector<int> rows_of = {1, 64, 70, 130};  // rows per expert, sorted by expert
-    const int n_experts = int(rows_of.size());
-    std::vector<ts::cuda::GroupTile> tiles;
-    std::vector<int> first;
-    int ns = 0;
-    for (int e = 0; e < n_experts; ++e) {
+    for (DType t : {DType::kBF16, DType::kQ8_0}) {
+      const int d = sh.d, de = sh.de;
+      const std::string what = std::string(ts::dtype_name(t)) + " d " + std::to_string(d);
+      const std::vector<int> rows_of = {1, 64, 70, 130};  // rows per expert, sorted by expert
+      const int n_experts = int(rows_of.size());
+      std::vector<ts::cuda::GroupTile> tiles;
+      std::vector<int> first;
+      int ns = 0;
+      for (int e = 0; e < n_experts; ++e) {
+        first.push_back(int(tiles.size()));
+        for (int off = 0; off < rows_of[size_t(e)]; off += ts::cuda::kGroupTile)
+          tiles.push_back({e, ns + off, std::min(ts::cuda::kGroupTile, rows_of[size_t(e)] - off)});
+        ns += rows_of[size_t(e)];
+      }
       first.push_back(int(tiles.size()));
-      for (int off = 0; off < rows_of[size_t(e)]; off += ts::cuda::kGroupTile)
-        tiles.push_back({e, ns + off, std::min(ts::cuda::kGroupTile, rows_of[size_t(e)] - off)});
-      ns += rows_of[size_t(e)];
-    }
-    first.push_back(int(tiles.size()));
-    // Weights and their BF16 values; x as BF16.
-    std::vector<std::vector<uint8_t>> G, U, D;
-    std::vector<std::vector<float>> Gf, Uf, Df;
-    std::vector<Dev*> owned;
-    std::vector<const void*> gp, up, dp;
-    const auto as_bf16_values = [&](const std::vector<uint8_t>& w, int64_t r, int64_t c) {
-      Dev dw(w), db(size_t(r * c) * 2);
-      ts::cuda::dequantize_bf16({dw.p, t, r, c}, db.p, nullptr);
-      std::vector<float> f;
-      for (uint16_t h : db.get<uint16_t>()) f.push_back(ts::bf16_to_f32(h));
-      return f;
-    };
-    for (int e = 0; e < n_experts; ++e) {
-      G.push_back(make_matrix(t, de, d, uint32_t(400 + e)));
-      U.push_back(make_matrix(t, de, d, uint32_t(500 + e)));
-      D.push_back(make_matrix(t, d, de, uint32_t(600 + e)));
-      Gf.push_back(as_bf16_values(G.back(), de, d));
-      Uf.push_back(as_bf16_values(U.back(), de, d));
-      Df.push_back(as_bf16_values(D.back(), d, de));
-      for (auto [v, tab] : {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up},
-                             std::pair{&D.back(), &dp}}) {
-        owned.push_back(new Dev(*v));
-        tab->push_back(owned.back()->p);
-      }
-    }
-    const std::vector<float> xf = randn(size_t(ns * d), 41);
-    std::vector<uint16_t> xb;
-    for (float v : xf) xb.push_back(ts::f32_to_bf16(v));
-    std::vector<int> expert_of;
-    for (int e = 0; e < n_experts; ++e) expert_of.insert(expert_of.end(), size_t(rows_of[size_t(e)]), e);
-    Dev dtiles(tiles), dx(xb), dg(gp), du(up), dd(dp);
-    // Both ways of addressing the weights must give the same bytes.
-    std::vector<uint16_t> h_tab, h_direct;
-    std::vector<float> y_tab, y_direct;
-    for (bool direct : {false, true}) {
-      Dev dh(size_t(ns * de) * 2), dy(size_t(ns * d) * 4);
-      for (int e = 0; e < (direct ? n_experts : 1); ++e) {
-        const int t0 = direct ? first[size_t(e)] : 0;
-        const int nt = direct ? first[size_t(e) + 1] - t0 : int(tiles.size());
-        ts::cuda::GroupedArgs a{.tiles = dtiles.as<ts::cuda::GroupTile>() + t0, .n_tiles = nt,
-                                .w0 = dg.as<const void*>(), .w1 = du.as<const void*>(),
-                                .direct0 = direct ? gp[size_t(e)] : nullptr,
-                                .direct1 = direct ? up[size_t(e)] : nullptr, .dtype = t,
-                                .x = dx.p, .n = de, .k = d, .out = dh.p};
-        ts::cuda::grouped_gate_up(a, nullptr);
-        a = ts::cuda::GroupedArgs{.tiles = dtiles.as<ts::cuda::GroupTile>() + t0, .n_tiles = nt,
-                                  .w0 = dd.as<const void*>(),
-                                  .direct0 = direct ? dp[size_t(e)] : nullptr, .dtype = t,
-                                  .x = dh.p, .n = d, .k = de, .out = dy.p};
-        ts::cuda::grouped_down(a, nullptr);
-      }
-      (direct ? h_direct : h_tab) = dh.get<uint16_t>();
-      (direct ? y_direct : y_tab) = dy.get<float>();
-    }
-    ASSERT_EQ(h_tab, h_direct) << what;
-    ASSERT_EQ(0, std::memcmp(y_tab.data(), y_direct.data(), y_tab.size() * 4)) << what;
-    // Reference: phase 1 from the BF16 inputs; phase 2 from the kernel's own BF16 h, so each
-    // phase is checked alone.
-    std::vector<float> h_want(size_t(ns * de)), h_got(size_t(ns * de)), y_want(size_t(ns * d));
-    for (int r = 0; r < ns; ++r) {
-      const int e = expert_of[size_t(r)];
-      for (int j = 0; j < de; ++j) {
-        double g = 0, u = 0;
-        for (int c = 0; c < d; ++c) {
-          const double xv = ts::bf16_to_f32(xb[size_t(r * d + c)]);
-          g += xv * Gf[size_t(e)][size_t(j * d + c)];
-          u += xv * Uf[size_t(e)][size_t(j * d + c)];
+      // Weights and their BF16 values; x as BF16.
+      std::vector<std::vector<uint8_t>> G, U, D;
+      std::vector<std::vector<float>> Gf, Uf, Df;
+      std::vector<Dev*> owned;
+      std::vector<const void*> gp, up, dp;
+      const auto as_bf16_values = [&](const std::vector<uint8_t>& w, int64_t r, int64_t c) {
+        Dev dw(w), db(size_t(r * c) * 2);
+        ts::cuda::dequantize_bf16({dw.p, t, r, c}, db.p, nullptr);
+        std::vector<float> f;
+        for (uint16_t h : db.get<uint16_t>()) f.push_back(ts::bf16_to_f32(h));
+        return f;
+      };
+      for (int e = 0; e < n_experts; ++e) {
+        G.push_back(make_matrix(t, de, d, uint32_t(400 + e)));
+        U.push_back(make_matrix(t, de, d, uint32_t(500 + e)));
+        D.push_back(make_matrix(t, d, de, uint32_t(600 + e)));
+        Gf.push_back(as_bf16_values(G.back(), de, d));
+        Uf.push_back(as_bf16_values(U.back(), de, d));
+        Df.push_back(as_bf16_values(D.back(), d, de));
+        for (auto [v, tab] :
+             {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up}, std::pair{&D.back(), &dp}}) {
+          owned.push_back(new Dev(*v));
+          tab->push_back(owned.back()->p);
         }
-        h_want[size_t(r * de + j)] = float(g / (1.0 + std::exp(-g)) * u);
-        h_got[size_t(r * de + j)] = ts::bf16_to_f32(h_tab[size_t(r * de + j)]);
       }
-      for (int j = 0; j < d; ++j) {
-        double y = 0;
-        for (int c = 0; c < de; ++c) y += double(h_got[size_t(r * de + c)]) * Df[size_t(e)][size_t(j * de + c)];
-        y_want[size_t(r * d + j)] = float(y);
+      const std::vector<float> xf = randn(size_t(ns * d), 41);
+      std::vector<uint16_t> xb;
+      for (float v : xf) xb.push_back(ts::f32_to_bf16(v));
+      std::vector<int> expert_of;
+      for (int e = 0; e < n_experts; ++e)
+        expert_of.insert(expert_of.end(), size_t(rows_of[size_t(e)]), e);
+      Dev dtiles(tiles), dx(xb), dg(gp), du(up), dd(dp);
+      // Both ways of addressing the weights must give the same bytes.
+      std::vector<uint16_t> h_tab, h_direct;
+      std::vector<float> y_tab, y_direct;
+      for (bool direct : {false, true}) {
+        Dev dh(size_t(ns * de) * 2), dy(size_t(ns * d) * 4);
+        for (int e = 0; e < (direct ? n_experts : 1); ++e) {
+          const int t0 = direct ? first[size_t(e)] : 0;
+          const int nt = direct ? first[size_t(e) + 1] - t0 : int(tiles.size());
+          ts::cuda::GroupedArgs a{.tiles = dtiles.as<ts::cuda::GroupTile>() + t0,
+                                  .n_tiles = nt,
+                                  .w0 = dg.as<const void*>(),
+                                  .w1 = du.as<const void*>(),
+                                  .direct0 = direct ? gp[size_t(e)] : nullptr,
+                                  .direct1 = direct ? up[size_t(e)] : nullptr,
+                                  .dtype = t,
+                                  .x = dx.p,
+                                  .n = de,
+                                  .k = d,
+                                  .out = dh.p};
+          ts::cuda::grouped_gate_up(a, nullptr);
+          a = ts::cuda::GroupedArgs{.tiles = dtiles.as<ts::cuda::GroupTile>() + t0,
+                                    .n_tiles = nt,
+                                    .w0 = dd.as<const void*>(),
+                                    .direct0 = direct ? dp[size_t(e)] : nullptr,
+                                    .dtype = t,
+                                    .x = dh.p,
+                                    .n = d,
+                                    .k = de,
+                                    .out = dy.p};
+          ts::cuda::grouped_down(a, nullptr);
+        }
+        (direct ? h_direct : h_tab) = dh.get<uint16_t>();
+        (direct ? y_direct : y_tab) = dy.get<float>();
       }
+      ASSERT_EQ(h_tab, h_direct) << what;
+      ASSERT_EQ(0, std::memcmp(y_tab.data(), y_direct.data(), y_tab.size() * 4)) << what;
+      // Reference: phase 1 from the BF16 inputs; phase 2 from the kernel's own BF16 h, so each
+      // phase is checked alone.
+      std::vector<float> h_want(size_t(ns * de)), h_got(size_t(ns * de)), y_want(size_t(ns * d));
+      for (int r = 0; r < ns; ++r) {
+        const int e = expert_of[size_t(r)];
+        for (int j = 0; j < de; ++j) {
+          double g = 0, u = 0;
+          for (int c = 0; c < d; ++c) {
+            const double xv = ts::bf16_to_f32(xb[size_t(r * d + c)]);
+            g += xv * Gf[size_t(e)][size_t(j * d + c)];
+            u += xv * Uf[size_t(e)][size_t(j * d + c)];
+          }
+          h_want[size_t(r * de + j)] = float(g / (1.0 + std::exp(-g)) * u);
+          h_got[size_t(r * de + j)] = ts::bf16_to_f32(h_tab[size_t(r * de + j)]);
+        }
+        for (int j = 0; j < d; ++j) {
+          double y = 0;
+          for (int c = 0; c < de; ++c)
+            y += double(h_got[size_t(r * de + c)]) * Df[size_t(e)][size_t(j * de + c)];
+          y_want[size_t(r * d + j)] = float(y);
+        }
+      }
+      // h is rounded to BF16 (relative 2^-9); y accumulates in F32.
+      EXPECT_LE(max_rel(h_got, h_want), 8e-3) << what;
+      EXPECT_LE(max_rel(y_tab, y_want), 1e-5) << what;
+      for (Dev* p : owned) delete p;
     }
-    // h is rounded to BF16 (relative 2^-9); y accumulates in F32.
-    EXPECT_LE(max_rel(h_got, h_want), 8e-3) << what;
-    EXPECT_LE(max_rel(y_tab, y_want), 1e-5) << what;
-    for (Dev* p : owned) delete p;
-  }
 }
 
 TEST(CudaKernels, GatherAndSlotSumMatchReference) {
