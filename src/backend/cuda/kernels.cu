@@ -141,9 +141,11 @@ __device__ __forceinline__ void q8_0_block_dot(const uint16_t* blk, const float*
 //
 // The copies are cp.async (global -> shared without registers): all of a warp's 16-byte
 // pieces are in flight at once, rather than each load waiting for the store before it.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
@@ -893,9 +895,6 @@ __device__ __forceinline__ void fa_stage(const float* src, size_t stride, int r0
   }
 }
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -1677,10 +1676,11 @@ constexpr int kMmaN = 128, kMmaLd = kGK + 8;  // 80-byte rows: ldmatrix without 
 constexpr int kMmaStage = (kGroupTile + 2 * kMmaN) * kMmaLd;  // BF16 elements per stage
 constexpr size_t kMmaSmem = size_t(2 * kMmaStage) * 2;
 
+// As cp_async16; with valid false nothing is read and the 16 bytes are zeroed.
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(gmem), "r"(n));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
+               "l"(gmem), "r"(n));
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -2001,28 +2001,25 @@ bool grouped_supports(DType type, int64_t cols) {
 }
 
 namespace {
+// Both phases: BF16 weights on grouped_mma_kernel, Q8_0 on the WMMA grouped_gemm_kernel.
 template <bool kGateUp>
-void launch_grouped_mma(const GroupedArgs& a, cudaStream_t s) {
-  cudaFuncSetAttribute(grouped_mma_kernel<kGateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       int(kMmaSmem));
-  const dim3 grid(unsigned((a.n + kMmaN - 1) / kMmaN), unsigned(a.n_tiles));
-  launch_kernel(grouped_mma_kernel<kGateUp>, grid, 128, kMmaSmem, s, a);
+void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
+  if (a.n_tiles == 0) return;
+  if (a.dtype == DType::kBF16) {
+    cudaFuncSetAttribute(grouped_mma_kernel<kGateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         int(kMmaSmem));
+    const dim3 grid(unsigned((a.n + kMmaN - 1) / kMmaN), unsigned(a.n_tiles));
+    launch_kernel(grouped_mma_kernel<kGateUp>, grid, 128, kMmaSmem, s, a);
+    return;
+  }
+  const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
+  launch_kernel(grouped_gemm_kernel<kGateUp>, grid, 128, 0, s, a);
 }
 }  // namespace
 
-void grouped_gate_up(const GroupedArgs& a, cudaStream_t s) {
-  if (a.n_tiles == 0) return;
-  if (a.dtype == DType::kBF16) return launch_grouped_mma<true>(a, s);
-  const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
-  launch_kernel(grouped_gemm_kernel<true>, grid, 128, 0, s, a);
-}
+void grouped_gate_up(const GroupedArgs& a, cudaStream_t s) { launch_grouped<true>(a, s); }
 
-void grouped_down(const GroupedArgs& a, cudaStream_t s) {
-  if (a.n_tiles == 0) return;
-  if (a.dtype == DType::kBF16) return launch_grouped_mma<false>(a, s);
-  const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
-  launch_kernel(grouped_gemm_kernel<false>, grid, 128, 0, s, a);
-}
+void grouped_down(const GroupedArgs& a, cudaStream_t s) { launch_grouped<false>(a, s); }
 
 void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s) {
   launch_kernel(quantize_q8_0_kernel, grid_for(n / 32), 256, 0, s, x, static_cast<uint8_t*>(out), n / 32);
