@@ -148,6 +148,15 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// 16 bytes, or 16 zero bytes when !valid (gmem is then not read).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 
 // Starts the warp's copy of `bytes` (a multiple of 16; both ends 16-byte aligned) to dst.
 __device__ __forceinline__ void warp_copy_async(uint8_t* dst, const uint8_t* src, int bytes,
@@ -504,10 +513,20 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
     float x0 = live ? a.k[src + i] : 0.0f, x1 = live ? a.k[src + i + half] : 0.0f;
     if (a.k_norm) head_norm(x0, x1, a.k_norm);
     if (live) {
-      a.k_cache[dst + i] = x0 * c - x1 * s;
-      a.k_cache[dst + i + half] = x1 * c + x0 * s;
-      a.v_cache[dst + i] = a.v[src + i];
-      a.v_cache[dst + i + half] = a.v[src + i + half];
+      const float k0 = x0 * c - x1 * s, k1 = x1 * c + x0 * s;
+      const float v0 = a.v[src + i], v1 = a.v[src + i + half];
+      a.k_cache[dst + i] = k0;
+      a.k_cache[dst + i + half] = k1;
+      a.v_cache[dst + i] = v0;
+      a.v_cache[dst + i + half] = v1;
+      if (a.k_bf16) {
+        __nv_bfloat16* kb = static_cast<__nv_bfloat16*>(a.k_bf16);
+        __nv_bfloat16* vb = static_cast<__nv_bfloat16*>(a.v_bf16);
+        kb[dst + i] = __float2bfloat16_rn(k0);
+        kb[dst + i + half] = __float2bfloat16_rn(k1);
+        vb[dst + i] = __float2bfloat16_rn(v0);
+        vb[dst + i + half] = __float2bfloat16_rn(v1);
+      }
     }
   }
 }
@@ -919,7 +938,8 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-template <int HD>
+// kAsync: keys and values from the BF16 copies of the cache by cp.async (AttentionArgs).
+template <int HD, bool kAsync>
 __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
   pdl_wait();
   extern __shared__ __align__(128) unsigned char fa_smem[];
@@ -944,79 +964,112 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's columns only
   // ldmatrix row addresses: lane supplies row lane % 8 of matrix lane / 8.
   const int mi = lane / 8, mr = lane % 8;
+  // From the BF16 copies of the cache: cp.async of keys [k0, k0 + kFaK) of the group's head
+  // into a tile, rows past last_key zero.
+  const auto copy_tile = [&](const void* cache, int k0, __nv_bfloat16* tile) {
+    constexpr int kPieces = kFaK * HD / 8;  // 16-byte pieces
+#pragma unroll
+    for (int i = 0; i < kPieces / 128; ++i) {
+      const int c = threadIdx.x + 128 * i, r = c / (HD / 8), p = c % (HD / 8);
+      const bool ok = k0 + r <= last_key;
+      const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(cache) +
+                                 (ok ? size_t(k0 + r) * kv_dim + size_t(g) * HD + p * 8 : 0);
+      cp_async16_zfill(tile + r * kFaLd + p * 8, src, ok);
+    }
+    cp_async_commit();
+  };
+  if constexpr (kAsync) copy_tile(a.k_bf16, 0, ks);
   for (int k0 = 0; k0 <= last_key; k0 += kFaK) {
-    __syncthreads();  // the previous tile is no longer read
-    const size_t base = size_t(k0) * kv_dim;
-    // In halves: 8 float4 loads in flight per thread, so the loads do not hold the registers
-    // the output needs (3 blocks per SM).
+    if constexpr (kAsync) {
+      // Keys of this tile in; the previous tile's values no longer read: fetch this tile's
+      // values while its scores compute.
+      cp_async_wait_all();
+      __syncthreads();
+      copy_tile(a.v_bf16, k0, vs);
+    } else {
+      __syncthreads();  // the previous tile is no longer read
+      const size_t base = size_t(k0) * kv_dim;
+      // In halves: 8 float4 loads in flight per thread, so the loads do not hold the registers
+      // the output needs (3 blocks per SM).
 #pragma unroll
-    for (int r = 0; r < kFaK; r += kFaK / 2) {
-      fa_stage<HD, kFaK / 2>(a.k_cache + base, size_t(kv_dim), r, last_key + 1 - k0, size_t(g) * HD,
-                             ks + r * kFaLd);
-      fa_stage<HD, kFaK / 2>(a.v_cache + base, size_t(kv_dim), r, last_key + 1 - k0, size_t(g) * HD,
-                             vs + r * kFaLd);
+      for (int r = 0; r < kFaK; r += kFaK / 2) {
+        fa_stage<HD, kFaK / 2>(a.k_cache + base, size_t(kv_dim), r, last_key + 1 - k0,
+                               size_t(g) * HD, ks + r * kFaLd);
+        fa_stage<HD, kFaK / 2>(a.v_cache + base, size_t(kv_dim), r, last_key + 1 - k0,
+                               size_t(g) * HD, vs + r * kFaLd);
+      }
+      __syncthreads();
     }
-    __syncthreads();
-    if (!active || k0 > q_first + 15)
-      continue;  // every key of the tile is after the warp's queries
+    // Whether any key of the tile is at or before the warp's queries.
+    const bool work = active && k0 <= q_first + 15;
+    if (!kAsync && !work) continue;
     float s[kSt][4];
+    if (work) {
 #pragma unroll
-    for (int j = 0; j < kSt; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      for (int j = 0; j < kSt; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      unsigned qa[4];
-      ldsm_x4(qa, qs + (r0 + (mi % 2) * 8 + mr) * kFaLd + kk * 16 + (mi / 2) * 8);
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        unsigned qa[4];
+        ldsm_x4(qa, qs + (r0 + (mi % 2) * 8 + mr) * kFaLd + kk * 16 + (mi / 2) * 8);
 #pragma unroll
-      for (int jj = 0; jj < kSt / 2; ++jj) {
-        unsigned kb[4];
-        ldsm_x4(kb, ks + (jj * 16 + (mi / 2) * 8 + mr) * kFaLd + kk * 16 + (mi % 2) * 8);
-        mma_bf16(s[2 * jj], qa, kb[0], kb[1]);
-        mma_bf16(s[2 * jj + 1], qa, kb[2], kb[3]);
+        for (int jj = 0; jj < kSt / 2; ++jj) {
+          unsigned kb[4];
+          ldsm_x4(kb, ks + (jj * 16 + (mi / 2) * 8 + mr) * kFaLd + kk * 16 + (mi % 2) * 8);
+          mma_bf16(s[2 * jj], qa, kb[0], kb[1]);
+          mma_bf16(s[2 * jj + 1], qa, kb[2], kb[3]);
+        }
       }
-    }
-    // Scale, mask (keys after the row's position), row maxima over the quad.
-    const bool masked = k0 + kFaK - 1 > q_first;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+      // Scale, mask (keys after the row's position), row maxima over the quad.
+      const bool masked = k0 + kFaK - 1 > q_first;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < kSt; ++j) {
+      for (int j = 0; j < kSt; ++j) {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int key = k0 + j * 8 + tig * 2 + c;
-        s[j][c] = masked && key > qpos0 ? -INFINITY : s[j][c] * scale2;
-        s[j][2 + c] = masked && key > qpos1 ? -INFINITY : s[j][2 + c] * scale2;
-        mx0 = fmaxf(mx0, s[j][c]);
-        mx1 = fmaxf(mx1, s[j][2 + c]);
+        for (int c = 0; c < 2; ++c) {
+          const int key = k0 + j * 8 + tig * 2 + c;
+          s[j][c] = masked && key > qpos0 ? -INFINITY : s[j][c] * scale2;
+          s[j][2 + c] = masked && key > qpos1 ? -INFINITY : s[j][2 + c] * scale2;
+          mx0 = fmaxf(mx0, s[j][c]);
+          mx1 = fmaxf(mx1, s[j][2 + c]);
+        }
       }
-    }
 #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-    }
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    // A row with no key yet keeps m = -inf: subtract 0 then (its p are all 0).
-    const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1;
-    const float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
-    m0 = n0;
-    m1 = n1;
-    float sum0 = 0.0f, sum1 = 0.0f;
+      for (int x = 1; x <= 2; x <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+      }
+      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      // A row with no key yet keeps m = -inf: subtract 0 then (its p are all 0).
+      const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1;
+      const float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
+      m0 = n0;
+      m1 = n1;
+      float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kSt; ++j) {
-      s[j][0] = exp2f(s[j][0] - u0);
-      s[j][1] = exp2f(s[j][1] - u0);
-      s[j][2] = exp2f(s[j][2] - u1);
-      s[j][3] = exp2f(s[j][3] - u1);
-      sum0 += s[j][0] + s[j][1];
-      sum1 += s[j][2] + s[j][3];
-    }
-    l0 = l0 * c0 + sum0;
-    l1 = l1 * c1 + sum1;
+      for (int j = 0; j < kSt; ++j) {
+        s[j][0] = exp2f(s[j][0] - u0);
+        s[j][1] = exp2f(s[j][1] - u0);
+        s[j][2] = exp2f(s[j][2] - u1);
+        s[j][3] = exp2f(s[j][3] - u1);
+        sum0 += s[j][0] + s[j][1];
+        sum1 += s[j][2] + s[j][3];
+      }
+      l0 = l0 * c0 + sum0;
+      l1 = l1 * c1 + sum1;
 #pragma unroll
-    for (int j = 0; j < kOt; ++j) {
-      o[j][0] *= c0;
-      o[j][1] *= c0;
-      o[j][2] *= c1;
-      o[j][3] *= c1;
+      for (int j = 0; j < kOt; ++j) {
+        o[j][0] *= c0;
+        o[j][1] *= c0;
+        o[j][2] *= c1;
+        o[j][3] *= c1;
+      }
+    }  // work
+    if constexpr (kAsync) {
+      // Values in; the keys no longer read: fetch the next tile's keys during P V.
+      cp_async_wait_all();
+      __syncthreads();
+      if (k0 + kFaK <= last_key) copy_tile(a.k_bf16, k0 + kFaK, ks);
+      if (!work) continue;
     }
     // O += P V: the S fragments of keys [16 kk, 16 kk + 16) are P's A fragment.
 #pragma unroll
@@ -1136,7 +1189,7 @@ __global__ void route_kernel(RouteArgs a) {
 
 // grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
 template <DType T>
-__global__ void moe_gate_up_kernel(MoeArgs a) {
+__device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
   pdl_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
@@ -1169,6 +1222,17 @@ __global__ void moe_gate_up_kernel(MoeArgs a) {
   row_dot_any<T, 1>(ur, x, xq, xd, a.d_model, 1, u, lane);
   const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
   if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
+}
+
+template <DType T>
+__global__ void moe_gate_up_kernel(MoeArgs a) {
+  gate_up_rows<T>(a);
+}
+// BF16 / F16: 12 blocks of 4 warps per SM (40 registers), so qwen3-30b-a3b's 1,536 blocks
+// (8 experts x 768 rows) run in one wave instead of 1.16.
+template <DType T>
+__global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_wide_kernel(MoeArgs a) {
+  gate_up_rows<T>(a);
 }
 
 // grid (ceil(d_model / kWarps), n): warp per (token, row), ranks summed in order. For the
@@ -1350,6 +1414,58 @@ __global__ void dequantize_kernel(const uint8_t* w, DType type, size_t row_bytes
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x)
     store_as(dst, dst_type, size_t(i), matrix_elem(w, type, row_bytes, i / cols, i % cols));
+}
+
+// Q8_0 -> BF16 by warps of 32 blocks (1,088 bytes in, 2,048 out): the blocks staged in
+// shared memory with 16-byte copies when the source allows, converted a block per lane, and
+// written back 16 bytes per lane in order. grid (ceil(max blocks / 256), 3, count).
+constexpr int kDqWarps = 8;
+__global__ void __launch_bounds__(32 * kDqWarps) dequantize_q8_kernel(Q8Dequant a) {
+  pdl_wait();
+  const int m = blockIdx.y, j = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nb = a.blocks[m];
+  if (nb == 0) return;
+  const uint8_t* src;
+  if (a.experts) {
+    const int e = a.experts[j];
+    src = static_cast<const uint8_t*>(a.src_tab[m][e]);
+    if (a.dst_tab[m] && blockIdx.x == 0 && threadIdx.x == 0)
+      a.dst_tab[m][e] = static_cast<uint8_t*>(a.dst) + size_t(j) * a.dst_stride + a.dst_off[m];
+  } else {
+    src = static_cast<const uint8_t*>(a.direct[m]);
+  }
+  uint16_t* dst = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(a.dst) +
+                                              size_t(j) * a.dst_stride + a.dst_off[m]);
+  const int64_t b0 = (int64_t(blockIdx.x) * kDqWarps + warp) * 32;
+  if (b0 >= nb) return;
+  const int n = nb - b0 < 32 ? int(nb - b0) : 32;
+  __shared__ __align__(16) uint8_t in[kDqWarps][32 * 34];
+  __shared__ __align__(16) uint16_t out[kDqWarps][32 * 32];
+  const uint8_t* from = src + size_t(b0) * 34;
+  if (n == 32 && (reinterpret_cast<uintptr_t>(from) & 15) == 0) {
+    warp_copy_async(in[warp], from, 32 * 34, lane);
+    warp_copy_wait();
+  } else {
+    for (int i = lane; i < n * 17; i += 32)
+      reinterpret_cast<uint16_t*>(in[warp])[i] = reinterpret_cast<const uint16_t*>(from)[i];
+    __syncwarp();
+  }
+  if (lane < n) {
+    const uint16_t* blk = reinterpret_cast<const uint16_t*>(in[warp] + lane * 34);
+    const float d = f16_bits(blk[0]);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t two = blk[1 + i];
+      const __nv_bfloat162 v =
+          __floats2bfloat162_rn(d * float(int8_t(two & 0xff)), d * float(int8_t(two >> 8)));
+      *reinterpret_cast<__nv_bfloat162*>(&out[warp][lane * 32 + 2 * i]) = v;
+    }
+  }
+  __syncwarp();
+  // n blocks = n * 64 bytes = n * 4 chunks of 16 bytes.
+  uint16_t* to = dst + size_t(b0) * 32;
+  for (int c = lane; c < n * 4; c += 32)
+    reinterpret_cast<uint4*>(to)[c] = reinterpret_cast<const uint4*>(out[warp])[c];
 }
 
 __global__ void slot_sum_kernel(const float* rows, const int* row_of, const float* weights, int k,
@@ -1677,14 +1793,6 @@ constexpr int kMmaStage = (kGroupTile + 2 * kMmaN) * kMmaLd;  // BF16 elements p
 constexpr size_t kMmaSmem = size_t(2 * kMmaStage) * 2;
 
 // As cp_async16; with valid false nothing is read and the 16 bytes are zeroed.
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
-               "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
 
 // Rows [0, rows) of a [*, k] BF16 matrix, columns k0..k0+31, into s (row stride kMmaLd):
 // ROWS x 4 16-byte pieces, zero past rows / k (k a multiple of 8).
@@ -1906,7 +2014,11 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
   // blocks, else by a quantize_act launch after the kernel.
   if (a.tensor_cores && a.n >= kTcAttentionMin && (a.head_dim == 64 || a.head_dim == 128)) {
     // Per device, so set at every launch (a host-side call); a failure shows at the launch.
-    const auto kernel = a.head_dim == 64 ? attention_tc_kernel<64> : attention_tc_kernel<128>;
+    const bool async = a.k_bf16 && a.v_bf16;
+    const auto kernel =
+        a.head_dim == 64
+            ? (async ? attention_tc_kernel<64, true> : attention_tc_kernel<64, false>)
+            : (async ? attention_tc_kernel<128, true> : attention_tc_kernel<128, false>);
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFaSmem));
     a.out_q = {};
     launch_kernel(kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kFaQ - 1) / kFaQ)), 128, kFaSmem, s, a);
@@ -1938,8 +2050,12 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned((a.d_expert + kWarps - 1) / kWarps), unsigned(a.n * a.top_k));
   switch (a.gate_dtype) {
     case DType::kF32: launch_kernel(moe_gate_up_kernel<DType::kF32>, grid, 32 * kWarps, 0, s, a); break;
-    case DType::kF16: launch_kernel(moe_gate_up_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a); break;
-    case DType::kBF16: launch_kernel(moe_gate_up_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kF16:
+      launch_kernel(moe_gate_up_wide_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a);
+      break;
+    case DType::kBF16:
+      launch_kernel(moe_gate_up_wide_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a);
+      break;
     case DType::kQ8_0: launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a); break;
     case DType::kQ4_K: launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
   }
@@ -1980,6 +2096,13 @@ void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s) {
   launch_kernel(dequantize_kernel, grid_for(w.rows * w.cols), 256, 0, s, 
       static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), w.rows, w.cols, dst,
       DType::kBF16);
+}
+
+void dequantize_q8_bf16(const Q8Dequant& a, cudaStream_t s) {
+  const int64_t most = std::max({a.blocks[0], a.blocks[1], a.blocks[2]});
+  if (most == 0 || a.count == 0) return;
+  const dim3 grid(unsigned((most + 32 * kDqWarps - 1) / (32 * kDqWarps)), 3, unsigned(a.count));
+  launch_kernel(dequantize_q8_kernel, grid, 32 * kDqWarps, 0, s, a);
 }
 
 void to_f32(const DevMatrix& w, float* dst, cudaStream_t s) {

@@ -76,6 +76,10 @@ struct RopeKvArgs {
   const float* q_norm = nullptr;  // per-head RMSNorm weights [head_dim] applied first, or null
   const float* k_norm = nullptr;
   float eps = 0;
+  // Optional BF16 copies of the cache rows (for the tensor-core prefill attention), rounded
+  // to nearest even from the F32 values written: [n_ctx, kv_dim] of this layer each.
+  void* k_bf16 = nullptr;
+  void* v_bf16 = nullptr;
 };
 void rope_kv_append(const RopeKvArgs& a, cudaStream_t s);
 
@@ -93,6 +97,11 @@ struct AttentionArgs {
   // the probabilities rounded to BF16 for tensor cores, F32 accumulation and softmax (for
   // models whose weights are not F32; F32 models keep the F32 kernels).
   bool tensor_cores = false;
+  // Optional BF16 copies of the cache (RopeKvArgs): the tensor-core kernel then stages keys
+  // and values with asynchronous copies, the next tile's while the current one computes, and
+  // gives the same bytes as from the F32 cache (which it rounds the same way).
+  const void* k_bf16 = nullptr;
+  const void* v_bf16 = nullptr;
   // Optional: out also as Q8 blocks (as quantize_act; n_heads * head_dim a multiple of 32),
   // written by the merge when heads are whole blocks, else by a quantize_act launch after.
   QAct out_q = {};
@@ -158,6 +167,23 @@ void gather_rows(const float* src, const int* src_row, int n_rows, int d, void* 
 void convert_f32(const float* src, void* dst, DType dst_type, int64_t n, cudaStream_t s);
 // Any matrix -> BF16 [rows, cols].
 void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s);
+// BF16 copies of Q8_0 matrices, the values dequantize_bf16 gives (d * q rounded to BF16),
+// for the grouped GEMMs of long prefill chunks and cuBLAS: up to three matrices (gate, up,
+// down) of each of `count` experts, or of one set of `direct` matrices. Expert j of the list
+// lands at dst + j * dst_stride + dst_off[m], and with dst_tab set, dst_tab[m][experts[j]]
+// receives that address (the table the grouped GEMMs read).
+struct Q8Dequant {
+  const int* experts = nullptr;        // device ids [count]; null: direct
+  const void* const* src_tab[3] = {};  // per-expert addresses (device tables)
+  const void* direct[3] = {};          // the matrices when experts is null
+  int64_t blocks[3] = {};              // 32-value blocks per matrix (0: none)
+  void* dst = nullptr;
+  size_t dst_off[3] = {};
+  size_t dst_stride = 0;         // bytes per expert
+  const void** dst_tab[3] = {};  // device tables, [n_experts] each
+  int count = 1;
+};
+void dequantize_q8_bf16(const Q8Dequant& a, cudaStream_t s);
 // out[t] = sum over r in rank order of weights[t, r] * rows[row_of[t * k + r]].
 void slot_sum(const float* rows, const int* row_of, const float* weights, int n, int k, int d,
               float* out, cudaStream_t s);

@@ -229,42 +229,46 @@ TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
     "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
   auto hp = ts::model::parse_hparams(cfg, "test config");
   ASSERT_TRUE(hp.ok()) << hp.error().message;
-  std::vector<int> prompt;
-  for (int i = 0; i < 100; ++i) prompt.push_back((i * 37 + 11) % 512);
-  for (ts::DType t : {ts::DType::kBF16, ts::DType::kQ8_0}) {
-    const auto run = [&](ts::runtime::GpuExpertOptions g, int chunk) {
-      ts::runtime::SessionOptions o{.n_ctx = 128, .prefill_chunk = chunk};
-      o.gpu_experts = g;
-      auto e = ts::cuda::make_synthetic_cuda_session(
-          hp.value(), std::move(o), 0, {.dtype = t, .seed = 5, .sampled_routing = true});
-      EXPECT_TRUE(e.ok()) << e.error().message;
-      std::vector<float> logits;
-      if (e.ok()) {
-        EXPECT_TRUE(e.value()->forward(prompt, &logits).ok());
+  // 100 tokens: 25 rows per expert (Q8_0 experts read as blocks by the grouped kernel);
+  // 400: 100 rows per expert (Q8_0 experts dequantized to BF16 for the chunk first).
+  for (const int n_prompt : {100, 400})
+    for (ts::DType t : {ts::DType::kBF16, ts::DType::kQ8_0}) {
+      std::vector<int> prompt;
+      for (int i = 0; i < n_prompt; ++i) prompt.push_back((i * 37 + 11) % 512);
+      const auto run = [&](ts::runtime::GpuExpertOptions g, int chunk) {
+        ts::runtime::SessionOptions o{.n_ctx = 512, .prefill_chunk = chunk};
+        o.gpu_experts = g;
+        auto e = ts::cuda::make_synthetic_cuda_session(
+            hp.value(), std::move(o), 0, {.dtype = t, .seed = 5, .sampled_routing = true});
+        EXPECT_TRUE(e.ok()) << e.error().message;
+        std::vector<float> logits;
+        if (e.ok()) {
+          EXPECT_TRUE(e.value()->forward(prompt, &logits).ok());
+        }
+        return logits;
+      };
+      const std::vector<float> resident = run({}, n_prompt);
+      ASSERT_EQ(resident.size(), prompt.size() * 512);
+      for (int slots : {1, 4, 16})
+        for (bool prefetch : {true, false}) {
+          const std::vector<float> host = run({.residency = GpuResidency::kHost,
+                                               .slots_per_layer = slots,
+                                               .layer_prefetch = prefetch},
+                                              n_prompt);
+          ASSERT_EQ(host.size(), resident.size());
+          EXPECT_EQ(0, std::memcmp(host.data(), resident.data(), host.size() * 4))
+              << ts::dtype_name(t) << " host, " << slots << " slots, prefetch " << prefetch;
+        }
+      const std::vector<float> gemv = run({}, 8);
+      ASSERT_EQ(gemv.size(), resident.size());
+      double num = 0, den = 0;
+      for (size_t i = 0; i < gemv.size(); ++i) {
+        num = std::max(num, double(std::fabs(gemv[i] - resident[i])));
+        den = std::max(den, double(std::fabs(gemv[i])));
       }
-      return logits;
-    };
-    const std::vector<float> resident = run({}, 100);
-    ASSERT_EQ(resident.size(), prompt.size() * 512);
-    for (int slots : {1, 4, 16})
-      for (bool prefetch : {true, false}) {
-        const std::vector<float> host =
-            run({.residency = GpuResidency::kHost, .slots_per_layer = slots,
-                 .layer_prefetch = prefetch}, 100);
-        ASSERT_EQ(host.size(), resident.size());
-        EXPECT_EQ(0, std::memcmp(host.data(), resident.data(), host.size() * 4))
-            << ts::dtype_name(t) << " host, " << slots << " slots, prefetch " << prefetch;
-      }
-    const std::vector<float> gemv = run({}, 8);
-    ASSERT_EQ(gemv.size(), resident.size());
-    double num = 0, den = 0;
-    for (size_t i = 0; i < gemv.size(); ++i) {
-      num = std::max(num, double(std::fabs(gemv[i] - resident[i])));
-      den = std::max(den, double(std::fabs(gemv[i])));
+      EXPECT_LE(num / den, 3e-2) << ts::dtype_name(t) << ": grouped vs GEMV prefill";
+      EXPECT_GT(num, 0.0) << "the two paths should round differently";
     }
-    EXPECT_LE(num / den, 3e-2) << ts::dtype_name(t) << ": grouped vs GEMV prefill";
-    EXPECT_GT(num, 0.0) << "the two paths should round differently";
-  }
 }
 
 TEST(CudaExpertCacheErrors, CacheSmallerThanOneExpertIsAClearError) {

@@ -1,8 +1,9 @@
 // Every CUDA kernel against a simple CPU reference on random inputs, outputs poisoned with
 // NaN first so an unwritten element shows. Skipped where no CUDA device is present.
-#include <gtest/gtest.h>
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -14,8 +15,8 @@
 #include "backend/cpu/quant.h"
 #include "backend/cuda/kernels.cuh"
 #include "core/thread_pool.h"
-#include "model/router.h"
 #include "cuda_test_util.h"
+#include "model/router.h"
 
 namespace {
 
@@ -250,14 +251,32 @@ TEST_P(CudaAttention, RopeAndAttentionMatchCpu) {
   for (int splits : {1, 4, 16}) {
     Dev dq(q), dk(k), dv(v), dkc(kc), dvc(vc), dinv(inv), dpos(std::vector<int>{pos0});
     Dev dout(want.size() * 4), dpart(size_t(n * n_heads * splits * (hd + 2)) * 4);
-    ts::cuda::rope_kv_append({.q = dq.as<float>(), .k = dk.as<float>(), .v = dv.as<float>(),
-                              .k_cache = dkc.as<float>(), .v_cache = dvc.as<float>(),
-                              .inv_freq = dinv.as<float>(), .pos = dpos.as<int>(), .n = n,
-                              .n_heads = n_heads, .n_kv_heads = n_kv, .head_dim = hd},
+    // BF16 copies of the appended rows (poisoned: the other rows must stay untouched).
+    Dev dkb(kc.size() * 2), dvb(vc.size() * 2);
+    ts::cuda::rope_kv_append({.q = dq.as<float>(),
+                              .k = dk.as<float>(),
+                              .v = dv.as<float>(),
+                              .k_cache = dkc.as<float>(),
+                              .v_cache = dvc.as<float>(),
+                              .inv_freq = dinv.as<float>(),
+                              .pos = dpos.as<int>(),
+                              .n = n,
+                              .n_heads = n_heads,
+                              .n_kv_heads = n_kv,
+                              .head_dim = hd,
+                              .k_bf16 = dkb.p,
+                              .v_bf16 = dvb.p},
                              nullptr);
     EXPECT_LE(max_rel(dq.get<float>(), qr), 1e-6);
     EXPECT_LE(max_rel(dkc.get<float>(), kc_ref), 1e-6);
     EXPECT_EQ(dvc.get<float>(), vc_ref);
+    const std::vector<float> kc_got = dkc.get<float>(), vc_got = dvc.get<float>();
+    const std::vector<uint16_t> kb = dkb.get<uint16_t>(), vb = dvb.get<uint16_t>();
+    for (size_t i = 0; i < kb.size(); ++i) {
+      const bool appended = i >= size_t(pos0 * kvd) && i < size_t((pos0 + n) * kvd);
+      ASSERT_EQ(kb[i], appended ? ts::f32_to_bf16(kc_got[i]) : uint16_t(0xffff)) << "k " << i;
+      ASSERT_EQ(vb[i], appended ? ts::f32_to_bf16(vc_got[i]) : uint16_t(0xffff)) << "v " << i;
+    }
     ts::cuda::attention({.q = dq.as<float>(), .k_cache = dkc.as<float>(),
                          .v_cache = dvc.as<float>(), .out = dout.as<float>(),
                          .partial = dpart.as<float>(), .pos = dpos.as<int>(), .n = n,
@@ -363,6 +382,31 @@ TEST(CudaKernels, TensorCoreAttentionMatchesReference) {
     // BF16 inputs and probabilities: about 2^-8 relative.
     EXPECT_LE(max_rel(dout.get<float>(), want), 2e-2)
         << "n " << c.n << " pos0 " << c.pos0 << " hd " << c.hd;
+    // From BF16 copies of the cache (asynchronous staging): the same bytes. Rows past the
+    // last query's position hold poison, which the kernel must not read.
+    std::vector<uint16_t> kb(size_t(n_ctx + 64) * kvd, 0xffff), vb(kb.size(), 0xffff);
+    for (size_t i = 0; i < kc.size(); ++i) {
+      kb[i] = ts::f32_to_bf16(kc[i]);
+      vb[i] = ts::f32_to_bf16(vc[i]);
+    }
+    Dev dkb(kb), dvb(vb), dout2(want.size() * 4);
+    ts::cuda::attention({.q = dq.as<float>(),
+                         .k_cache = dkc.as<float>(),
+                         .v_cache = dvc.as<float>(),
+                         .out = dout2.as<float>(),
+                         .partial = nullptr,
+                         .pos = dpos.as<int>(),
+                         .n = c.n,
+                         .n_heads = c.n_heads,
+                         .n_kv_heads = c.n_kv,
+                         .head_dim = c.hd,
+                         .n_splits = 1,
+                         .tensor_cores = true,
+                         .k_bf16 = dkb.p,
+                         .v_bf16 = dvb.p},
+                        nullptr);
+    EXPECT_EQ(dout2.get<float>(), dout.get<float>())
+        << "BF16 copies: n " << c.n << " pos0 " << c.pos0 << " hd " << c.hd;
   }
 }
 
@@ -629,6 +673,93 @@ TEST(CudaKernels, DequantizeMatchesCpuReference) {
       ASSERT_LE(std::abs(int(b[i]) - int(ts::f32_to_bf16(want[i]))), 1)
           << ts::dtype_name(t) << " element " << i;
   }
+}
+
+// dequantize_q8_bf16: per-expert Q8_0 matrices through address tables into one scratch
+// (expert j of the list at j * stride + offset, dst_tab[m][e] set), and one direct matrix
+// 2 bytes off 16-byte alignment (the unstaged path): byte for byte what dequantize_bf16
+// gives, with the scratch's gaps and the tables' other entries untouched (poisoned).
+TEST(CudaKernels, DequantizeQ8ToBf16MatchesDequantizeBf16) {
+  SKIP_WITHOUT_GPU();
+  // gate / up [42, 256]: 336 blocks (a warp's 32 and a tail of 16); down [256, 64]: 512.
+  const int n_experts = 3;
+  const int64_t shape[3][2] = {{42, 256}, {42, 256}, {256, 64}};
+  std::vector<std::vector<uint8_t>> w[3];
+  std::vector<Dev*> owned;
+  std::vector<const void*> tab[3];
+  for (int m = 0; m < 3; ++m)
+    for (int e = 0; e < n_experts; ++e) {
+      w[m].push_back(
+          make_matrix(DType::kQ8_0, shape[m][0], shape[m][1], uint32_t(70 + 10 * m + e)));
+      owned.push_back(new Dev(w[m].back()));
+      tab[m].push_back(owned.back()->p);
+    }
+  const auto want_of = [&](int m, int e) {
+    Dev dw(w[m][size_t(e)]), db(size_t(shape[m][0] * shape[m][1]) * 2);
+    ts::cuda::dequantize_bf16({dw.p, DType::kQ8_0, shape[m][0], shape[m][1]}, db.p, nullptr);
+    return db.get<uint16_t>();
+  };
+  // Each matrix followed by a 256-byte gap; experts 512 bytes apart beyond that.
+  size_t off[3], stride = 0;
+  for (int m = 0; m < 3; ++m) {
+    off[m] = stride;
+    stride += size_t(shape[m][0] * shape[m][1]) * 2 + 256;
+  }
+  stride += 512;
+  const std::vector<int> ids = {2, 0};
+  Dev dids(ids), dtab0(tab[0]), dtab1(tab[1]), dtab2(tab[2]);
+  Dev dst(stride * 3), out_tab(size_t(3 * n_experts) * sizeof(void*));
+  ts::cuda::Q8Dequant q;
+  q.experts = dids.as<int>();
+  q.src_tab[0] = dtab0.as<const void*>();
+  q.src_tab[1] = dtab1.as<const void*>();
+  q.src_tab[2] = dtab2.as<const void*>();
+  for (int m = 0; m < 3; ++m) {
+    q.blocks[m] = shape[m][0] * shape[m][1] / 32;
+    q.dst_off[m] = off[m];
+    q.dst_tab[m] = out_tab.as<const void*>() + m * n_experts;
+  }
+  q.dst = dst.p;
+  q.dst_stride = stride;
+  q.count = int(ids.size());
+  ts::cuda::dequantize_q8_bf16(q, nullptr);
+  const std::vector<uint8_t> got = dst.get<uint8_t>();
+  std::vector<bool> written(got.size(), false);
+  for (size_t j = 0; j < ids.size(); ++j)
+    for (int m = 0; m < 3; ++m) {
+      const std::vector<uint16_t> want = want_of(m, ids[j]);
+      const size_t at = j * stride + off[m];
+      ASSERT_EQ(0, std::memcmp(got.data() + at, want.data(), want.size() * 2))
+          << "expert " << ids[j] << " matrix " << m;
+      for (size_t i = 0; i < want.size() * 2; ++i) written[at + i] = true;
+    }
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!written[i]) {
+      ASSERT_EQ(got[i], 0xff) << "byte " << i << " written outside the copies";
+    }
+  const std::vector<const void*> tabs = out_tab.get<const void*>();
+  for (int m = 0; m < 3; ++m)
+    for (int e = 0; e < n_experts; ++e) {
+      const auto it = std::find(ids.begin(), ids.end(), e);
+      if (it == ids.end()) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(tabs[size_t(m * n_experts + e)]), ~uintptr_t(0))
+            << "table entry of an unlisted expert written";
+      } else {
+        EXPECT_EQ(tabs[size_t(m * n_experts + e)],
+                  static_cast<const uint8_t*>(dst.p) + size_t(it - ids.begin()) * stride + off[m]);
+      }
+    }
+  // One matrix by address, 2 bytes past a 16-byte boundary.
+  std::vector<uint8_t> shifted(2, 0);
+  shifted.insert(shifted.end(), w[2][1].begin(), w[2][1].end());
+  Dev dshift(shifted), one(size_t(shape[2][0] * shape[2][1]) * 2);
+  ts::cuda::Q8Dequant q1;
+  q1.direct[0] = dshift.as<uint8_t>() + 2;
+  q1.blocks[0] = shape[2][0] * shape[2][1] / 32;
+  q1.dst = one.p;
+  ts::cuda::dequantize_q8_bf16(q1, nullptr);
+  EXPECT_EQ(one.get<uint16_t>(), want_of(2, 1));
+  for (Dev* p : owned) delete p;
 }
 
 // The grouped tensor-core GEMMs against a double-precision reference on the same BF16 inputs
