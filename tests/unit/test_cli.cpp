@@ -74,6 +74,30 @@ TEST_F(Cli, LogitsWritesNpyOfShapeTokensByVocab) {
   EXPECT_EQ(a->shape, (std::vector<int64_t>{3, 512}));
 }
 
+// --prefill-chunk N: the prompt in chunks of N tokens gives the logits of one chunk (to
+// rounding); a chunk of 0 tokens is a one-line error naming the flag.
+TEST_F(Cli, PrefillChunkFlag) {
+  const std::string tokens = " --tokens 5,6,7,8,9,10,11 --out ";
+  RunResult whole = run("logits --model " + model_ + tokens + (tmp_ / "a.npy").string());
+  RunResult chunked =
+      run("logits --model " + model_ + tokens + (tmp_ / "b.npy").string() + " --prefill-chunk 3");
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  ASSERT_EQ(chunked.code, 0) << chunked.err;
+  auto a = ts::io::read_npy_f32((tmp_ / "a.npy").string());
+  auto b = ts::io::read_npy_f32((tmp_ / "b.npy").string());
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->data.size(), b->data.size());
+  float num = 0, den = 0;
+  for (size_t i = 0; i < a->data.size(); ++i) {
+    num = std::max(num, std::fabs(a->data[i] - b->data[i]));
+    den = std::max(den, std::fabs(a->data[i]));
+  }
+  EXPECT_LE(num / den, 1e-5f);
+  expect_error(run("logits --model " + model_ + tokens + (tmp_ / "c.npy").string() +
+                   " --prefill-chunk 0"),
+               "--prefill-chunk");
+}
+
 TEST_F(Cli, GenerateGreedyPrintsNIdsOnOneLine) {
   RunResult r = run("generate --model " + model_ + " --tokens 5,6,7 -n 6 --temperature 0");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -64,7 +64,8 @@ Status cmd_bench_cuda(const Args& args) {
   int64_t max_ctx = 0;
   for (int64_t c : contexts) max_ctx = std::max(max_ctx, c + n_gen);
   for (int64_t p : prompts) max_ctx = std::max(max_ctx, p);
-  runtime::SessionOptions so{.n_ctx = int(max_ctx), .quantize_q8_0 = quant};
+  TS_ASSIGN(int64_t chunk, args.integer_or("prefill-chunk", 0, 1, 1 << 20));
+  runtime::SessionOptions so{.n_ctx = int(max_ctx), .prefill_chunk = int(chunk), .quantize_q8_0 = quant};
   std::unique_ptr<runtime::Engine> engine;
   model::HParams hp;
   Loaded m;

@@ -27,6 +27,7 @@ struct ModelFlags {
   int threads = 1;
   runtime::Device device;  // --device cpu|cuda[:N]
   bool quantize_q8_0 = false;  // --quant q8_0 (CUDA: quantize float matrices at load)
+  int prefill_chunk = 0;       // --prefill-chunk N: tokens per prefill chunk (0: the backend's)
   runtime::LoadOptions load;
   runtime::GpuExpertOptions gpu;  // --residency host|streamed on --device cuda
   std::string cache_warm;         // --cache-warm HIST.json (read once the model is known)
@@ -54,6 +55,8 @@ inline Result<ModelFlags> read_model_flags(const Args& args) {
                         "pack: turbospark pack --experts-quant q8_0 --dense-quant q8_0");
     f.quantize_q8_0 = true;
   }
+  TS_ASSIGN(int64_t chunk, args.integer_or("prefill-chunk", 0, 1, 1 << 20));
+  f.prefill_chunk = int(chunk);
   // --residency: on the CPU where the experts live; on CUDA resident and mapped put every
   // expert in GPU memory (the host side is only where they load from), host and streamed put
   // a GPU expert cache in front of pinned host memory or the model's files.
@@ -146,6 +149,7 @@ inline Result<std::unique_ptr<runtime::Engine>> make_session(const ModelFlags& f
                                                              const Loaded& m,
                                                              runtime::SessionOptions options) {
   options.quantize_q8_0 = flags.quantize_q8_0;
+  if (flags.prefill_chunk > 0) options.prefill_chunk = flags.prefill_chunk;
   options.gpu_experts = flags.gpu;
   if (!flags.cache_warm.empty()) {
     TS_ASSIGN(auto counts, read_cache_warm(flags.cache_warm, m.model->hp()));
