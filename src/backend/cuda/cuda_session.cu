@@ -1791,12 +1791,13 @@ Status CudaSession::moe_block(int layer, int n) {
   return {};
 }
 
-// Prefill: the chunk's (token, rank) slots sorted by expert; each expert used runs its
-// three projections as GEMMs over its rows; the slots are then summed in rank order.
 // Rows per used expert (one 64-row tile) from which a chunk's Q8_0 experts are dequantized
 // to BF16 and run through the BF16 grouped kernel: docs/PERF.md measured it faster than the
 // Q8_0 kernel from 512-token prompts up (prefill 1.2x at 512 tokens, 1.46x at 4096).
 constexpr int kDequantQ8MinRows = 64;
+
+// Prefill: the chunk's (token, rank) slots sorted by expert; each expert used runs its
+// three projections as GEMMs over its rows; the slots are then summed in rank order.
 
 Status CudaSession::grouped_experts(int layer, int n) {
   const DevLayer& L = w_.layers[size_t(layer)];
@@ -1850,7 +1851,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
     CUDA_TRY(cudaMemcpyAsync(group_tiles_, tiles.data(), tiles.size() * sizeof(GroupTile),
                              cudaMemcpyHostToDevice, stream_));
   }
-  // Long chunks with Q8_0 experts run on BF16 copies of them (dequant_q8_min_rows).
+  // Long chunks with Q8_0 experts run on BF16 copies of them (kDequantQ8MinRows).
   const bool dq = tiled && dq_ && L.experts[0].gate.dtype == DType::kQ8_0 &&
                   L.experts[0].up.dtype == DType::kQ8_0 &&
                   L.experts[0].down.dtype == DType::kQ8_0 &&
