@@ -154,6 +154,9 @@ struct MoeArgs {
   // the GPU expert cache, the slots whose experts hit run while the misses are copied.
   const int* slot_mask = nullptr;
   int mask_value = 0;
+  // BF16 / F16 phase 1: -1 picks its kernel by the grid's waves (gemv.cu gate_up_wide);
+  // tests force 1 (40 registers) or 0 (default) to compare the two.
+  int force_wide = -1;
 };
 // phase 1: h[t, r] = silu(gate_e . xn[t]) * (up_e . xn[t]), e = ids[t, r]
 void moe_gate_up(const MoeArgs& a, cudaStream_t s);

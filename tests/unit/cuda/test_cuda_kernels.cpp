@@ -524,6 +524,18 @@ TEST(CudaKernels, MoePhasesMatchCpu) {
     ts::cuda::moe_gate_up(a, nullptr);
     ts::cuda::moe_down_sum(a, nullptr);
     EXPECT_LE(max_rel(dout.get<float>(), want), 1e-4) << ts::dtype_name(t);
+    // BF16 phase 1 has a second kernel (fewer registers, for one-wave grids): the same h.
+    if (t == DType::kBF16) {
+      const std::vector<float> h_auto = dh.get<float>();
+      for (int wide : {0, 1}) {
+        Dev dh2(size_t(n * k * de) * 4);
+        ts::cuda::MoeArgs b = a;
+        b.h = dh2.as<float>();
+        b.force_wide = wide;
+        ts::cuda::moe_gate_up(b, nullptr);
+        EXPECT_EQ(dh2.get<float>(), h_auto) << "force_wide " << wide;
+      }
+    }
     for (Dev* p : owned) delete p;
   }
 }

@@ -1,0 +1,671 @@
+// RoPE + KV append, and attention: decode split over the keys (by KV head or by query head)
+// with a merge, the F32 tiled prefill kernel, and the tensor-core prefill kernel (flash
+// attention 2 on mma.sync).
+#include "backend/cuda/kernels.cuh"
+
+#include "backend/cuda/device_util.cuh"
+
+namespace ts::cuda {
+namespace {
+
+// grid (n, max(n_heads, n_kv_heads)), block head_dim / 2 threads.
+__global__ void rope_kv_kernel(RopeKvArgs a) {
+  pdl_wait();
+  // Threads i >= half (the block is whole warps) only join the norm's reductions.
+  const int t = blockIdx.x, h = blockIdx.y, half = a.head_dim / 2;
+  const bool live = int(threadIdx.x) < half;
+  const int i = live ? int(threadIdx.x) : 0;
+  const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
+  const int position = *a.pos + t;
+  // transformers: freqs = position * inv_freq in float32, then cos/sin.
+  const float freq = float(position) * a.inv_freq[i];
+  const float c = float(cos(double(freq))), s = float(sin(double(freq)));
+  // Per-head RMSNorm (qwen3_moe) before the rotation: the block reduces its head's squares.
+  __shared__ float part[32];
+  auto head_norm = [&](float& x0, float& x1, const float* w) {
+    float ss = warp_sum(x0 * x0 + x1 * x1);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+    __syncthreads();
+    float total = 0;
+    for (int wi = 0; wi < int((blockDim.x + 31) / 32); ++wi) total += part[wi];
+    __syncthreads();
+    const float inv = rsqrtf(total / float(a.head_dim) + a.eps);
+    x0 = x0 * inv * w[i];
+    x1 = x1 * inv * w[i + half];
+  };
+  if (h < a.n_heads) {
+    float* xh = a.q + size_t(t) * q_dim + size_t(h) * a.head_dim;
+    float x0 = live ? xh[i] : 0.0f, x1 = live ? xh[i + half] : 0.0f;
+    if (a.q_norm) head_norm(x0, x1, a.q_norm);
+    if (live) {
+      xh[i] = x0 * c - x1 * s;
+      xh[i + half] = x1 * c + x0 * s;
+    }
+  }
+  if (h < a.n_kv_heads) {
+    const size_t src = size_t(t) * kv_dim + size_t(h) * a.head_dim;
+    const size_t dst = size_t(position) * kv_dim + size_t(h) * a.head_dim;
+    float x0 = live ? a.k[src + i] : 0.0f, x1 = live ? a.k[src + i + half] : 0.0f;
+    if (a.k_norm) head_norm(x0, x1, a.k_norm);
+    if (live) {
+      const float k0 = x0 * c - x1 * s, k1 = x1 * c + x0 * s;
+      const float v0 = a.v[src + i], v1 = a.v[src + i + half];
+      a.k_cache[dst + i] = k0;
+      a.k_cache[dst + i + half] = k1;
+      a.v_cache[dst + i] = v0;
+      a.v_cache[dst + i + half] = v1;
+      if (a.k_bf16) {
+        __nv_bfloat16* kb = static_cast<__nv_bfloat16*>(a.k_bf16);
+        __nv_bfloat16* vb = static_cast<__nv_bfloat16*>(a.v_bf16);
+        kb[dst + i] = __float2bfloat16_rn(k0);
+        kb[dst + i + half] = __float2bfloat16_rn(k1);
+        vb[dst + i] = __float2bfloat16_rn(v0);
+        vb[dst + i + half] = __float2bfloat16_rn(v1);
+      }
+    }
+  }
+}
+
+// grid (n_heads, n, n_splits), block 128: each warp runs an online softmax over its keys;
+// the block merges its warps and writes (m, l, acc[head_dim]) for its split.
+constexpr int kAttnWarps = 4;
+constexpr int kPerLane = kMaxHeadDim / 32;
+
+__global__ void attention_split_kernel(AttentionArgs a) {
+  pdl_wait();
+  const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, g = h / group;
+  const int kv_dim = a.n_kv_heads * hd;
+  const int n_keys = *a.pos + t + 1;
+  const int chunk = (n_keys + a.n_splits - 1) / a.n_splits;
+  const int j0 = split * chunk, j1 = min(n_keys, j0 + chunk);
+  const float scale = rsqrtf(float(hd));
+  const float* qr = a.q + size_t(t) * a.n_heads * hd + size_t(h) * hd;
+  float q[kPerLane], acc[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int dim = lane + 32 * i;
+    q[i] = dim < hd ? qr[dim] : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  // Keys in groups of kBatch per warp: their loads and reductions are independent, so they
+  // overlap instead of paying one memory round trip per key.
+  constexpr int kBatch = 4;
+  for (int j = j0 + warp * kBatch; j < j1; j += kAttnWarps * kBatch) {
+    const int nk = min(kBatch, j1 - j);
+    float s[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      s[b] = 0.0f;
+      if (b < nk) {
+        const float* k = a.k_cache + size_t(j + b) * kv_dim + size_t(g) * hd;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          const int dim = lane + 32 * i;
+          if (dim < hd) s[b] += q[i] * k[dim];
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) s[b] += __shfl_xor_sync(0xffffffffu, s[b], o);
+    float m_new = m;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      s[b] = b < nk ? s[b] * scale : -INFINITY;
+      m_new = fmaxf(m_new, s[b]);
+    }
+    const float corr = expf(m - m_new);
+    float p[kBatch];
+    l *= corr;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      p[b] = expf(s[b] - m_new);
+      l += p[b];
+    }
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] *= corr;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (b >= nk) break;
+      const float* v = a.v_cache + size_t(j + b) * kv_dim + size_t(g) * hd;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int dim = lane + 32 * i;
+        if (dim < hd) acc[i] += p[b] * v[dim];
+      }
+    }
+    m = m_new;
+  }
+  __shared__ float sm_m[kAttnWarps], sm_l[kAttnWarps];
+  __shared__ float sm_acc[kAttnWarps][kMaxHeadDim];
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_l[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int dim = lane + 32 * i;
+    if (dim < hd) sm_acc[warp][dim] = acc[i];
+  }
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm_m[w]);
+  float* out = a.partial + ((size_t(t) * a.n_heads + h) * a.n_splits + split) * (hd + 2);
+  for (int dim = threadIdx.x; dim < hd; dim += blockDim.x) {
+    float v = 0;
+    for (int w = 0; w < kAttnWarps; ++w)
+      if (sm_m[w] > -INFINITY) v += sm_acc[w][dim] * expf(sm_m[w] - M);
+    out[2 + dim] = v;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0;
+    for (int w = 0; w < kAttnWarps; ++w)
+      if (sm_m[w] > -INFINITY) L += sm_l[w] * expf(sm_m[w] - M);
+    out[0] = M;
+    out[1] = L;
+  }
+}
+
+// Decode attention by KV head: grid (n_kv_heads, n_splits, n), block min(group, 8) warps. A
+// block takes the group of query heads sharing one KV head and a range of keys, and walks it
+// in tiles of 32 keys staged once in shared memory (so K and V are read once per KV head, not
+// once per query head). Lane j scores key j of the tile for each head of its warp (warp w of
+// W owns heads w, w + W, ...), then the warp updates that head's online softmax and output
+// (lane holds dims lane, lane + 32, ...). Writes (m, l, acc[head_dim]) per head and split for the merge.
+// Splits take whole tiles, so short contexts leave later splits empty (m = -inf).
+constexpr int kGqaTile = 32, kGqaMaxWarps = 8, kGqaMaxHeadsPerWarp = 4, kGqaPerLane = 4;  // head_dim <= 128
+
+__host__ __device__ constexpr size_t gqa_smem_floats(int group, int hd) {
+  return size_t(kGqaTile) * size_t(hd + 4) + size_t(kGqaTile) * size_t(hd) + size_t(group) * size_t(hd);
+}
+
+__global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(AttentionArgs a) {
+  pdl_wait();
+  extern __shared__ float4 gqa_smem4[];
+  float* smem = reinterpret_cast<float*>(gqa_smem4);
+  const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+  const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, kv_dim = a.n_kv_heads * hd;
+  const int ks = hd + 4;  // padded K row: lanes reading float4s of different keys miss banks
+  float* Ks = smem;
+  float* Vs = Ks + kGqaTile * ks;
+  float* qs = Vs + kGqaTile * hd;
+  const int n_keys = *a.pos + t + 1;
+  const int per = (n_keys + a.n_splits - 1) / a.n_splits;
+  const int chunk = (per + kGqaTile - 1) / kGqaTile * kGqaTile;
+  const int j0 = split * chunk, j1 = min(n_keys, j0 + chunk);
+  const float scale = rsqrtf(float(hd));
+  const int h0 = g * group;
+  for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
+    qs[i] = a.q[size_t(t) * a.n_heads * hd + size_t(h0) * hd + i];
+  float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
+#pragma unroll
+  for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
+    m[x] = -INFINITY;
+    l[x] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kGqaPerLane; ++i) acc[x][i] = 0.0f;
+  }
+  const int hd4 = hd / 4;
+  for (int jt = j0; jt < j1; jt += kGqaTile) {
+    const int nk = min(kGqaTile, j1 - jt);
+    __syncthreads();  // the previous tile is no longer read (and q is written, first time)
+    for (int i = threadIdx.x; i < kGqaTile * hd4; i += blockDim.x) {
+      const int j = i / hd4, c4 = i % hd4;
+      float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kv4;
+      if (j < nk) {
+        const size_t at = size_t(jt + j) * kv_dim + size_t(g) * hd;
+        kv4 = reinterpret_cast<const float4*>(a.k_cache + at)[c4];
+        vv4 = reinterpret_cast<const float4*>(a.v_cache + at)[c4];
+      }
+      reinterpret_cast<float4*>(Ks + j * ks)[c4] = kv4;
+      reinterpret_cast<float4*>(Vs + j * hd)[c4] = vv4;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
+      const int hh = warp + n_warps * x;
+      if (hh >= group) break;
+      const float4* q4 = reinterpret_cast<const float4*>(qs + hh * hd);
+      const float4* k4 = reinterpret_cast<const float4*>(Ks + lane * ks);
+      float s = 0.0f;
+#pragma unroll 8
+      for (int c = 0; c < hd4; ++c) s += dot4(q4[c], k4[c]);
+      s = lane < nk ? s * scale : -INFINITY;
+      float mt = s;
+      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+      const float m_new = fmaxf(m[x], mt);
+      const float corr = expf(m[x] - m_new);
+      const float p = lane < nk ? expf(s - m_new) : 0.0f;
+      l[x] = l[x] * corr + warp_sum(p);
+#pragma unroll
+      for (int i = 0; i < kGqaPerLane; ++i) acc[x][i] *= corr;
+#pragma unroll 4
+      for (int j = 0; j < nk; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, p, j);
+#pragma unroll
+        for (int i = 0; i < kGqaPerLane; ++i) {
+          const int dim = lane + 32 * i;
+          if (dim < hd) acc[x][i] += pj * Vs[j * hd + dim];
+        }
+      }
+      m[x] = m_new;
+    }
+  }
+#pragma unroll
+  for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
+    const int hh = warp + n_warps * x;
+    if (hh >= group) break;
+    float* out = a.partial + ((size_t(t) * a.n_heads + h0 + hh) * a.n_splits + split) * (hd + 2);
+#pragma unroll
+    for (int i = 0; i < kGqaPerLane; ++i) {
+      const int dim = lane + 32 * i;
+      if (dim < hd) out[2 + dim] = acc[x][i];
+    }
+    if (lane == 0) {
+      out[0] = m[x];
+      out[1] = l[x];
+    }
+  }
+}
+
+// grid (n_heads, n), block 128, n_splits floats of dynamic shared memory: merges the splits.
+// The splits' (m, l) are read by all threads at once and the weights exp(m_s - M) kept in
+// shared memory, so no loop waits on a load before issuing the next (a serial walk over 66
+// splits was ~66 dependent L2 round trips); the sums still run over s in order, as before.
+__global__ void attention_merge_kernel(AttentionArgs a) {
+  pdl_wait();
+  extern __shared__ float merge_w[];  // [n_splits]: m_s, then exp(m_s - M)
+  __shared__ int first_empty;
+  __shared__ float warp_m[4];
+  const int h = blockIdx.x, t = blockIdx.y, hd = a.head_dim, n_splits = a.n_splits;
+  const float* part = a.partial + (size_t(t) * a.n_heads + h) * n_splits * (hd + 2);
+  if (threadIdx.x == 0) first_empty = n_splits;
+  __syncthreads();
+  // Splits past the last key are empty (m = -inf) and only trail: the first one ends the list.
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+    const float ms = part[s * (hd + 2)];
+    merge_w[s] = ms;
+    if (ms == -INFINITY) atomicMin(&first_empty, s);
+  }
+  __syncthreads();
+  const int used = first_empty;
+  float M = -INFINITY;
+  for (int s = threadIdx.x; s < used; s += blockDim.x) M = fmaxf(M, merge_w[s]);
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if (threadIdx.x % 32 == 0) warp_m[threadIdx.x / 32] = M;
+  __syncthreads();
+  M = fmaxf(fmaxf(warp_m[0], warp_m[1]), fmaxf(warp_m[2], warp_m[3]));
+  for (int s = threadIdx.x; s < used; s += blockDim.x) merge_w[s] = expf(merge_w[s] - M);
+  __syncthreads();
+  float L = 0;
+#pragma unroll 8
+  for (int s = 0; s < used; ++s) L += part[s * (hd + 2) + 1] * merge_w[s];
+  const float inv = 1.0f / L;
+  float* o = a.out + size_t(t) * a.n_heads * hd + size_t(h) * hd;
+  for (int dim = threadIdx.x; dim < hd; dim += blockDim.x) {
+    float v = 0;
+#pragma unroll 8
+    for (int s = 0; s < used; ++s) v += part[s * (hd + 2) + 2 + dim] * merge_w[s];
+    v *= inv;
+    o[dim] = v;
+    // head_dim % 32 == 0 (attention() checks): a warp's lanes hold one whole Q8 block.
+    if (a.out_q.q) warp_quantize_q8(v, size_t(t) * a.n_heads * hd + size_t(h) * hd + dim, a.out_q);
+  }
+}
+
+// Prefill attention, tiled: a block takes kPrefillQ queries of one head and walks the keys
+// in tiles of 32 through shared memory, so each key is read once per query tile (not once
+// per query). Warp w owns queries w, w + 4, ...; lane j scores key j of the tile, then the
+// warp updates its online softmax and output (lane holds dims lane, lane + 32, ...).
+constexpr int kPrefillQ = 16, kPrefillK = 32, kPrefillHd = 128;
+
+__global__ void attention_prefill_kernel(AttentionArgs a) {
+  pdl_wait();
+  constexpr int kPer = kPrefillHd / 32, kRows = kPrefillQ / kAttnWarps;
+  __shared__ __align__(16) float sq[kPrefillQ][kPrefillHd];
+  // +4 floats per row: lanes read rows as float4 without bank conflicts.
+  __shared__ __align__(16) float sk[kPrefillK][kPrefillHd + 4];
+  __shared__ float sv[kPrefillK][kPrefillHd];
+  const int h = blockIdx.x, t0 = blockIdx.y * kPrefillQ, hd = a.head_dim;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = h / (a.n_heads / a.n_kv_heads), kv_dim = a.n_kv_heads * hd, q_dim = a.n_heads * hd;
+  const int pos0 = *a.pos, nq = min(kPrefillQ, a.n - t0);
+  const float scale = rsqrtf(float(hd));
+  for (int i = threadIdx.x; i < kPrefillQ * hd; i += blockDim.x) {
+    const int qi = i / hd, dim = i % hd;
+    sq[qi][dim] = qi < nq ? a.q[size_t(t0 + qi) * q_dim + size_t(h) * hd + dim] : 0.0f;
+  }
+  float m[kRows], l[kRows], acc[kRows][kPer];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[r][i] = 0.0f;
+  }
+  const int last_key = pos0 + t0 + nq - 1;
+  for (int k0 = 0; k0 <= last_key; k0 += kPrefillK) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kPrefillK * hd; i += blockDim.x) {
+      const int kj = i / hd, dim = i % hd, kp = k0 + kj;
+      const size_t at = size_t(kp) * kv_dim + size_t(g) * hd + dim;
+      sk[kj][dim] = kp <= last_key ? a.k_cache[at] : 0.0f;
+      sv[kj][dim] = kp <= last_key ? a.v_cache[at] : 0.0f;
+    }
+    __syncthreads();
+    // Scores of the warp's queries against key k0 + lane; each key row read once.
+    float s[kRows] = {};
+    const float4* kr = reinterpret_cast<const float4*>(&sk[lane][0]);
+    for (int d4 = 0; d4 < hd / 4; ++d4) {
+      const float4 kv = kr[d4];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        s[r] += dot4(reinterpret_cast<const float4*>(&sq[warp + kAttnWarps * r][0])[d4], kv);
+    }
+    float p[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int qi = warp + kAttnWarps * r, qpos = pos0 + t0 + qi;
+      const bool active = qi < nq && k0 <= qpos;  // warp-uniform
+      p[r] = 0.0f;
+      if (!active) continue;
+      const float sc = k0 + lane <= qpos ? s[r] * scale : -INFINITY;
+      float mt = sc;
+      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+      const float m_new = fmaxf(m[r], mt);
+      const float corr = expf(m[r] - m_new);
+      p[r] = expf(sc - m_new);
+      l[r] = l[r] * corr + warp_sum(p[r]);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) acc[r][i] *= corr;
+      m[r] = m_new;
+    }
+    for (int j = 0; j < kPrefillK; ++j) {
+      float vv[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int dim = lane + 32 * i;
+        vv[i] = dim < hd ? sv[j][dim] : 0.0f;
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float pj = __shfl_sync(0xffffffffu, p[r], j);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[r][i] += pj * vv[i];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int qi = warp + kAttnWarps * r;
+    if (qi >= nq) continue;
+    float* o = a.out + size_t(t0 + qi) * q_dim + size_t(h) * hd;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int dim = lane + 32 * i;
+      if (dim < hd) o[dim] = acc[r][i] / l[r];
+    }
+  }
+}
+
+// Prefill attention on tensor cores, one pass (flash attention 2): BF16 mma.sync
+// m16n8k16 with F32 accumulation. A block takes kFaQ queries of one head, 16 per warp, and
+// walks the keys in tiles of kFaK staged as BF16 in shared memory. Scores, probabilities and
+// the output stay in registers: a thread holds rows lane/4 and lane/4 + 8 of its warp's 16,
+// the C fragment of S = Q K^T for two adjacent 8-key tiles is already the A fragment of P for
+// P V, and the online softmax rescales O by row. Max and sum in the log2 domain (exp2f).
+constexpr int kFaQ = 64, kFaK = 64, kFaHd = 128;
+constexpr int kFaLd =
+    kFaHd + 8;  // BF16 row stride of the Q / K / V tiles (ldmatrix: no bank conflicts)
+constexpr size_t kFaSmem = size_t(kFaQ + 2 * kFaK) * kFaLd * 2;
+
+// Rows [r0, r0 + rows) of a [*, stride] F32 matrix, columns [col0, col0 + HD), as BF16 in
+// s[row][0..HD) (row stride kFaLd); rows past `valid` are zero. Every load of a thread is
+// issued before the first is used (float4, fully unrolled), so a tile costs one memory latency.
+template <int HD, int ROWS>
+__device__ __forceinline__ void fa_stage(const float* src, size_t stride, int r0, int valid,
+                                         size_t col0, __nv_bfloat16* s) {
+  constexpr int kVec = ROWS * HD / 4, kPer = (kVec + 127) / 128;
+  float4 v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = threadIdx.x + 128 * i, r = e / (HD / 4), c4 = e % (HD / 4);
+    v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < kVec && r0 + r < valid)
+      v[i] = *reinterpret_cast<const float4*>(src + size_t(r0 + r) * stride + col0 + size_t(c4) * 4);
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = threadIdx.x + 128 * i, r = e / (HD / 4), c4 = e % (HD / 4);
+    if (e >= kVec) continue;
+    __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(s + r * kFaLd + c4 * 4);
+    d[0] = __floats2bfloat162_rn(v[i].x, v[i].y);
+    d[1] = __floats2bfloat162_rn(v[i].z, v[i].w);
+  }
+}
+
+template <int HD, bool kAsync>
+__global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
+  pdl_wait();
+  extern __shared__ __align__(128) unsigned char fa_smem[];
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(fa_smem);
+  __nv_bfloat16* ks = qs + kFaQ * kFaLd;
+  __nv_bfloat16* vs = ks + kFaK * kFaLd;
+  constexpr int kSt = kFaK / 8, kOt = HD / 8;  // 8-column tiles of S and of O
+  const int h = blockIdx.x;
+  const int t0 = (gridDim.y - 1 - blockIdx.y) * kFaQ;  // the longest query tiles first
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
+  const int grp = lane / 4, tig = lane % 4;
+  const int g = h / (a.n_heads / a.n_kv_heads), kv_dim = a.n_kv_heads * HD, q_dim = a.n_heads * HD;
+  const int pos0 = *a.pos, nq = min(kFaQ, a.n - t0), last_key = pos0 + t0 + nq - 1;
+  const float scale2 = rsqrtf(float(HD)) * 1.4426950408889634f;  // log2(e) / sqrt(hd)
+  fa_stage<HD, kFaQ>(a.q + size_t(t0) * q_dim, size_t(q_dim), 0, nq, size_t(h) * HD, qs);
+  const int q_first = pos0 + t0 + r0;                  // the warp's first query position
+  const int qpos0 = q_first + grp, qpos1 = qpos0 + 8;  // this thread's two rows
+  const bool active = r0 < nq;
+  float o[kOt][4];
+#pragma unroll
+  for (int j = 0; j < kOt; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's columns only
+  // ldmatrix row addresses: lane supplies row lane % 8 of matrix lane / 8.
+  const int mi = lane / 8, mr = lane % 8;
+  // From the BF16 copies of the cache: cp.async of keys [k0, k0 + kFaK) of the group's head
+  // into a tile, rows past last_key zero.
+  const auto copy_tile = [&](const void* cache, int k0, __nv_bfloat16* tile) {
+    constexpr int kPieces = kFaK * HD / 8;  // 16-byte pieces
+#pragma unroll
+    for (int i = 0; i < kPieces / 128; ++i) {
+      const int c = threadIdx.x + 128 * i, r = c / (HD / 8), p = c % (HD / 8);
+      const bool ok = k0 + r <= last_key;
+      const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(cache) +
+                                 (ok ? size_t(k0 + r) * kv_dim + size_t(g) * HD + p * 8 : 0);
+      cp_async16_zfill(tile + r * kFaLd + p * 8, src, ok);
+    }
+    cp_async_commit();
+  };
+  if constexpr (kAsync) copy_tile(a.k_bf16, 0, ks);
+  for (int k0 = 0; k0 <= last_key; k0 += kFaK) {
+    if constexpr (kAsync) {
+      // Keys of this tile in; the previous tile's values no longer read: fetch this tile's
+      // values while its scores compute.
+      cp_async_wait_all();
+      __syncthreads();
+      copy_tile(a.v_bf16, k0, vs);
+    } else {
+      __syncthreads();  // the previous tile is no longer read
+      const size_t base = size_t(k0) * kv_dim;
+      // In halves: 8 float4 loads in flight per thread, so the loads do not hold the registers
+      // the output needs (3 blocks per SM).
+#pragma unroll
+      for (int r = 0; r < kFaK; r += kFaK / 2) {
+        fa_stage<HD, kFaK / 2>(a.k_cache + base, size_t(kv_dim), r, last_key + 1 - k0,
+                               size_t(g) * HD, ks + r * kFaLd);
+        fa_stage<HD, kFaK / 2>(a.v_cache + base, size_t(kv_dim), r, last_key + 1 - k0,
+                               size_t(g) * HD, vs + r * kFaLd);
+      }
+      __syncthreads();
+    }
+    // Whether any key of the tile is at or before the warp's queries.
+    const bool work = active && k0 <= q_first + 15;
+    if (!kAsync && !work) continue;
+    float s[kSt][4];
+    if (work) {
+#pragma unroll
+      for (int j = 0; j < kSt; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        unsigned qa[4];
+        ldsm_x4(qa, qs + (r0 + (mi % 2) * 8 + mr) * kFaLd + kk * 16 + (mi / 2) * 8);
+#pragma unroll
+        for (int jj = 0; jj < kSt / 2; ++jj) {
+          unsigned kb[4];
+          ldsm_x4(kb, ks + (jj * 16 + (mi / 2) * 8 + mr) * kFaLd + kk * 16 + (mi % 2) * 8);
+          mma_bf16(s[2 * jj], qa, kb[0], kb[1]);
+          mma_bf16(s[2 * jj + 1], qa, kb[2], kb[3]);
+        }
+      }
+      // Scale, mask (keys after the row's position), row maxima over the quad.
+      const bool masked = k0 + kFaK - 1 > q_first;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kSt; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int key = k0 + j * 8 + tig * 2 + c;
+          s[j][c] = masked && key > qpos0 ? -INFINITY : s[j][c] * scale2;
+          s[j][2 + c] = masked && key > qpos1 ? -INFINITY : s[j][2 + c] * scale2;
+          mx0 = fmaxf(mx0, s[j][c]);
+          mx1 = fmaxf(mx1, s[j][2 + c]);
+        }
+      }
+#pragma unroll
+      for (int x = 1; x <= 2; x <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+      }
+      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      // A row with no key yet keeps m = -inf: subtract 0 then (its p are all 0).
+      const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1;
+      const float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
+      m0 = n0;
+      m1 = n1;
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kSt; ++j) {
+        s[j][0] = exp2f(s[j][0] - u0);
+        s[j][1] = exp2f(s[j][1] - u0);
+        s[j][2] = exp2f(s[j][2] - u1);
+        s[j][3] = exp2f(s[j][3] - u1);
+        sum0 += s[j][0] + s[j][1];
+        sum1 += s[j][2] + s[j][3];
+      }
+      l0 = l0 * c0 + sum0;
+      l1 = l1 * c1 + sum1;
+#pragma unroll
+      for (int j = 0; j < kOt; ++j) {
+        o[j][0] *= c0;
+        o[j][1] *= c0;
+        o[j][2] *= c1;
+        o[j][3] *= c1;
+      }
+    }  // work
+    if constexpr (kAsync) {
+      // Values in; the keys no longer read: fetch the next tile's keys during P V.
+      cp_async_wait_all();
+      __syncthreads();
+      if (k0 + kFaK <= last_key) copy_tile(a.k_bf16, k0 + kFaK, ks);
+      if (!work) continue;
+    }
+    // O += P V: the S fragments of keys [16 kk, 16 kk + 16) are P's A fragment.
+#pragma unroll
+    for (int kk = 0; kk < kFaK / 16; ++kk) {
+      const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
+                              pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int jj = 0; jj < kOt / 2; ++jj) {
+        unsigned vb[4];
+        ldsm_x4_trans(vb, vs + (kk * 16 + (mi % 2) * 8 + mr) * kFaLd + jj * 16 + (mi / 2) * 8);
+        mma_bf16(o[2 * jj], pa, vb[0], vb[1]);
+        mma_bf16(o[2 * jj + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+  if (!active) return;
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+  const int row0 = r0 + grp, row1 = row0 + 8;
+#pragma unroll
+  for (int j = 0; j < kOt; ++j) {
+    const int dim = j * 8 + tig * 2;
+    if (row0 < nq)
+      *reinterpret_cast<float2*>(a.out + size_t(t0 + row0) * q_dim + size_t(h) * HD + dim) =
+          make_float2(o[j][0] * i0, o[j][1] * i0);
+    if (row1 < nq)
+      *reinterpret_cast<float2*>(a.out + size_t(t0 + row1) * q_dim + size_t(h) * HD + dim) =
+          make_float2(o[j][2] * i1, o[j][3] * i1);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- host launchers
+
+void rope_kv_append(const RopeKvArgs& a, cudaStream_t s) {
+  const dim3 grid(unsigned(a.n), unsigned(std::max(a.n_heads, a.n_kv_heads)));
+  launch_kernel(rope_kv_kernel, grid, unsigned((a.head_dim / 2 + 31) / 32 * 32), 0, s, a);
+}
+
+bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
+  // Head dims in whole float4s up to 128 (the per-lane registers), at most 32 query heads per
+  // KV head (4 per warp of 8), and shared memory within the default 48 KiB.
+  if (n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim % 4 != 0 || head_dim > 128) return false;
+  const int group = n_heads / n_kv_heads;
+  return group <= kGqaMaxWarps * kGqaMaxHeadsPerWarp && gqa_smem_floats(group, head_dim) * 4 <= 48 * 1024;
+}
+
+void attention(const AttentionArgs& args, cudaStream_t s) {
+  AttentionArgs a = args;
+  // The Q8 copy of the output (args.out_q): written by the merge where the heads are whole Q8
+  // blocks, else by a quantize_act launch after the kernel.
+  if (a.tensor_cores && a.n >= kTcAttentionMin && (a.head_dim == 64 || a.head_dim == 128)) {
+    // Per device, so set at every launch (a host-side call); a failure shows at the launch.
+    const bool async = a.k_bf16 && a.v_bf16;
+    const auto kernel =
+        a.head_dim == 64
+            ? (async ? attention_tc_kernel<64, true> : attention_tc_kernel<64, false>)
+            : (async ? attention_tc_kernel<128, true> : attention_tc_kernel<128, false>);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFaSmem));
+    a.out_q = {};
+    launch_kernel(kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kFaQ - 1) / kFaQ)), 128, kFaSmem, s, a);
+  } else if (a.n > 1 && a.head_dim <= kPrefillHd && a.head_dim % 4 == 0) {
+    a.out_q = {};
+    launch_kernel(attention_prefill_kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)), 32 * kAttnWarps, 0, s, a);
+  } else {
+    if (a.head_dim % 32 != 0) a.out_q = {};
+    if (gqa_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
+      const int group = a.n_heads / a.n_kv_heads;
+      const size_t smem = gqa_smem_floats(group, a.head_dim) * 4;
+      launch_kernel(attention_gqa_kernel, dim3(unsigned(a.n_kv_heads), unsigned(a.n_splits), unsigned(a.n)),
+                    32 * std::min(group, kGqaMaxWarps), smem, s, a);
+    } else {
+      launch_kernel(attention_split_kernel, dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)), 32 * kAttnWarps, 0, s, a);
+    }
+    launch_kernel(attention_merge_kernel, dim3(unsigned(a.n_heads), unsigned(a.n)), 128,
+                  size_t(a.n_splits) * 4, s, a);
+  }
+  if (args.out_q.q && !a.out_q.q)
+    quantize_act(a.out, int64_t(a.n) * a.n_heads * a.head_dim, args.out_q, s);
+}
+
+}  // namespace ts::cuda

@@ -1,0 +1,199 @@
+// Device helpers shared by the CUDA kernel files (internal to src/backend/cuda): programmatic
+// dependent launch and the launch wrapper, BF16 / F16 bits, warp reductions, the warp's Q8
+// quantization of a row, cp.async copies, ldmatrix / mma.sync fragments. In an anonymous
+// namespace: every kernel file has its own copy of each.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+#include <utility>
+
+#include "backend/cuda/kernels.cuh"
+
+namespace ts::cuda {
+namespace {
+
+// ---------------------------------------------------------------- device helpers
+
+// Programmatic dependent launch (sm_90): every kernel is launched with
+// programmaticStreamSerializationAllowed, so the next kernel in the stream (or graph) is
+// scheduled while this one finishes instead of after; each kernel's first statement,
+// pdl_wait(), blocks until the kernels before it have completed and their writes are
+// visible, then lets the next one launch. Every kernel calls it, so the ordering is as
+// strict as a plain stream's (completion is transitive: no kernel completes before its
+// predecessor). TURBOSPARK_CUDA_PDL=0 launches plainly (to measure what it saves).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TURBOSPARK_CUDA_PDL");
+    return !(e && std::string_view(e) == "0");
+  }();
+  return on;
+}
+
+template <class... P, class... A>
+inline void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                   A&&... args) {
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  // An error stays the runtime's last error, which the session checks after the step.
+  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
+__device__ __forceinline__ float bf16_bits(uint32_t h) { return __uint_as_float(h << 16); }
+__device__ __forceinline__ float f16_bits(uint32_t h) {
+  return __half2float(__ushort_as_half(uint16_t(h)));
+}
+
+__host__ __device__ __forceinline__ size_t dtype_row_bytes_dev(DType t, int64_t cols) {
+  switch (t) {
+    case DType::kF32: return size_t(cols) * 4;
+    case DType::kF16:
+    case DType::kBF16: return size_t(cols) * 2;
+    case DType::kQ8_0: return size_t(cols / 32) * 34;
+    case DType::kQ4_K: return size_t(cols / 256) * 144;
+  }
+  return 0;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Eight BF16 / F16 weights (one 16-byte load) as F32, in column order.
+template <DType T>
+__device__ __forceinline__ void unpack8(uint4 raw, float wf[8]) {
+  const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (T == DType::kBF16) {
+      wf[2 * i] = bf16_bits(u[i] & 0xffffu);
+      wf[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    } else {
+      wf[2 * i] = f16_bits(u[i] & 0xffffu);
+      wf[2 * i + 1] = f16_bits(u[i] >> 16);
+    }
+  }
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+  return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+}
+
+// 6-bit scale and min of sub-block j of a Q4_K block (llama.cpp get_scale_min_k4).
+__device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float* s, float* m) {
+  if (j < 4) {
+    *s = float(sc[j] & 63);
+    *m = float(sc[j + 4] & 63);
+  } else {
+    *s = float((sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4));
+    *m = float((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
+  }
+}
+
+// The copies are cp.async (global -> shared without registers): all of a warp's 16-byte
+// pieces are in flight at once, rather than each load waiting for the store before it.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// 16 bytes, or 16 zero bytes when !valid (gmem is then not read).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of the thread's committed copy groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Starts the warp's copy of `bytes` (a multiple of 16; both ends 16-byte aligned) to dst.
+__device__ __forceinline__ void warp_copy_async(uint8_t* dst, const uint8_t* src, int bytes,
+                                                int lane) {
+  for (int i = lane * 16; i < bytes; i += 32 * 16) cp_async16(dst + i, src + i);
+}
+
+// Waits for the warp's copies and makes them visible to all its lanes.
+__device__ __forceinline__ void warp_copy_wait() {
+  cp_async_wait_all();
+  __syncwarp();
+}
+
+// Value v at index `at` of a row being quantized, where the calling warp's 32 lanes hold
+// one whole Q8 block (at = block start + lane): the block's bytes exactly as
+// quantize_act_kernel writes them.
+__device__ __forceinline__ void warp_quantize_q8(float v, size_t at, QAct q) {
+  float amax = fabsf(v);
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+  q.q[at] = int8_t(__float2int_rn(v * id));
+  if (at % 32 == 0) q.d[at / 32] = db;
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+// d += a b: 16x16 (row) x 16x8 (col), BF16 in, F32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// kAsync: keys and values from the BF16 copies of the cache by cp.async (AttentionArgs).
+
+__device__ __forceinline__ void store_as(void* dst, DType type, size_t i, float v) {
+  if (type == DType::kF32) static_cast<float*>(dst)[i] = v;
+  else if (type == DType::kBF16) static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16(v);
+  else static_cast<__half*>(dst)[i] = __float2half(v);
+}
+
+inline unsigned grid_for(int64_t n, int block = 256) {
+  return unsigned(std::min<int64_t>((n + block - 1) / block, 65535 * 4));
+}
+
+}  // namespace
+}  // namespace ts::cuda

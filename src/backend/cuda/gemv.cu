@@ -1,0 +1,617 @@
+// GEMV kernels (a warp per weight row; 16-byte loads; Q8_0 rows through shared tiles, with
+// Q8 activations on dp4a), the router's top-k, and the routed-expert decode pass: phase 1
+// (gate|up + SiLU) and phase 2 (down + weighted sum in rank order) through per-layer tables
+// of expert addresses.
+#include "backend/cuda/kernels.cuh"
+
+#include "backend/cuda/device_util.cuh"
+
+namespace ts::cuda {
+namespace {
+
+constexpr int kRowWarps = 4;  // warps per block in the row kernels
+
+// acc[t] += d * sum(q[i] * x[t][i]) over one Q8_0 block (f16 d, int8 qs[32]) at blk;
+// xb[t * cols] is the block's first activation of token t (16-byte aligned).
+template <int NT>
+__device__ __forceinline__ void q8_0_block_dot(const uint16_t* blk, const float* xb, int cols,
+                                               int nt, float (&acc)[NT]) {
+  const float d = f16_bits(blk[0]);
+  float wq[32];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint16_t v = blk[1 + i];
+    wq[2 * i] = float(int8_t(v & 0xff));
+    wq[2 * i + 1] = float(int8_t(v >> 8));
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    if (t < nt) {
+      const float4* xv = reinterpret_cast<const float4*>(xb + size_t(t) * cols);
+      float sum = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        sum += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xv[i]);
+      acc[t] += d * sum;
+    }
+}
+
+// Blocks are 34 bytes: a lane reading its own block would issue 2-byte loads 34 bytes apart.
+// Instead the warp copies blocks [b0, b0 + nbt) (nbt <= 64) of the row into its shared tile
+// with coalesced 16-byte loads (rows of a multiple of 256 columns are 16-byte aligned), and
+// lanes then compute on whole blocks from the tile.
+
+__device__ __forceinline__ const uint8_t* q8_0_tile(const uint8_t* row, int b0, int nbt,
+                                                    int lane) {
+  __shared__ __align__(16) uint8_t tiles[kRowWarps][64 * 34];
+  uint8_t* tile = tiles[threadIdx.x / 32];
+  __syncwarp();  // the previous tile is no longer read
+  warp_copy_async(tile, row + size_t(b0) * 34, nbt * 34, lane);
+  warp_copy_wait();
+  return tile;
+}
+
+// One warp's share of acc[t] += row . x[t] for t < nt. x rows are `cols` floats apart and
+// 16-byte aligned; every lane ends with a partial sum (reduce with warp_sum).
+template <DType T, int NT>
+__device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int cols, int nt,
+                                        float (&acc)[NT], int lane) {
+  if constexpr (T == DType::kF32) {
+    const float* w = reinterpret_cast<const float*>(row);
+    if ((cols & 3) == 0) {
+#pragma unroll 4
+      for (int c = lane * 4; c < cols; c += 128) {
+        const float4 wv = __ldg(reinterpret_cast<const float4*>(w + c));
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < nt) acc[t] += dot4(wv, *reinterpret_cast<const float4*>(x + size_t(t) * cols + c));
+      }
+    } else {
+      for (int c = lane; c < cols; c += 32) {
+        const float wv = __ldg(w + c);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < nt) acc[t] += wv * x[size_t(t) * cols + c];
+      }
+    }
+  } else if constexpr (T == DType::kBF16 || T == DType::kF16) {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+    if ((cols & 7) == 0) {
+#pragma unroll 4
+      for (int c = lane * 8; c < cols; c += 256) {
+        float wf[8];
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < nt) {
+            const float4* xv = reinterpret_cast<const float4*>(x + size_t(t) * cols + c);
+            acc[t] += dot4(make_float4(wf[0], wf[1], wf[2], wf[3]), xv[0]) +
+                      dot4(make_float4(wf[4], wf[5], wf[6], wf[7]), xv[1]);
+          }
+      }
+    } else {
+      for (int c = lane; c < cols; c += 32) {
+        const float wv = T == DType::kBF16 ? bf16_bits(w[c]) : f16_bits(w[c]);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < nt) acc[t] += wv * x[size_t(t) * cols + c];
+      }
+    }
+  } else if constexpr (T == DType::kQ8_0) {
+    const int nb = cols / 32;
+    if ((cols & 255) == 0) {
+      for (int b0 = 0; b0 < nb; b0 += 64) {
+        const int nbt = min(64, nb - b0);
+        const uint8_t* tile = q8_0_tile(row, b0, nbt, lane);
+        for (int b = lane; b < nbt; b += 32)
+          q8_0_block_dot<NT>(reinterpret_cast<const uint16_t*>(tile + b * 34),
+                             x + (b0 + b) * 32, cols, nt, acc);
+      }
+      return;
+    }
+    for (int b = lane; b < nb; b += 32)
+      q8_0_block_dot<NT>(reinterpret_cast<const uint16_t*>(row + size_t(b) * 34), x + b * 32,
+                         cols, nt, acc);
+  } else if constexpr (T == DType::kQ4_K) {
+    // One 32-weight sub-block per lane per step: w = d * sc * q - dmin * m.
+    const int nsb = cols / 32;
+    for (int sb = lane; sb < nsb; sb += 32) {
+      const uint8_t* blk = row + size_t(sb / 8) * 144;
+      const int j = sb % 8;
+      const uint16_t* dd = reinterpret_cast<const uint16_t*>(blk);
+      float sc, mn;
+      q4k_scale_min(blk + 4, j, &sc, &mn);
+      const float d = f16_bits(__ldg(dd)) * sc, dmin = f16_bits(__ldg(dd + 1)) * mn;
+      const uint32_t* qs = reinterpret_cast<const uint32_t*>(blk + 16 + 32 * (j / 2));
+      const int shift = 4 * (j & 1);
+      float wq[32];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t v = __ldg(qs + i) >> shift;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) wq[4 * i + b] = float((v >> (8 * b)) & 15u);
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        if (t < nt) {
+          const float4* xv = reinterpret_cast<const float4*>(x + size_t(t) * cols + sb * 32);
+          float sq = 0, sx = 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float4 xi = xv[i];
+            sq += dot4(make_float4(wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3]), xi);
+            sx += xi.x + xi.y + xi.z + xi.w;
+          }
+          acc[t] += d * sq - dmin * sx;
+        }
+    }
+  }
+}
+
+// acc[t] += row . x[t] for Q8_0 weights and Q8 activations (xq int8 [t][cols], xd one scale
+// per 32 values): per block d_w * d_x * sum(q_w * q_x), the integer sum by dp4a. Rows are
+// staged through a shared tile as in row_dot; precondition cols % 256 == 0.
+// Blocks [b0, b0 + nbt) of a row staged at `tile` (block b0 first): the lane's blocks
+// b0 + lane, b0 + lane + 32, ... in that order.
+template <int NT>
+__device__ __forceinline__ void q8q8_tile_dot(const uint8_t* tile, int b0, int nbt,
+                                              const int8_t* xq, const float* xd, int cols, int nt,
+                                              float (&acc)[NT], int lane) {
+  const int nb = cols / 32;
+  for (int b = lane; b < nbt; b += 32) {
+    const uint16_t* blk = reinterpret_cast<const uint16_t*>(tile + b * 34);
+    const float dw = f16_bits(blk[0]);
+    int w32[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w32[i] = int(uint32_t(blk[1 + 2 * i]) | uint32_t(blk[2 + 2 * i]) << 16);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < nt) {
+        const int4* xv = reinterpret_cast<const int4*>(xq + size_t(t) * cols + (b0 + b) * 32);
+        const int4 x0 = xv[0], x1 = xv[1];
+        int s = __dp4a(w32[0], x0.x, 0);
+        s = __dp4a(w32[1], x0.y, s);
+        s = __dp4a(w32[2], x0.z, s);
+        s = __dp4a(w32[3], x0.w, s);
+        s = __dp4a(w32[4], x1.x, s);
+        s = __dp4a(w32[5], x1.y, s);
+        s = __dp4a(w32[6], x1.z, s);
+        s = __dp4a(w32[7], x1.w, s);
+        acc[t] += dw * xd[size_t(t) * nb + b0 + b] * float(s);
+      }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* xq,
+                                             const float* xd, int cols, int nt, float (&acc)[NT],
+                                             int lane) {
+  const int nb = cols / 32;
+  for (int b0 = 0; b0 < nb; b0 += 64) {
+    const int nbt = min(64, nb - b0);
+    q8q8_tile_dot<NT>(q8_0_tile(row, b0, nbt, lane), b0, nbt, xq, xd, cols, nt, acc, lane);
+  }
+}
+
+// Rows staged whole by the MoE kernels: up to this many bytes per warp (8 down rows of 1,024
+// columns, or a gate and an up row of 4,096), all copies in flight at once. Same lane order
+// as row_dot_q8q8, so the same sums to the bit.
+constexpr int kStagedBytes = 8 * 1088;
+
+// row . x for any weight type; Q8_0 rows take the Q8 activations (xq, xd) when given.
+template <DType T, int NT>
+__device__ __forceinline__ void row_dot_any(const uint8_t* row, const float* x, const int8_t* xq,
+                                            const float* xd, int cols, int nt,
+                                            float (&acc)[NT], int lane) {
+  if constexpr (T == DType::kQ8_0) {
+    if (xq) {
+      row_dot_q8q8<NT>(row, xq, xd, cols, nt, acc, lane);
+      return;
+    }
+  }
+  row_dot<T, NT>(row, x, cols, nt, acc, lane);
+}
+
+constexpr int kWarps = kRowWarps;
+
+// Up to three matrices of one dtype and width in one launch (q, k, v): rows are numbered
+// across the parts, each part writes its own output.
+struct GemvParams {
+  const uint8_t* w[3];
+  int64_t rows[3];
+  float* y[3];
+  int parts;
+  int64_t total_rows;
+  size_t row_bytes;
+  int cols;
+  const float* x;
+  const int8_t* xq;  // x as Q8 blocks (Q8_0 weights only), or null
+  const float* xd;
+  int n;
+  bool accumulate;
+};
+
+template <DType T, int NT>
+__global__ void gemv_kernel(GemvParams p) {
+  pdl_wait();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int64_t r = int64_t(blockIdx.x) * kWarps + warp;
+  if (r >= p.total_rows) return;
+  int part = 0;
+  while (part + 1 < p.parts && r >= p.rows[part]) r -= p.rows[part++];
+  const int t0 = blockIdx.y * NT;
+  const int nt = min(NT, p.n - t0);
+  float acc[NT] = {};
+  row_dot_any<T, NT>(p.w[part] + size_t(r) * p.row_bytes, p.x + size_t(t0) * p.cols,
+                     p.xq ? p.xq + size_t(t0) * p.cols : nullptr,
+                     p.xd ? p.xd + size_t(t0) * (p.cols / 32) : nullptr, p.cols, nt, acc, lane);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float v = warp_sum(acc[t]);
+    if (lane == 0 && t < nt) {
+      float* y = p.y[part] + size_t(t0 + t) * size_t(p.rows[part]) + size_t(r);
+      *y = p.accumulate ? *y + v : v;
+    }
+  }
+}
+
+// One warp per token; lane i holds experts i, i + 32, ...
+__global__ void route_kernel(RouteArgs a) {
+  pdl_wait();
+  constexpr int kPer = kMaxExperts / 32;
+  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t >= a.n) return;
+  const float* lg = a.logits + size_t(t) * a.n_experts;
+  float p[kPer];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < a.n_experts ? lg[e] : -INFINITY;
+    mx = fmaxf(mx, p[i]);
+  }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < a.n_experts ? expf(p[i] - mx) : 0.0f;
+    sum += p[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < a.n_experts ? p[i] / sum : -1.0f;
+  float picked_sum = 0, mine_w = 0.0f;
+  int mine_e = 0;
+  for (int r = 0; r < a.top_k; ++r) {
+    float best = -2.0f;
+    int best_e = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (p[i] > best) {  // strictly greater: the lower id wins ties within a lane
+        best = p[i];
+        best_e = lane + 32 * i;
+      }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+      if (ob > best || (ob == best && oe < best_e)) {
+        best = ob;
+        best_e = oe;
+      }
+    }
+    // Taken (unrolled: a computed index would move p to local memory).
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (lane + 32 * i == best_e) p[i] = -1.0f;
+    // Lane r % 32 keeps rank r's id and weight until its group of 32 ranks is written.
+    if (lane == r % 32) {
+      mine_e = best_e;
+      mine_w = best;
+    }
+    picked_sum += best;
+    if (r % 32 == 31 || r == a.top_k - 1) {
+      // Up to 32 ranks: picked_sum is complete here, so the weights are written renormalized
+      // once; more ranks are written raw and divided after the last.
+      const int base = r - r % 32;
+      const bool norm_now = a.renormalize && a.top_k <= 32;
+      if (lane <= r % 32) {
+        a.ids[size_t(t) * a.top_k + base + lane] = mine_e;
+        if (a.host_ids) a.host_ids[size_t(t) * a.top_k + base + lane] = mine_e;
+        a.weights[size_t(t) * a.top_k + base + lane] = norm_now ? mine_w / picked_sum : mine_w;
+        if (a.hist) atomicAdd(a.hist + mine_e, 1ull);
+      }
+    }
+  }
+  if (a.renormalize && a.top_k > 32) {
+    __syncwarp();
+    for (int r = lane; r < a.top_k; r += 32) a.weights[size_t(t) * a.top_k + r] /= picked_sum;
+  }
+  if (a.host_flag) {
+    // Every lane's host writes are visible system-wide before lane 0 raises the flag.
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) *reinterpret_cast<volatile int*>(a.host_flag) = 1;
+  }
+}
+
+// grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
+template <DType T>
+__device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
+  pdl_wait();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
+  if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
+  const int e = a.ids[s], t = s / a.top_k;
+  const size_t rb = dtype_row_bytes_dev(T, a.d_model);
+  const float* x = a.xn + size_t(t) * a.d_model;
+  float g[1] = {}, u[1] = {};
+  const uint8_t* gr = static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb;
+  const uint8_t* ur = static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb;
+  const int8_t* xq = a.xq ? a.xq + size_t(t) * a.d_model : nullptr;
+  const float* xd = a.xd ? a.xd + size_t(t) * (a.d_model / 32) : nullptr;
+  if constexpr (T == DType::kQ8_0) {
+    if (xq && 2 * rb <= size_t(kStagedBytes)) {
+      // Both rows in flight at once.
+      __shared__ __align__(16) uint8_t staged[kRowWarps][kStagedBytes];
+      uint8_t* tile = staged[warp];
+      warp_copy_async(tile, gr, int(rb), lane);
+      warp_copy_async(tile + rb, ur, int(rb), lane);
+      warp_copy_wait();
+      const int nb = a.d_model / 32;
+      q8q8_tile_dot<1>(tile, 0, nb, xq, xd, a.d_model, 1, g, lane);
+      q8q8_tile_dot<1>(tile + rb, 0, nb, xq, xd, a.d_model, 1, u, lane);
+      const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
+      if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
+      return;
+    }
+  }
+  row_dot_any<T, 1>(gr, x, xq, xd, a.d_model, 1, g, lane);
+  row_dot_any<T, 1>(ur, x, xq, xd, a.d_model, 1, u, lane);
+  const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
+  if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
+}
+
+template <DType T>
+__global__ void moe_gate_up_kernel(MoeArgs a) {
+  gate_up_rows<T>(a);
+}
+// BF16 / F16: 12 blocks of 4 warps per SM (40 registers), so qwen3-30b-a3b's 1,536 blocks
+// (8 experts x 768 rows) run in one wave instead of 1.16 (gate_up_wide decides).
+template <DType T>
+__global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_wide_kernel(MoeArgs a) {
+  gate_up_rows<T>(a);
+}
+
+// grid (ceil(d_model / kWarps), n): warp per (token, row), ranks summed in order. For the
+// shapes moe_down_rank_kernel does not take (top_k > 8, long rows such as Mixtral's 14,336,
+// Q8_0 rows over 1,024 columns, F32 and Q4_K).
+template <DType T>
+__global__ void moe_down_sum_kernel(MoeArgs a) {
+  pdl_wait();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.x * kWarps + warp, t = blockIdx.y;
+  if (r >= a.d_model) return;
+  const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
+  float total = 0;
+  if constexpr (T == DType::kQ8_0) {
+    if (a.hq && size_t(a.top_k) * rb <= size_t(kStagedBytes)) {
+      // All top_k rows in flight at once, then the same sums as below.
+      __shared__ __align__(16) uint8_t staged[kRowWarps][kStagedBytes];
+      uint8_t* tile = staged[warp];
+      // Lane k looks up rank k's row and weight: two memory latencies for all ranks, not
+      // two per rank before its copy can start.
+      const uint8_t* row = nullptr;
+      float wk = 0.0f;
+      if (lane < a.top_k) {
+        row = static_cast<const uint8_t*>(a.down[a.ids[t * a.top_k + lane]]) + size_t(r) * rb;
+        wk = a.weights[t * a.top_k + lane];
+      }
+      for (int k = 0; k < a.top_k; ++k)
+        warp_copy_async(tile + size_t(k) * rb,
+                        reinterpret_cast<const uint8_t*>(__shfl_sync(
+                            0xffffffffu, reinterpret_cast<unsigned long long>(row), k)),
+                        int(rb), lane);
+      warp_copy_wait();
+      const int nb = a.d_expert / 32;
+      for (int k = 0; k < a.top_k; ++k) {
+        const int s = t * a.top_k + k;
+        float acc[1] = {};
+        q8q8_tile_dot<1>(tile + size_t(k) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                         a.hd + size_t(s) * nb, a.d_expert, 1, acc, lane);
+        total += __shfl_sync(0xffffffffu, wk, k) * warp_sum(acc[0]);
+      }
+      if (lane == 0) {
+        float* o = a.out + size_t(t) * a.d_model + r;
+        *o = a.accumulate ? *o + total : total;
+      }
+      return;
+    }
+  }
+  for (int k = 0; k < a.top_k; ++k) {
+    const int s = t * a.top_k + k;
+    float acc[1] = {};
+    const uint8_t* dr = static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r) * rb;
+    row_dot_any<T, 1>(dr, a.h + size_t(s) * a.d_expert,
+                      a.hq ? a.hq + size_t(s) * a.d_expert : nullptr,
+                      a.hd ? a.hd + size_t(s) * (a.d_expert / 32) : nullptr, a.d_expert, 1, acc,
+                      lane);
+    total += a.weights[s] * warp_sum(acc[0]);
+  }
+  if (lane == 0) {
+    float* o = a.out + size_t(t) * a.d_model + r;
+    *o = a.accumulate ? *o + total : total;
+  }
+}
+
+// Phase 2 with a warp per (output row, rank): grid (d_model, n), block 32 * top_k (top_k <=
+// kMaxRankWarps). Warp k computes rank k's dot product for row r (BF16/F16: lane j takes
+// 8-column chunks j, j + 32, ...; Q8_0: the row staged, lane j takes blocks j, j + 32, ... as
+// moe_down_sum_kernel's staged path), reduced by warp_sum; the sums meet in shared memory and
+// one thread adds them, weighted, in rank order. Per token the sum is over ranks in order
+// whatever the residency, and each warp has a single short row in flight instead of one warp
+// waiting on all top_k.
+constexpr int kMaxRankWarps = 8;
+constexpr int kRankRowBytes = 1088;  // Q8_0 rows staged per warp: up to 1,024 columns
+
+template <DType T>
+__global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeArgs a) {
+  pdl_wait();
+  const int k = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.x, t = blockIdx.y, s = t * a.top_k + k;
+  const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
+  const uint8_t* row = static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r) * rb;
+  __shared__ float sums[kMaxRankWarps];
+  float acc = 0.0f;
+  if constexpr (T == DType::kQ8_0) {
+    __shared__ __align__(16) uint8_t staged[kMaxRankWarps][kRankRowBytes];
+    warp_copy_async(staged[k], row, int(rb), lane);
+    warp_copy_wait();
+    const int nb = a.d_expert / 32;
+    float ak[1] = {};
+    q8q8_tile_dot<1>(staged[k], 0, nb, a.hq + size_t(s) * a.d_expert, a.hd + size_t(s) * nb,
+                     a.d_expert, 1, ak, lane);
+    acc = ak[0];
+  } else {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+    const float* h = a.h + size_t(s) * a.d_expert;
+#pragma unroll 4
+    for (int c = lane * 8; c < a.d_expert; c += 256) {
+      float wf[8];
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
+      const float4* xv = reinterpret_cast<const float4*>(h + c);
+      const float4 x0 = xv[0], x1 = xv[1];
+      const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc += wf[2 * i] * xs[2 * i] + wf[2 * i + 1] * xs[2 * i + 1];
+    }
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) sums[k] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0;
+    for (int j = 0; j < a.top_k; ++j) total += a.weights[t * a.top_k + j] * sums[j];
+    float* o = a.out + size_t(t) * a.d_model + r;
+    *o = a.accumulate ? *o + total : total;
+  }
+}
+
+// Whether moe_down_rank_kernel takes phase 2 (else moe_down_sum_kernel).
+bool moe_down_by_rank(const MoeArgs& a) {
+  if (a.top_k < 1 || a.top_k > kMaxRankWarps) return false;
+  if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16)
+    return a.d_expert % 8 == 0 && a.d_expert <= 4096;
+  return a.down_dtype == DType::kQ8_0 && a.hq && a.d_expert % 256 == 0 &&
+         size_t(a.d_expert / 32) * 34 <= size_t(kRankRowBytes);
+}
+
+template <int NT>
+void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
+  const dim3 grid(unsigned((p.total_rows + kWarps - 1) / kWarps), unsigned((p.n + NT - 1) / NT));
+  switch (w.dtype) {
+    case DType::kF32: launch_kernel(gemv_kernel<DType::kF32, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kF16: launch_kernel(gemv_kernel<DType::kF16, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kBF16: launch_kernel(gemv_kernel<DType::kBF16, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kQ8_0: launch_kernel(gemv_kernel<DType::kQ8_0, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kQ4_K: launch_kernel(gemv_kernel<DType::kQ4_K, NT>, grid, 32 * kWarps, 0, s, p); break;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- host launchers
+
+void gemv(const DevMatrix& w, const float* x, int n, float* y, bool accumulate, cudaStream_t s) {
+  gemv_parts(&w, &y, 1, {x}, n, accumulate, s);
+}
+
+void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
+                bool accumulate, cudaStream_t s) {
+  GemvParams p{};
+  p.parts = parts;
+  for (int i = 0; i < parts; ++i) {
+    p.w[i] = static_cast<const uint8_t*>(w[i].data);
+    p.rows[i] = w[i].rows;
+    p.y[i] = y[i];
+    p.total_rows += w[i].rows;
+  }
+  p.row_bytes = w[0].row_bytes();
+  p.cols = int(w[0].cols);
+  p.x = in.x;
+  p.xq = in.q.q;
+  p.xd = in.q.d;
+  p.n = n;
+  p.accumulate = accumulate;
+  if (n == 1) launch_gemv<1>(w[0], p, s);
+  else launch_gemv<4>(w[0], p, s);
+}
+
+void route(const RouteArgs& a, cudaStream_t s) {
+  launch_kernel(route_kernel, unsigned((a.n + 3) / 4), 128, 0, s, a);
+}
+
+namespace {
+// BF16 / F16 phase 1 takes the 40-register kernel when that turns a grid of more than one
+// wave into one (qwen3-30b-a3b: 1,536 blocks, 10 -> 12 blocks per SM on 132 SMs); grids of
+// several waves either way keep the default kernel, which measured faster on them (Mixtral,
+// docs/PERF.md). Same arithmetic in both.
+template <DType T>
+bool gate_up_wide(const MoeArgs& a, unsigned blocks) {
+  if (a.force_wide >= 0) return a.force_wide == 1;
+  static const std::pair<unsigned, unsigned> wave = [] {
+    int dev = 0, sms = 0, narrow = 0, wide = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&narrow, moe_gate_up_kernel<T>, 32 * kWarps, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&wide, moe_gate_up_wide_kernel<T>, 32 * kWarps,
+                                                  0);
+    return std::pair{unsigned(narrow * sms), unsigned(wide * sms)};
+  }();
+  return blocks > wave.first && blocks <= wave.second;
+}
+}  // namespace
+
+void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
+  const dim3 grid(unsigned((a.d_expert + kWarps - 1) / kWarps), unsigned(a.n * a.top_k));
+  switch (a.gate_dtype) {
+    case DType::kF32: launch_kernel(moe_gate_up_kernel<DType::kF32>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kF16:
+      if (gate_up_wide<DType::kF16>(a, grid.x * grid.y))
+        launch_kernel(moe_gate_up_wide_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a);
+      else
+        launch_kernel(moe_gate_up_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a);
+      break;
+    case DType::kBF16:
+      if (gate_up_wide<DType::kBF16>(a, grid.x * grid.y))
+        launch_kernel(moe_gate_up_wide_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a);
+      else
+        launch_kernel(moe_gate_up_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a);
+      break;
+    case DType::kQ8_0: launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ4_K: launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
+  }
+}
+
+void moe_down_sum(const MoeArgs& a, cudaStream_t s) {
+  if (moe_down_by_rank(a)) {
+    const dim3 grid(unsigned(a.d_model), unsigned(a.n));
+    const unsigned block = unsigned(32 * a.top_k);
+    switch (a.down_dtype) {
+      case DType::kBF16: launch_kernel(moe_down_rank_kernel<DType::kBF16>, grid, block, 0, s, a); break;
+      case DType::kF16: launch_kernel(moe_down_rank_kernel<DType::kF16>, grid, block, 0, s, a); break;
+      default: launch_kernel(moe_down_rank_kernel<DType::kQ8_0>, grid, block, 0, s, a); break;
+    }
+    return;
+  }
+  const dim3 grid(unsigned((a.d_model + kWarps - 1) / kWarps), unsigned(a.n));
+  switch (a.down_dtype) {
+    case DType::kF32: launch_kernel(moe_down_sum_kernel<DType::kF32>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kF16: launch_kernel(moe_down_sum_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kBF16: launch_kernel(moe_down_sum_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ8_0: launch_kernel(moe_down_sum_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ4_K: launch_kernel(moe_down_sum_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
+  }
+}
+
+}  // namespace ts::cuda

@@ -1,0 +1,533 @@
+// Prefill helpers for the routed experts: gather / convert / dequantize, the rank-order slot
+// sum, and the expert-grouped GEMMs on tensor cores (WMMA for Q8_0 blocks read in place,
+// mma.sync for BF16).
+#include "backend/cuda/kernels.cuh"
+
+#include <mma.h>
+
+#include "backend/cuda/device_util.cuh"
+
+namespace ts::cuda {
+namespace {
+
+__global__ void gather_rows_kernel(const float* src, const int* src_row, int d, void* dst,
+                                   DType type) {
+  pdl_wait();
+  const int i = blockIdx.y;
+  const float* row = src + size_t(src_row[i]) * d;
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x)
+    store_as(dst, type, size_t(i) * d + c, row[c]);
+}
+
+__global__ void convert_kernel(const float* src, void* dst, DType type, int64_t n) {
+  pdl_wait();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_as(dst, type, size_t(i), src[i]);
+}
+
+// Element (r, c) of any matrix as F32.
+__device__ float matrix_elem(const uint8_t* w, DType type, size_t row_bytes, int64_t r,
+                             int64_t c) {
+  const uint8_t* row = w + size_t(r) * row_bytes;
+  switch (type) {
+    case DType::kF32: return reinterpret_cast<const float*>(row)[c];
+    case DType::kBF16: return bf16_bits(reinterpret_cast<const uint16_t*>(row)[c]);
+    case DType::kF16: return f16_bits(reinterpret_cast<const uint16_t*>(row)[c]);
+    case DType::kQ8_0: {
+      const uint8_t* blk = row + size_t(c / 32) * 34;
+      const float d = f16_bits(blk[0] | (uint32_t(blk[1]) << 8));
+      return d * float(int8_t(blk[2 + c % 32]));
+    }
+    case DType::kQ4_K: {
+      const uint8_t* blk = row + size_t(c / 256) * 144;
+      const int in = int(c % 256), j = in / 32;
+      float sc, mn;
+      q4k_scale_min(blk + 4, j, &sc, &mn);
+      const float d = f16_bits(blk[0] | (uint32_t(blk[1]) << 8));
+      const float dmin = f16_bits(blk[2] | (uint32_t(blk[3]) << 8));
+      const uint8_t q = blk[16 + 32 * (j / 2) + in % 32];
+      return d * sc * float((j & 1) ? q >> 4 : q & 15) - dmin * mn;
+    }
+  }
+  return 0.0f;
+}
+
+__global__ void dequantize_kernel(const uint8_t* w, DType type, size_t row_bytes, int64_t rows,
+                                  int64_t cols, void* dst, DType dst_type) {
+  pdl_wait();
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_as(dst, dst_type, size_t(i), matrix_elem(w, type, row_bytes, i / cols, i % cols));
+}
+
+// Q8_0 -> BF16 by warps of 32 blocks (1,088 bytes in, 2,048 out): the blocks staged in
+// shared memory with 16-byte copies when the source allows, converted a block per lane, and
+// written back 16 bytes per lane in order. grid (ceil(max blocks / 256), 3, count).
+constexpr int kDqWarps = 8;
+__global__ void __launch_bounds__(32 * kDqWarps) dequantize_q8_kernel(Q8Dequant a) {
+  pdl_wait();
+  const int m = blockIdx.y, j = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nb = a.blocks[m];
+  if (nb == 0) return;
+  const uint8_t* src;
+  if (a.experts) {
+    const int e = a.experts[j];
+    src = static_cast<const uint8_t*>(a.src_tab[m][e]);
+    if (a.dst_tab[m] && blockIdx.x == 0 && threadIdx.x == 0)
+      a.dst_tab[m][e] = static_cast<uint8_t*>(a.dst) + size_t(j) * a.dst_stride + a.dst_off[m];
+  } else {
+    src = static_cast<const uint8_t*>(a.direct[m]);
+  }
+  uint16_t* dst = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(a.dst) +
+                                              size_t(j) * a.dst_stride + a.dst_off[m]);
+  const int64_t b0 = (int64_t(blockIdx.x) * kDqWarps + warp) * 32;
+  if (b0 >= nb) return;
+  const int n = nb - b0 < 32 ? int(nb - b0) : 32;
+  __shared__ __align__(16) uint8_t in[kDqWarps][32 * 34];
+  __shared__ __align__(16) uint16_t out[kDqWarps][32 * 32];
+  const uint8_t* from = src + size_t(b0) * 34;
+  if (n == 32 && (reinterpret_cast<uintptr_t>(from) & 15) == 0) {
+    warp_copy_async(in[warp], from, 32 * 34, lane);
+    warp_copy_wait();
+  } else {
+    for (int i = lane; i < n * 17; i += 32)
+      reinterpret_cast<uint16_t*>(in[warp])[i] = reinterpret_cast<const uint16_t*>(from)[i];
+    __syncwarp();
+  }
+  if (lane < n) {
+    const uint16_t* blk = reinterpret_cast<const uint16_t*>(in[warp] + lane * 34);
+    const float d = f16_bits(blk[0]);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t two = blk[1 + i];
+      const __nv_bfloat162 v =
+          __floats2bfloat162_rn(d * float(int8_t(two & 0xff)), d * float(int8_t(two >> 8)));
+      *reinterpret_cast<__nv_bfloat162*>(&out[warp][lane * 32 + 2 * i]) = v;
+    }
+  }
+  __syncwarp();
+  // n blocks = n * 64 bytes = n * 4 chunks of 16 bytes.
+  uint16_t* to = dst + size_t(b0) * 32;
+  for (int c = lane; c < n * 4; c += 32)
+    reinterpret_cast<uint4*>(to)[c] = reinterpret_cast<const uint4*>(out[warp])[c];
+}
+
+__global__ void slot_sum_kernel(const float* rows, const int* row_of, const float* weights, int k,
+                                int d, float* out) {
+  pdl_wait();
+  const int t = blockIdx.y;
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x) {
+    float total = 0;
+    for (int r = 0; r < k; ++r)
+      total += weights[t * k + r] * rows[size_t(row_of[t * k + r]) * d + c];
+    out[size_t(t) * d + c] = total;
+  }
+}
+
+// ---- expert-grouped GEMMs (prefill) on tensor cores
+// Q8_0 weights: a block computes a [kGroupTile rows, kGroupTile outputs] tile of one expert with 4
+// warps (32 x 32 each, 2 x 2 WMMA fragments of 16 x 16), stepping through the weight columns 32 at
+// a time (one Q8_0 block): the x rows and the weight rows of the step are staged as BF16 in shared
+// memory. Every output element is a sum over columns in one fixed order, so results do not depend
+// on where the weights live.
+constexpr int kGK = 32;              // columns per step
+constexpr int kGLd = kGK + 8;        // shared row stride in BF16 (80 bytes: WMMA needs 32-byte
+                                     // aligned fragment rows, the pad spreads banks)
+constexpr int kGCLd = kGroupTile + 4;  // epilogue row stride in floats
+
+// A thread's share of one 32-column step of a [kGroupTile, 32] tile, held in registers so
+// the next step's loads are in flight while the current step computes: BF16 rows as two
+// 16-byte chunks; Q8_0 rows as half a block (d and 16 quants).
+struct StepRegs {
+  uint4 v[2];
+  uint16_t d;
+};
+
+// Rows [0, rows) of a [*, k] BF16 matrix at base, columns k0..k0+31 (zero past rows / k; k a
+// multiple of 8).
+__device__ __forceinline__ void load_bf16(const uint8_t* base, int rows, int k, int k0, StepRegs& r) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = threadIdx.x + 128 * i, row = c / (kGK / 8), col = k0 + (c % (kGK / 8)) * 8;
+    r.v[i] = make_uint4(0, 0, 0, 0);
+    if (row < rows && col < k) r.v[i] = *reinterpret_cast<const uint4*>(base + (size_t(row) * k + col) * 2);
+  }
+}
+__device__ __forceinline__ void store_bf16(const StepRegs& r, __nv_bfloat16* s) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = threadIdx.x + 128 * i, row = c / (kGK / 8), q = c % (kGK / 8);
+    *reinterpret_cast<uint4*>(s + row * kGLd + q * 8) = r.v[i];
+  }
+}
+// Q8_0 rows (k a multiple of 32): thread t takes half of row t / 2's block. Blocks are 34
+// bytes apart, so a half-block's 16 quants start 2-byte aligned: read as 4 or 5 aligned
+// 32-bit words (the last one a 16-bit read) and shifted into place, never past the block.
+__device__ __forceinline__ void load_q8_0(const uint8_t* base, int rows, int k, int k0, StepRegs& r) {
+  const int row = threadIdx.x / 2, half = threadIdx.x % 2;
+  r.d = 0;
+  r.v[0] = make_uint4(0, 0, 0, 0);
+  if (row >= rows) return;
+  const uint8_t* blk = base + size_t(row) * size_t(k / 32) * 34 + size_t(k0 / 32) * 34;
+  r.d = *reinterpret_cast<const uint16_t*>(blk);
+  const uint8_t* q = blk + 2 + half * 16;
+  const uint32_t* w =
+      reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(q) & ~uintptr_t(3));
+  uint32_t x[4];
+  if ((reinterpret_cast<uintptr_t>(q) & 3) == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = w[i];
+  } else {  // 2 bytes past a word boundary
+    uint32_t y[5];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) y[i] = w[i];
+    y[4] = *reinterpret_cast<const uint16_t*>(w + 4);  // only its low half is used
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = __funnelshift_r(y[i], y[i + 1], 16);
+  }
+  r.v[0] = make_uint4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store_q8_0(const StepRegs& r, __nv_bfloat16* s) {
+  const int row = threadIdx.x / 2, half = threadIdx.x % 2;
+  const float d = f16_bits(r.d);
+  const uint32_t w[4] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t word = w[i / 2] >> (16 * (i % 2));
+    const __nv_bfloat162 v = __floats2bfloat162_rn(d * float(int8_t(word & 0xff)),
+                                                   d * float(int8_t((word >> 8) & 0xff)));
+    o[i] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(s + row * kGLd + half * 16);
+  dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// The BF16 branches are not reached since BF16 weights take grouped_mma_kernel; they stay
+// because without them the compiler gives the Q8_0 kernel 128 registers instead of 164 (4
+// blocks per SM instead of the 3 it was measured with, and 4 measured slower: docs/PERF.md)
+// until that is measured again.
+__device__ __forceinline__ void load_weights(const void* w, DType t, int n, int k, int n0, int k0,
+                                             StepRegs& r) {
+  const int rows = min(kGroupTile, n - n0);
+  if (t == DType::kQ8_0)
+    load_q8_0(static_cast<const uint8_t*>(w) + size_t(n0) * size_t(k / 32) * 34, rows, k, k0, r);
+  else
+    load_bf16(static_cast<const uint8_t*>(w) + size_t(n0) * size_t(k) * 2, rows, k, k0, r);
+}
+__device__ __forceinline__ void store_weights(const StepRegs& r, DType t, __nv_bfloat16* s) {
+  if (t == DType::kQ8_0) store_q8_0(r, s);
+  else store_bf16(r, s);
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedArgs a) {
+  pdl_wait();
+  namespace wmma = nvcuda::wmma;
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  constexpr int kStage = kGroupTile * kGLd;  // BF16 elements per staged tile
+  constexpr int kEpi = kGroupTile * kGCLd;   // floats per epilogue tile
+  constexpr size_t kIn = size_t(3 * kStage * 2), kOut = size_t((kGateUp ? 2 : 1) * kEpi * 4);
+  constexpr size_t kBytes = kIn > kOut ? kIn : kOut;
+  __shared__ __align__(128) unsigned char smem[kBytes];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
+  __nv_bfloat16* w0s = xs + kStage;
+  __nv_bfloat16* w1s = w0s + kStage;
+
+  const GroupTile tile = a.tiles[blockIdx.y];
+  const int n0 = blockIdx.x * kGroupTile;
+  const void* w0 = a.direct0 ? a.direct0 : a.w0[tile.expert];
+  const void* w1 = kGateUp ? (a.direct1 ? a.direct1 : a.w1[tile.expert]) : nullptr;
+  const uint8_t* x = static_cast<const uint8_t*>(a.x) + size_t(tile.row0) * size_t(a.k) * 2;
+  const int warp = threadIdx.x / 32, wr = (warp / 2) * 32, wc = (warp % 2) * 32;
+
+  Acc acc0[2][2], acc1[2][2];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      wmma::fill_fragment(acc0[i][j], 0.0f);
+      wmma::fill_fragment(acc1[i][j], 0.0f);
+    }
+  StepRegs rx, r0w, r1w;
+  load_bf16(x, tile.m, a.k, 0, rx);
+  load_weights(w0, a.dtype, a.n, a.k, n0, 0, r0w);
+  if (kGateUp) load_weights(w1, a.dtype, a.n, a.k, n0, 0, r1w);
+  for (int k0 = 0; k0 < a.k; k0 += kGK) {
+    store_bf16(rx, xs);
+    store_weights(r0w, a.dtype, w0s);
+    if (kGateUp) store_weights(r1w, a.dtype, w1s);
+    __syncthreads();
+    if (k0 + kGK < a.k) {  // the next step's loads overlap this step's MMAs
+      load_bf16(x, tile.m, a.k, k0 + kGK, rx);
+      load_weights(w0, a.dtype, a.n, a.k, n0, k0 + kGK, r0w);
+      if (kGateUp) load_weights(w1, a.dtype, a.n, a.k, n0, k0 + kGK, r1w);
+    }
+    for (int kk = 0; kk < kGK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], xs + (wr + 16 * i) * kGLd + kk, kGLd);
+      for (int j = 0; j < 2; ++j) {
+        // W rows are output columns: W^T as a column-major [k, n] operand.
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, w0s + (wc + 16 * j) * kGLd + kk, kGLd);
+        for (int i = 0; i < 2; ++i) wmma::mma_sync(acc0[i][j], fa[i], fb, acc0[i][j]);
+        if (kGateUp) {
+          wmma::load_matrix_sync(fb, w1s + (wc + 16 * j) * kGLd + kk, kGLd);
+          for (int i = 0; i < 2; ++i) wmma::mma_sync(acc1[i][j], fa[i], fb, acc1[i][j]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* c0 = reinterpret_cast<float*>(smem);
+  float* c1 = c0 + kEpi;
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const int at = (wr + 16 * i) * kGCLd + wc + 16 * j;
+      wmma::store_matrix_sync(c0 + at, acc0[i][j], kGCLd, wmma::mem_row_major);
+      if (kGateUp) wmma::store_matrix_sync(c1 + at, acc1[i][j], kGCLd, wmma::mem_row_major);
+    }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kGroupTile * kGroupTile; e += blockDim.x) {
+    const int r = e / kGroupTile, c = e % kGroupTile, col = n0 + c;
+    if (r >= tile.m || col >= a.n) continue;
+    const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
+    if (kGateUp) {
+      // silu(g) * u as silu_mul_kernel computes it, rounded as convert_f32 rounds.
+      const float g = c0[r * kGCLd + c], u = c1[r * kGCLd + c];
+      static_cast<__nv_bfloat16*>(a.out)[o] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+    } else {
+      static_cast<float*>(a.out)[o] = c0[r * kGCLd + c];
+    }
+  }
+}
+
+// The grouped GEMMs for BF16 weights, with larger warp tiles: a block computes
+// [kGroupTile = 64 rows, kMmaN = 128 outputs] of one expert with 4 warps, each all 64 rows x 32
+// outputs (of gate and of up in phase 1), on mma.sync m16n8k16 with ldmatrix fragments: per
+// 16 columns a warp loads 4 fragments of x and 2 (+2) of the weights for 16 (32) MMAs — half
+// the shared-memory reads per MMA of the WMMA kernel above, which ncu showed bound by that
+// pipe (docs/PERF.md). Steps of 32 columns through kMmaStages cp.async buffers (zero-filled
+// past the edges), one barrier a step. Q8_0 weights stay on the kernel above when read in
+// place (this one's Q8_0 loader, a thread per weight row, measured slower); long chunks run
+// it on BF16 copies of them (dequantize_q8_bf16).
+constexpr int kMmaN = 128, kMmaLd = kGK + 8;  // 80-byte rows: ldmatrix without bank conflicts
+// BF16 elements per stage: x, w0 and (gate|up only) w1 tiles.
+template <bool kGateUp>
+constexpr int kMmaStage = (kGroupTile + (kGateUp ? 2 : 1) * kMmaN) * kMmaLd;
+template <bool kGateUp, int kStages>
+constexpr size_t kMmaSmem = size_t(kStages * kMmaStage<kGateUp>) * 2;
+// cp.async buffers: 3 measured 5-7% faster prefill than 2 (docs/PERF.md); 4 no better.
+constexpr int kMmaStages = 3;
+
+// Rows [0, rows) of a [*, k] BF16 matrix, columns k0..k0+31, into s (row stride kMmaLd):
+// ROWS x 4 16-byte pieces, zero past rows / k (k a multiple of 8).
+template <int ROWS>
+__device__ __forceinline__ void mma_copy_bf16(const uint8_t* base, int rows, int k, int k0,
+                                              __nv_bfloat16* s) {
+#pragma unroll
+  for (int i = 0; i < ROWS * 4 / 128; ++i) {
+    const int c = threadIdx.x + 128 * i, row = c / 4, col = k0 + (c % 4) * 8;
+    const bool ok = row < rows && col < k;
+    const uint8_t* src = ok ? base + (size_t(row) * k + col) * 2 : base;
+    cp_async16_zfill(s + row * kMmaLd + (c % 4) * 8, src, ok);
+  }
+}
+
+template <bool kGateUp, int kStages>
+__global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
+  pdl_wait();
+  extern __shared__ __align__(128) unsigned char mma_smem[];
+  __nv_bfloat16* const stage0 = reinterpret_cast<__nv_bfloat16*>(mma_smem);
+  const GroupTile tile = a.tiles[blockIdx.y];
+  const int n0 = blockIdx.x * kMmaN;
+  const int n_rows = min(kMmaN, a.n - n0);  // weight rows of this block
+  const uint8_t* w0 = static_cast<const uint8_t*>(a.direct0 ? a.direct0 : a.w0[tile.expert]);
+  const uint8_t* w1 =
+      kGateUp ? static_cast<const uint8_t*>(a.direct1 ? a.direct1 : a.w1[tile.expert]) : nullptr;
+  const size_t w_row = size_t(a.k) * 2;  // BF16 rows
+  w0 += size_t(n0) * w_row;
+  if (kGateUp) w1 += size_t(n0) * w_row;
+  const uint8_t* x = static_cast<const uint8_t*>(a.x) + size_t(tile.row0) * size_t(a.k) * 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tig = lane % 4;
+  const int mi = lane / 8, mr = lane % 8, wc = warp * 32;
+  const int steps = (a.k + kGK - 1) / kGK;
+
+  float acc0[4][4][4], acc1[kGateUp ? 4 : 1][4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        acc0[i][j][c] = 0.0f;
+        if (kGateUp) acc1[i][j][c] = 0.0f;
+      }
+  // Stage layout: x [64][kMmaLd], w0 [128][kMmaLd], w1 [128][kMmaLd].
+  constexpr int kStage = kMmaStage<kGateUp>;
+  const auto xs_of = [&](int b) { return stage0 + b * kStage; };
+  const auto w0s_of = [&](int b) { return stage0 + b * kStage + kGroupTile * kMmaLd; };
+  const auto w1s_of = [&](int b) { return stage0 + b * kStage + (kGroupTile + kMmaN) * kMmaLd; };
+  const auto issue = [&](int step, int b) {  // a step's loads into buffer b
+    mma_copy_bf16<kGroupTile>(x, tile.m, a.k, step * kGK, xs_of(b));
+    mma_copy_bf16<kMmaN>(w0, n_rows, a.k, step * kGK, w0s_of(b));
+    if (kGateUp) mma_copy_bf16<kMmaN>(w1, n_rows, a.k, step * kGK, w1s_of(b));
+  };
+  // kStages - 1 steps in flight ahead of the one computing; one commit group per step (empty
+  // past the last step, so the count of pending groups is always the same).
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < steps) issue(st, st);
+    cp_async_commit();
+  }
+  for (int step = 0; step < steps; ++step) {
+    const int b = step % kStages;
+    cp_async_wait_group<kStages - 2>();  // this step's copies landed
+    __syncthreads();
+    // The previous step's buffer: its readers passed the barrier.
+    const int next = step + kStages - 1;
+    if (next < steps) issue(next, next % kStages);
+    cp_async_commit();
+    const __nv_bfloat16* xs = xs_of(b);
+    const __nv_bfloat16* ws0 = w0s_of(b);
+    const __nv_bfloat16* ws1 = w1s_of(b);
+#pragma unroll
+    for (int kk = 0; kk < kGK; kk += 16) {
+      unsigned fa[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        ldsm_x4(fa[i], xs + (16 * i + (mi % 2) * 8 + mr) * kMmaLd + kk + (mi / 2) * 8);
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        unsigned fb[4];
+        ldsm_x4(fb, ws0 + (wc + 16 * jj + (mi / 2) * 8 + mr) * kMmaLd + kk + (mi % 2) * 8);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          mma_bf16(acc0[i][2 * jj], fa[i], fb[0], fb[1]);
+          mma_bf16(acc0[i][2 * jj + 1], fa[i], fb[2], fb[3]);
+        }
+        if (kGateUp) {
+          ldsm_x4(fb, ws1 + (wc + 16 * jj + (mi / 2) * 8 + mr) * kMmaLd + kk + (mi % 2) * 8);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            mma_bf16(acc1[i][2 * jj], fa[i], fb[0], fb[1]);
+            mma_bf16(acc1[i][2 * jj + 1], fa[i], fb[2], fb[3]);
+          }
+        }
+      }
+    }
+  }
+  // Thread holds rows 16 i + grp (+ 8), outputs wc + 8 j + 2 tig (+ 1).
+  const bool pairs = a.n % 2 == 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * i + grp + 8 * h;
+      if (r >= tile.m) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = n0 + wc + 8 * j + 2 * tig;
+        if (col >= a.n) continue;
+        const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
+        float v[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if (kGateUp) {
+            // silu(g) * u as silu_mul_kernel computes it, rounded as convert_f32 rounds.
+            const float g = acc0[i][j][2 * h + c], u = acc1[i][j][2 * h + c];
+            v[c] = g / (1.0f + expf(-g)) * u;
+          } else {
+            v[c] = acc0[i][j][2 * h + c];
+          }
+        }
+        const bool both = col + 1 < a.n;
+        if (kGateUp) {
+          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + o;
+          if (both && pairs) {
+            *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(v[0], v[1]);
+          } else {
+            out[0] = __float2bfloat16(v[0]);
+            if (both) out[1] = __float2bfloat16(v[1]);
+          }
+        } else {
+          float* out = static_cast<float*>(a.out) + o;
+          if (both && pairs) {
+            *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+          } else {
+            out[0] = v[0];
+            if (both) out[1] = v[1];
+          }
+        }
+      }
+    }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- host launchers
+
+void gather_rows(const float* src, const int* src_row, int n_rows, int d, void* dst,
+                 DType dst_type, cudaStream_t s) {
+  const dim3 grid(unsigned((d + 255) / 256), unsigned(n_rows));
+  launch_kernel(gather_rows_kernel, grid, 256, 0, s, src, src_row, d, dst, dst_type);
+}
+
+void convert_f32(const float* src, void* dst, DType dst_type, int64_t n, cudaStream_t s) {
+  launch_kernel(convert_kernel, grid_for(n), 256, 0, s, src, dst, dst_type, n);
+}
+
+void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s) {
+  launch_kernel(dequantize_kernel, grid_for(w.rows * w.cols), 256, 0, s, 
+      static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), w.rows, w.cols, dst,
+      DType::kBF16);
+}
+
+void dequantize_q8_bf16(const Q8Dequant& a, cudaStream_t s) {
+  const int64_t most = std::max({a.blocks[0], a.blocks[1], a.blocks[2]});
+  if (most == 0 || a.count == 0) return;
+  const dim3 grid(unsigned((most + 32 * kDqWarps - 1) / (32 * kDqWarps)), 3, unsigned(a.count));
+  launch_kernel(dequantize_q8_kernel, grid, 32 * kDqWarps, 0, s, a);
+}
+
+void to_f32(const DevMatrix& w, float* dst, cudaStream_t s) {
+  launch_kernel(dequantize_kernel, grid_for(w.rows * w.cols), 256, 0, s, 
+      static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), w.rows, w.cols, dst,
+      DType::kF32);
+}
+
+void slot_sum(const float* rows, const int* row_of, const float* weights, int n, int k, int d,
+              float* out, cudaStream_t s) {
+  const dim3 grid(unsigned((d + 255) / 256), unsigned(n));
+  launch_kernel(slot_sum_kernel, grid, 256, 0, s, rows, row_of, weights, k, d, out);
+}
+
+bool grouped_supports(DType type, int64_t cols) {
+  if (type == DType::kBF16) return cols % 8 == 0;
+  if (type == DType::kQ8_0) return cols % 32 == 0;
+  return false;
+}
+
+namespace {
+// Both phases: BF16 weights on grouped_mma_kernel, Q8_0 on the WMMA grouped_gemm_kernel.
+template <bool kGateUp>
+void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
+  if (a.n_tiles == 0) return;
+  if (a.dtype == DType::kBF16) {
+    constexpr size_t smem = kMmaSmem<kGateUp, kMmaStages>;
+    const auto kernel = grouped_mma_kernel<kGateUp, kMmaStages>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    const dim3 grid(unsigned((a.n + kMmaN - 1) / kMmaN), unsigned(a.n_tiles));
+    launch_kernel(kernel, grid, 128, smem, s, a);
+    return;
+  }
+  const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
+  launch_kernel(grouped_gemm_kernel<kGateUp>, grid, 128, 0, s, a);
+}
+}  // namespace
+
+void grouped_gate_up(const GroupedArgs& a, cudaStream_t s) { launch_grouped<true>(a, s); }
+
+void grouped_down(const GroupedArgs& a, cudaStream_t s) { launch_grouped<false>(a, s); }
+
+}  // namespace ts::cuda
