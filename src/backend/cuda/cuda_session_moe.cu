@@ -1,0 +1,365 @@
+// CudaSession's routed-expert pass: the MoE block (router, top-k, the two phases for few
+// tokens), and the expert-grouped prefill (with the GPU expert cache's per-expert binding and
+// Q8_0 experts dequantized to BF16 for long chunks).
+#include "backend/cuda/cuda_session_impl.cuh"
+
+namespace ts::cuda::detail {
+
+Status CudaSession::moe_block(int layer, int n) {
+  const DevLayer& L = w_.layers[size_t(layer)];
+  const int d = hp_.d_model, k = hp_.top_k;
+  // The norm also writes the Q8 copy the experts' gate|up GEMVs read (a Q8_0 router's
+  // GEMV re-quantizes the same rows to the same bytes).
+  const bool experts_q8 = n <= kGemvMaxTokens && q8_activations(L.experts[0].gate.dtype, d);
+  TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
+    return launch([&] {
+      rmsnorm(x_, L.ffn_norm, xn_, n, d, hp_.rms_eps, stream_, experts_q8 ? qx_ : QAct{});
+    });
+  }));
+  TS_TRY(prof_.time("router", double(L.router.n_bytes()), stream_,
+                    [&] { return linear(L.router, xn_, n, router_); }));
+  if (sampled_routing_)
+    synthetic_route(router_, L.router_bias, pos_dev_, n, hp_.n_experts,
+                    route_seed_ + uint64_t(layer), stream_);
+  TS_TRY(prof_.time("top-k", double(n) * hp_.n_experts * 4, stream_, [&] {
+    return launch([&] {
+      const bool to_host = capturing_segments_;  // decode segments: one token
+      route({.logits = router_,
+             .ids = sel_ids_,
+             .weights = sel_w_,
+             .hist = hist_ + size_t(layer) * size_t(hp_.n_experts),
+             .n = n,
+             .n_experts = hp_.n_experts,
+             .top_k = k,
+             .renormalize = hp_.moe.renormalize,
+             .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
+             .host_flag = to_host ? ids_flag_dev_ : nullptr},
+            stream_);
+    });
+  }));
+  if (iv_.trace_router) {
+    std::vector<int> ids(size_t(n) * size_t(k));
+    std::vector<float> wts(ids.size());
+    CUDA_TRY(cudaMemcpyAsync(ids.data(), sel_ids_, ids.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    CUDA_TRY(cudaMemcpyAsync(wts.data(), sel_w_, wts.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+    for (int t = 0; t < n; ++t)
+      trace_.push_back({pos_ + t, layer,
+                        std::vector<int>(ids.begin() + long(t) * k, ids.begin() + long(t + 1) * k),
+                        std::vector<float>(wts.begin() + long(t) * k, wts.begin() + long(t + 1) * k)});
+  }
+  if (n <= kGemvMaxTokens) {
+    MoeArgs a{.gate = L.gate_tab, .up = L.up_tab, .down = L.down_tab,
+                    .gate_dtype = L.experts[0].gate.dtype, .down_dtype = L.experts[0].down.dtype,
+                    .ids = sel_ids_, .weights = sel_w_, .xn = xn_, .h = h1_, .out = moe_out_,
+                    .n = n, .d_model = d, .d_expert = hp_.d_expert, .top_k = k,
+                    // Without a shared expert the sum goes straight onto the residual.
+                    .accumulate = !L.shared.gate.present()};
+    if (a.accumulate) a.out = x_;
+    if (experts_q8) {
+      a.xq = qx_.q;
+      a.xd = qx_.d;
+    }
+    if (cached()) {
+      // Phase 1 of the slots that hit runs during the binding (bind_ids); below, the rest.
+      a.slot_mask = slot_hit_;
+      a.mask_value = 0;
+      TS_TRY(bind_step(layer, n, &a));
+    }
+    const double up_bytes = double(n) * k * double(L.experts[0].gate.n_bytes()) * 2;
+    const double down_bytes = double(n) * k * double(L.experts[0].down.n_bytes());
+    TS_TRY(prof_.time("experts gate|up", up_bytes, stream_,
+                      [&] { return launch([&] { moe_gate_up(a, stream_); }); }));
+    if (q8_activations(a.down_dtype, hp_.d_expert)) {
+      quantize_act(h1_, int64_t(n) * k * hp_.d_expert, qh_, stream_);
+      a.hq = qh_.q;
+      a.hd = qh_.d;
+    }
+    if (cached()) {
+      // The misses' down parts (bind_ids). Inside a decode graph segment this is an external
+      // event wait node: each replay waits for the record its binding made just before.
+      CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_,
+                                   capturing_segments_ ? cudaEventWaitExternal : 0));
+    }
+    TS_TRY(prof_.time("experts down+sum", down_bytes, stream_,
+                      [&] { return launch([&] { moe_down_sum(a, stream_); }); }));
+    if (a.accumulate) return {};
+  } else {
+    TS_TRY(prof_.time("experts grouped", 0, stream_, [&] { return grouped_experts(layer, n); }));
+  }
+  const bool shared = L.shared.gate.present();
+  if (shared) {
+    TS_TRY(prof_.time("shared expert", double(mlp_bytes(L.shared)), stream_,
+                      [&] { return dense_mlp(L.shared, n, hp_.d_shared, shared_out_); }));
+    if (L.shared_gate.present()) TS_TRY(linear(L.shared_gate, xn_, n, shared_z_));
+  }
+  TS_TRY(prof_.time("moe residual", double(n) * d * 12, stream_, [&] {
+    return launch([&] {
+      moe_residual(x_, moe_out_, shared ? shared_out_ : nullptr,
+                   shared && L.shared_gate.present() ? shared_z_ : nullptr, n, d, stream_);
+    });
+  }));
+  return {};
+}
+
+// Rows per used expert (one 64-row tile) from which a chunk's Q8_0 experts are dequantized
+// to BF16 and run through the BF16 grouped kernel: docs/PERF.md measured it faster than the
+// Q8_0 kernel from 512-token prompts up (prefill 1.2x at 512 tokens, 1.46x at 4096).
+constexpr int kDequantQ8MinRows = 64;
+
+// Prefill: the chunk's (token, rank) slots sorted by expert; each expert used runs its
+// three projections as GEMMs over its rows; the slots are then summed in rank order.
+
+Status CudaSession::grouped_experts(int layer, int n) {
+  const DevLayer& L = w_.layers[size_t(layer)];
+  const int d = hp_.d_model, k = hp_.top_k, de = hp_.d_expert, ns = n * k;
+  CUDA_TRY(cudaMemcpyAsync(h_ids_, sel_ids_, size_t(ns) * 4, cudaMemcpyDeviceToHost, stream_));
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  std::vector<int> count(size_t(hp_.n_experts) + 1, 0);
+  std::vector<int> src(static_cast<size_t>(ns)), row_of(static_cast<size_t>(ns));
+  for (int s = 0; s < ns; ++s) ++count[size_t(h_ids_[s]) + 1];
+  int used = 0;
+  for (int e = 0; e < hp_.n_experts; ++e) used += count[size_t(e) + 1] > 0;
+  used_fraction_ = double(used) / double(hp_.n_experts);
+  for (int e = 0; e < hp_.n_experts; ++e) count[size_t(e) + 1] += count[size_t(e)];
+  std::vector<int> fill(count.begin(), count.end() - 1);
+  for (int s = 0; s < ns; ++s) {
+    const int at = fill[size_t(h_ids_[s])]++;
+    src[size_t(at)] = s / k;
+    row_of[size_t(s)] = at;
+  }
+  CUDA_TRY(cudaMemcpyAsync(group_src_, src.data(), size_t(ns) * 4, cudaMemcpyHostToDevice, stream_));
+  CUDA_TRY(cudaMemcpyAsync(group_row_of_, row_of.data(), size_t(ns) * 4, cudaMemcpyHostToDevice,
+                           stream_));
+  const DType gate_in = gemm_input_type(L.experts[0].gate.dtype);
+  const DType down_in = gemm_input_type(L.experts[0].down.dtype);
+  const size_t gate_es = gate_in == DType::kF32 ? 4 : 2;
+  // Gathered rows: F16/BF16 in act_; F32 in slot_rows_, where each expert's down projection
+  // then overwrites its own rows after its gate/up GEMMs have read them (one stream, in
+  // order). The down outputs [ns, d_model] always land in slot_rows_.
+  //
+  // With the GPU expert cache, each used expert is bound before its GEMMs: hits stay in
+  // their slots (protected for the whole layer), misses are copied once into a free slot or,
+  // when none is left, into the staging ring; the copy stream runs ahead of the GEMMs by up
+  // to the ring's length, so loading the next experts overlaps computing this one.
+  void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
+  gather_rows(xn_, group_src_, ns, d, xg, gate_in, stream_);
+  // BF16 and Q8_0 experts run as two grouped tensor-core launches over tiles of each
+  // expert's rows (all experts at once when all are bound together, else expert by expert);
+  // other types run three cuBLAS GEMMs per expert.
+  const bool tiled = grouped_supports(L.experts[0].gate.dtype, d) &&
+                     grouped_supports(L.experts[0].up.dtype, d) &&
+                     grouped_supports(L.experts[0].down.dtype, de);
+  std::vector<GroupTile> tiles;
+  std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
+  if (tiled) {
+    for (int e = 0; e < hp_.n_experts; ++e) {
+      first_tile[size_t(e)] = int(tiles.size());
+      for (int off = count[size_t(e)]; off < count[size_t(e) + 1]; off += kGroupTile)
+        tiles.push_back({e, off, std::min(kGroupTile, count[size_t(e) + 1] - off)});
+    }
+    first_tile[size_t(hp_.n_experts)] = int(tiles.size());
+    CUDA_TRY(cudaMemcpyAsync(group_tiles_, tiles.data(), tiles.size() * sizeof(GroupTile),
+                             cudaMemcpyHostToDevice, stream_));
+  }
+  // Long chunks with Q8_0 experts run on BF16 copies of them (kDequantQ8MinRows).
+  const bool dq = tiled && dq_ && L.experts[0].gate.dtype == DType::kQ8_0 &&
+                  L.experts[0].up.dtype == DType::kQ8_0 &&
+                  L.experts[0].down.dtype == DType::kQ8_0 &&
+                  int64_t(ns) >= int64_t(kDequantQ8MinRows) * used;
+  // Phase 1 into h2_ (BF16 [ns, de]), phase 2 into slot_rows_, for tiles [t0, t0 + nt):
+  // weights through the tables tab (gate, up, down) or, for one expert's tiles, at direct.
+  const auto run_tiles = [&](int t0, int nt, const void** const* tab, const void* const* direct,
+                             DType dtype) {
+    GroupedArgs a{.tiles = group_tiles_ + t0,
+                  .n_tiles = nt,
+                  .w0 = tab ? tab[0] : nullptr,
+                  .w1 = tab ? tab[1] : nullptr,
+                  .direct0 = direct ? direct[0] : nullptr,
+                  .direct1 = direct ? direct[1] : nullptr,
+                  .dtype = dtype,
+                  .x = xg,
+                  .n = de,
+                  .k = d,
+                  .out = h2_};
+    grouped_gate_up(a, stream_);
+    a = GroupedArgs{.tiles = group_tiles_ + t0,
+                    .n_tiles = nt,
+                    .w0 = tab ? tab[2] : nullptr,
+                    .direct0 = direct ? direct[2] : nullptr,
+                    .dtype = dtype,
+                    .x = h2_,
+                    .n = d,
+                    .k = de,
+                    .out = slot_rows_};
+    grouped_down(a, stream_);
+  };
+  const void** layer_tab[3] = {L.gate_tab, L.up_tab, L.down_tab};
+  const size_t ne = size_t(hp_.n_experts);
+  const void** dq_tab[3] = {dq_tab_, dq_tab_ + ne, dq_tab_ + 2 * ne};
+  const auto dq_args = [&] {
+    Q8Dequant q;
+    q.blocks[0] = L.experts[0].gate.rows * L.experts[0].gate.cols / 32;
+    q.blocks[1] = L.experts[0].up.rows * L.experts[0].up.cols / 32;
+    q.blocks[2] = L.experts[0].down.rows * L.experts[0].down.cols / 32;
+    q.dst = dq_;
+    for (int m = 0; m < 3; ++m) q.dst_off[m] = dq_off_[m];
+    q.dst_stride = dq_expert_bytes_;
+    return q;
+  };
+  float* yg = slot_rows_;
+  CachedLayer& C = cached_[size_t(layer)];
+  std::vector<bool> hit;
+  if (cached()) {
+    C.cache->unprotect_all();
+    hit.assign(size_t(hp_.n_experts), false);
+    experts::SlotCache::Plan plan;
+    for (int e = 0; e < hp_.n_experts; ++e) {
+      if (count[size_t(e) + 1] == count[size_t(e)]) continue;
+      ++cache_report_.requests;
+      if (C.cache->slot_of(e) < 0) continue;
+      hit[size_t(e)] = true;
+      ++cache_report_.hits;
+      C.cache->plan(std::span<const int>(&e, 1), &plan);
+    }
+  }
+  size_t ring = 0;
+  // A prefetched layer: the misses are already on their way into the layer buffer.
+  int pf = -1;
+  for (int b = 0; b < 2; ++b)
+    if (cached() && pf_layer_[b] == layer) pf = b;
+  if (pf >= 0) {
+    // Used misses enter the cache as they would without the prefetch (a device-to-device
+    // copy into a slot by policy); the rest are read where they landed.
+    CUDA_TRY(cudaStreamWaitEvent(stream_, pf_ready_[pf], 0));
+    experts::SlotCache::Plan plan;
+    for (int e = 0; e < hp_.n_experts; ++e) {
+      if (count[size_t(e) + 1] == count[size_t(e)] || hit[size_t(e)]) continue;
+      uint8_t* at = pf_buf_[pf] + size_t(e) * L.expert_bytes;
+      if (C.cache->plan(std::span<const int>(&e, 1), &plan)) {
+        uint8_t* slot = C.slots + size_t(plan.slot[0]) * L.expert_bytes;
+        CUDA_TRY(cudaMemcpyAsync(slot, at, L.expert_bytes, cudaMemcpyDeviceToDevice, stream_));
+        at = slot;
+      }
+      point_expert(layer, e, at);
+    }
+  }
+  // Every used expert bound at once (resident, cached, or in the prefetched layer buffer):
+  // one pair of launches for all; otherwise expert by expert as each is bound.
+  const bool all_at_once = tiled && (!cached() || pf >= 0);
+  if (all_at_once) {
+    if (cached() && C.table_stale) TS_TRY(sync_expert_table(layer));
+    if (!dq) {
+      run_tiles(0, int(tiles.size()), layer_tab, nullptr, L.experts[0].gate.dtype);
+    } else {
+      // Groups of dq_group_ used experts: dequantize, then their tiles (contiguous, since
+      // tiles are in expert order); the next group's copies wait for these GEMMs (one stream).
+      std::vector<int> ids;
+      for (int e = 0; e < hp_.n_experts; ++e)
+        if (count[size_t(e) + 1] > count[size_t(e)]) ids.push_back(e);
+      CUDA_TRY(
+          cudaMemcpyAsync(dq_ids_, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_));
+      for (size_t g0 = 0; g0 < ids.size(); g0 += size_t(dq_group_)) {
+        const size_t g1 = std::min(ids.size(), g0 + size_t(dq_group_));
+        Q8Dequant q = dq_args();
+        q.experts = dq_ids_ + g0;
+        for (int m = 0; m < 3; ++m) {
+          q.src_tab[m] = layer_tab[m];
+          q.dst_tab[m] = dq_tab[m];
+        }
+        q.count = int(g1 - g0);
+        dequantize_q8_bf16(q, stream_);
+        const int t0 = first_tile[size_t(ids[g0])], t1 = first_tile[size_t(ids[g1 - 1]) + 1];
+        run_tiles(t0, t1 - t0, dq_tab, nullptr, DType::kBF16);
+      }
+    }
+  }
+  for (int e = 0; e < hp_.n_experts; ++e) {
+    const int m = count[size_t(e) + 1] - count[size_t(e)];
+    if (m == 0 || all_at_once) continue;
+    const int off = count[size_t(e)];
+    int staged = -1;
+    if (cached() && !hit[size_t(e)] && pf < 0) {
+      experts::SlotCache::Plan plan;
+      uint8_t* dst = nullptr;
+      if (C.cache->plan(std::span<const int>(&e, 1), &plan)) {
+        dst = C.slots + size_t(plan.slot[0]) * L.expert_bytes;
+      } else {
+        staged = int(ring++ % staging_.size());
+        dst = staging_[size_t(staged)];
+        CUDA_TRY(cudaStreamWaitEvent(copy_stream_, staging_free_[size_t(staged)], 0));
+      }
+      point_expert(layer, e, dst);
+      TS_TRY(copy_experts(layer, std::span<const int>(&e, 1), std::span<uint8_t* const>(&dst, 1)));
+      CUDA_TRY(cudaEventRecord(loaded_, copy_stream_));
+      CUDA_TRY(cudaStreamWaitEvent(stream_, loaded_, 0));
+    }
+    const DevMlp& x = L.experts[size_t(e)];
+    if (tiled) {
+      const int t0 = first_tile[size_t(e)], nt = first_tile[size_t(e) + 1] - t0;
+      if (dq) {
+        Q8Dequant q = dq_args();
+        q.direct[0] = x.gate.data;
+        q.direct[1] = x.up.data;
+        q.direct[2] = x.down.data;
+        dequantize_q8_bf16(q, stream_);
+        const void* copy[3];
+        for (int m = 0; m < 3; ++m) copy[m] = dq_ + dq_off_[m];
+        run_tiles(t0, nt, nullptr, copy, DType::kBF16);
+      } else {
+        const void* at[3] = {x.gate.data, x.up.data, x.down.data};
+        run_tiles(t0, nt, nullptr, at, L.experts[0].gate.dtype);
+      }
+      if (staged >= 0) CUDA_TRY(cudaEventRecord(staging_free_[size_t(staged)], stream_));
+      continue;
+    }
+    const void* xe = static_cast<const uint8_t*>(xg) + size_t(off) * size_t(d) * gate_es;
+    TS_TRY(gemm(x.gate, xe, m, h1_, false));
+    TS_TRY(gemm(x.up, xe, m, h2_, false));
+    silu_mul(h1_, h2_, h1_, int64_t(m) * de, stream_);
+    const void* he = h1_;
+    if (down_in != DType::kF32) {
+      // h2_ is free again: the activations in the down GEMM's input type.
+      convert_f32(h1_, h2_, down_in, int64_t(m) * de, stream_);
+      he = h2_;
+    }
+    TS_TRY(gemm(x.down, he, m, yg + size_t(off) * size_t(d), false));
+    if (staged >= 0) CUDA_TRY(cudaEventRecord(staging_free_[size_t(staged)], stream_));
+  }
+  if (pf >= 0) {
+    CUDA_TRY(cudaEventRecord(pf_free_[pf], stream_));
+    pf_layer_[pf] = -1;
+  }
+  slot_sum(yg, group_row_of_, sel_w_, n, k, d, moe_out_, stream_);
+  return {};
+}
+
+Status CudaSession::init_dequant_scratch() {
+  const DevLayer* q8 = nullptr;
+  for (const DevLayer& L : w_.layers)
+    if (L.is_moe && L.experts[0].gate.dtype == DType::kQ8_0 &&
+        L.experts[0].up.dtype == DType::kQ8_0 && L.experts[0].down.dtype == DType::kQ8_0 &&
+        grouped_supports(DType::kQ8_0, hp_.d_model) && grouped_supports(DType::kQ8_0, hp_.d_expert))
+      q8 = &L;
+  if (!q8) return {};
+  const DevMlp& x = q8->experts[0];
+  size_t at = 0;
+  for (int m = 0; m < 3; ++m) {
+    const DevMatrix& w = m == 0 ? x.gate : m == 1 ? x.up : x.down;
+    dq_off_[m] = at;
+    at += (size_t(w.rows * w.cols) * 2 + 255) / 256 * 256;
+  }
+  dq_expert_bytes_ = at;
+  // Up to 1 GiB (and an eighth of what is free), at least one expert.
+  size_t free_b = 0, total_b = 0;
+  CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  const size_t budget = std::min<size_t>(size_t(1) << 30, free_b / 8);
+  dq_group_ = int(std::clamp<size_t>(budget / at, 1, size_t(hp_.n_experts)));
+  TS_ASSIGN(void* dq, arena_.alloc(size_t(dq_group_) * at));
+  dq_ = static_cast<uint8_t*>(dq);
+  TS_ASSIGN(dq_tab_, arena_.alloc_n<const void*>(3 * size_t(hp_.n_experts)));
+  TS_ASSIGN(dq_ids_, arena_.alloc_n<int>(size_t(hp_.n_experts)));
+  return {};
+}
+
+}  // namespace ts::cuda::detail
