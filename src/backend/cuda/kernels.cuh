@@ -173,8 +173,9 @@ void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s);
 // BF16 copies of Q8_0 matrices, the values dequantize_bf16 gives (d * q rounded to BF16),
 // for the grouped GEMMs of long prefill chunks and cuBLAS: up to three matrices (gate, up,
 // down) of each of `count` experts, or of one set of `direct` matrices. Expert j of the list
-// lands at dst + j * dst_stride + dst_off[m], and with dst_tab set, dst_tab[m][experts[j]]
-// receives that address (the table the grouped GEMMs read).
+// lands at dst + j * dst_stride + dst_off[m] (all three 16-byte aligned), and with dst_tab
+// set, dst_tab[m][experts[j]] receives that address (the table the grouped GEMMs read).
+// Sources need only 2-byte alignment (16-byte aligned ones are staged by cp.async).
 struct Q8Dequant {
   const int* experts = nullptr;        // device ids [count]; null: direct
   const void* const* src_tab[3] = {};  // per-expert addresses (device tables)
