@@ -107,6 +107,12 @@ Status CudaSession::moe_block(int layer, int n) {
 // Q8_0 kernel from 512-token prompts up (prefill 1.2x at 512 tokens, 1.46x at 4096).
 constexpr int kDequantQ8MinRows = 64;
 
+namespace {
+bool all_q8_0(const DevMlp& x) {
+  return x.gate.dtype == DType::kQ8_0 && x.up.dtype == DType::kQ8_0 && x.down.dtype == DType::kQ8_0;
+}
+}  // namespace
+
 // Prefill: the chunk's (token, rank) slots sorted by expert; each expert used runs its
 // three projections as GEMMs over its rows; the slots are then summed in rank order.
 
@@ -163,10 +169,8 @@ Status CudaSession::grouped_experts(int layer, int n) {
                              cudaMemcpyHostToDevice, stream_));
   }
   // Long chunks with Q8_0 experts run on BF16 copies of them (kDequantQ8MinRows).
-  const bool dq = tiled && dq_ && L.experts[0].gate.dtype == DType::kQ8_0 &&
-                  L.experts[0].up.dtype == DType::kQ8_0 &&
-                  L.experts[0].down.dtype == DType::kQ8_0 &&
-                  int64_t(ns) >= int64_t(kDequantQ8MinRows) * used;
+  const bool dq =
+      tiled && dq_ && all_q8_0(L.experts[0]) && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used;
   // Phase 1 into h2_ (BF16 [ns, de]), phase 2 into slot_rows_, for tiles [t0, t0 + nt):
   // weights through the tables tab (gate, up, down) or, for one expert's tiles, at direct.
   const auto run_tiles = [&](int t0, int nt, const void** const* tab, const void* const* direct,
@@ -336,11 +340,13 @@ Status CudaSession::grouped_experts(int layer, int n) {
 
 Status CudaSession::init_dequant_scratch() {
   const DevLayer* q8 = nullptr;
-  for (const DevLayer& L : w_.layers)
-    if (L.is_moe && L.experts[0].gate.dtype == DType::kQ8_0 &&
-        L.experts[0].up.dtype == DType::kQ8_0 && L.experts[0].down.dtype == DType::kQ8_0 &&
-        grouped_supports(DType::kQ8_0, hp_.d_model) && grouped_supports(DType::kQ8_0, hp_.d_expert))
+  for (const DevLayer& L : w_.layers) {
+    if (L.is_moe && all_q8_0(L.experts[0]) && grouped_supports(DType::kQ8_0, hp_.d_model) &&
+        grouped_supports(DType::kQ8_0, hp_.d_expert)) {
       q8 = &L;
+      break;
+    }
+  }
   if (!q8) return {};
   const DevMlp& x = q8->experts[0];
   size_t at = 0;

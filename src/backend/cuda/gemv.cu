@@ -570,6 +570,13 @@ bool gate_up_wide(const MoeArgs& a, unsigned blocks) {
   }();
   return blocks > wave.first && blocks <= wave.second;
 }
+
+template <DType T>
+void launch_gate_up_16(const MoeArgs& a, dim3 grid, cudaStream_t s) {
+  const auto kernel =
+      gate_up_wide<T>(a, grid.x * grid.y) ? moe_gate_up_wide_kernel<T> : moe_gate_up_kernel<T>;
+  launch_kernel(kernel, grid, 32 * kWarps, 0, s, a);
+}
 }  // namespace
 
 void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
@@ -577,16 +584,10 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
   switch (a.gate_dtype) {
     case DType::kF32: launch_kernel(moe_gate_up_kernel<DType::kF32>, grid, 32 * kWarps, 0, s, a); break;
     case DType::kF16:
-      if (gate_up_wide<DType::kF16>(a, grid.x * grid.y))
-        launch_kernel(moe_gate_up_wide_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a);
-      else
-        launch_kernel(moe_gate_up_kernel<DType::kF16>, grid, 32 * kWarps, 0, s, a);
+      launch_gate_up_16<DType::kF16>(a, grid, s);
       break;
     case DType::kBF16:
-      if (gate_up_wide<DType::kBF16>(a, grid.x * grid.y))
-        launch_kernel(moe_gate_up_wide_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a);
-      else
-        launch_kernel(moe_gate_up_kernel<DType::kBF16>, grid, 32 * kWarps, 0, s, a);
+      launch_gate_up_16<DType::kBF16>(a, grid, s);
       break;
     case DType::kQ8_0: launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a); break;
     case DType::kQ4_K: launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
