@@ -335,8 +335,6 @@ Status CudaSession::init(const std::string& device_name) {
   device_name_ = device_name;
   const model::HParams& hp = hp_;
   n_ctx_ = opt_.n_ctx > 0 ? opt_.n_ctx : std::min(hp.max_positions, 4096);
-  chunk_ = opt_.prefill_chunk > 0 ? opt_.prefill_chunk : 2048;
-  chunk_ = std::min(chunk_, n_ctx_);
   for (const DevLayer& L : w_.layers)
     if (L.is_moe && (L.experts.empty() || L.experts[0].gate.rows == 0))
       return make_error("internal: a MoE layer without experts on the device");
@@ -348,25 +346,46 @@ Status CudaSession::init(const std::string& device_name) {
     return make_error("CUDA router supports up to " + std::to_string(kMaxExperts) +
                       " experts, the model has " + std::to_string(hp.n_experts));
   // The KV cache and scratch: check the free memory first for a clear message.
-  const size_t c = size_t(chunk_), d = size_t(hp.d_model), k = size_t(std::max(1, hp.top_k));
+  const size_t d = size_t(hp.d_model), k = size_t(std::max(1, hp.top_k));
   const size_t kv = size_t(hp.n_layers) * size_t(n_ctx_) * size_t(hp.kv_dim());
-  const size_t hidden = size_t(std::max({hp.d_expert, hp.d_ff, hp.d_shared, 1}));
+  // The widest MLP the layers run (d_ff only where a layer is dense, d_shared where a MoE
+  // layer has a shared expert).
+  int64_t widest_mlp = 1;
+  for (const DevLayer& L : w_.layers) {
+    if (!L.is_moe) widest_mlp = std::max<int64_t>(widest_mlp, hp.d_ff);
+    if (L.is_moe) widest_mlp = std::max<int64_t>(widest_mlp, hp.d_expert);
+    if (L.is_moe && L.shared.gate.rows > 0) widest_mlp = std::max<int64_t>(widest_mlp, hp.d_shared);
+  }
+  const size_t hidden = size_t(widest_mlp);
   const size_t widest = std::max({d, size_t(hp.q_dim()), hidden});
-  partial_rows_ = int(std::max<size_t>(c, 64));
-  size_t need = 2 * kv * 4 + c * d * 4 * 6 + c * size_t(hp.q_dim()) * 8 +
-                c * size_t(hp.kv_dim()) * 8 + size_t(partial_rows_) * size_t(hp.n_heads) *
-                size_t(hp.head_dim + 2) * 4 + c * size_t(hp.n_experts) * 4 +
-                c * k * (8 + d * 4) + 2 * c * k * hidden * 4 + c * size_t(hp.vocab) * 4;
-  act_bytes_ = c * k * widest * 2;
-  need += act_bytes_;
   bool tc_attention = hp.head_dim == 64 || hp.head_dim == 128;
   if (tc_attention) {
     tc_attention = false;
     for (const DevLayer& L : w_.layers) tc_attention |= L.wq.dtype != DType::kF32;
   }
-  if (tc_attention) need += 2 * kv * 2;
+  const auto need_for = [&](size_t c) {  // bytes of KV cache and scratch at chunk c
+    const size_t partial = std::max<size_t>(c, 64);
+    return 2 * kv * 4 + (tc_attention ? 2 * kv * 2 : 0) + c * d * 4 * 6 +
+           c * size_t(hp.q_dim()) * 8 + c * size_t(hp.kv_dim()) * 8 +
+           partial * size_t(hp.n_heads) * size_t(hp.head_dim + 2) * 4 +
+           c * size_t(hp.n_experts) * 4 + c * k * (8 + d * 4) + 2 * c * k * hidden * 4 +
+           c * size_t(hp.vocab) * 4 + c * k * widest * 2;
+  };
   size_t free_b = 0, total_b = 0;
   CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  // Prefill chunk: --prefill-chunk, else 4,096 tokens when that scratch fits with 2 GiB to
+  // spare, else 2,048 (each chunk reads every used expert's weights once, so a longer chunk
+  // reads them fewer times per token: docs/PERF.md). The same rule in every residency mode,
+  // so modes chunk a prompt alike unless memory is that tight.
+  chunk_ = opt_.prefill_chunk > 0 ? opt_.prefill_chunk : 2048;
+  if (opt_.prefill_chunk <= 0 &&
+      need_for(size_t(std::min(4096, n_ctx_))) + (size_t(2) << 30) <= free_b)
+    chunk_ = 4096;
+  chunk_ = std::min(chunk_, n_ctx_);
+  const size_t c = size_t(chunk_);
+  partial_rows_ = int(std::max<size_t>(c, 64));
+  act_bytes_ = c * k * widest * 2;
+  const size_t need = need_for(c);
   if (need + (64u << 20) > free_b)
     return make_error("the KV cache (n_ctx " + std::to_string(n_ctx_) + ") and scratch need " +
                       std::to_string(gib(need)) + " GiB on " + device_name_ + " after the weights (" +

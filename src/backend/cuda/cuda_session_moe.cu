@@ -153,24 +153,28 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // BF16 and Q8_0 experts run as two grouped tensor-core launches over tiles of each
   // expert's rows (all experts at once when all are bound together, else expert by expert);
   // other types run three cuBLAS GEMMs per expert.
-  const bool tiled = grouped_supports(L.experts[0].gate.dtype, d) &&
+  // (One dtype for all three: both phases run the kernels of the gate's type.)
+  const bool tiled = L.experts[0].up.dtype == L.experts[0].gate.dtype &&
+                     L.experts[0].down.dtype == L.experts[0].gate.dtype &&
+                     grouped_supports(L.experts[0].gate.dtype, d) &&
                      grouped_supports(L.experts[0].up.dtype, d) &&
                      grouped_supports(L.experts[0].down.dtype, de);
+  // Long chunks with Q8_0 experts run on BF16 copies of them (kDequantQ8MinRows).
+  const bool dq =
+      tiled && dq_ && all_q8_0(L.experts[0]) && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used;
   std::vector<GroupTile> tiles;
   std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
   if (tiled) {
+    const int rows = grouped_tile_rows(dq ? DType::kBF16 : L.experts[0].gate.dtype);
     for (int e = 0; e < hp_.n_experts; ++e) {
       first_tile[size_t(e)] = int(tiles.size());
-      for (int off = count[size_t(e)]; off < count[size_t(e) + 1]; off += kGroupTile)
-        tiles.push_back({e, off, std::min(kGroupTile, count[size_t(e) + 1] - off)});
+      for (int off = count[size_t(e)]; off < count[size_t(e) + 1]; off += rows)
+        tiles.push_back({e, off, std::min(rows, count[size_t(e) + 1] - off)});
     }
     first_tile[size_t(hp_.n_experts)] = int(tiles.size());
     CUDA_TRY(cudaMemcpyAsync(group_tiles_, tiles.data(), tiles.size() * sizeof(GroupTile),
                              cudaMemcpyHostToDevice, stream_));
   }
-  // Long chunks with Q8_0 experts run on BF16 copies of them (kDequantQ8MinRows).
-  const bool dq =
-      tiled && dq_ && all_q8_0(L.experts[0]) && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used;
   // Phase 1 into h2_ (BF16 [ns, de]), phase 2 into slot_rows_, for tiles [t0, t0 + nt):
   // weights through the tables tab (gate, up, down) or, for one expert's tiles, at direct.
   const auto run_tiles = [&](int t0, int nt, const void** const* tab, const void* const* direct,

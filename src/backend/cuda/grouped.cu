@@ -502,6 +502,10 @@ void slot_sum(const float* rows, const int* row_of, const float* weights, int n,
   launch_kernel(slot_sum_kernel, grid, 256, 0, s, rows, row_of, weights, k, d, out);
 }
 
+int grouped_tile_rows(DType type) {
+  return type == DType::kBF16 && grouped_wgmma_available() ? kWgTile : kGroupTile;
+}
+
 bool grouped_supports(DType type, int64_t cols) {
   if (type == DType::kBF16) return cols % 8 == 0;
   if (type == DType::kQ8_0) return cols % 32 == 0;
@@ -509,10 +513,15 @@ bool grouped_supports(DType type, int64_t cols) {
 }
 
 namespace {
-// Both phases: BF16 weights on grouped_mma_kernel, Q8_0 on the WMMA grouped_gemm_kernel.
+// Both phases: BF16 weights on the warpgroup-MMA kernels where the device and build have them
+// (grouped_sm90.cu), else grouped_mma_kernel; Q8_0 on the WMMA grouped_gemm_kernel.
 template <bool kGateUp>
 void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
   if (a.n_tiles == 0) return;
+  if (grouped_tile_rows(a.dtype) == kWgTile) {
+    grouped_wgmma(kGateUp, a, s);
+    return;
+  }
   if (a.dtype == DType::kBF16) {
     constexpr size_t smem = kMmaSmem<kGateUp, kMmaStages>;
     const auto kernel = grouped_mma_kernel<kGateUp, kMmaStages>;

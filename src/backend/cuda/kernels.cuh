@@ -197,10 +197,11 @@ void slot_sum(const float* rows, const int* row_of, const float* weights, int n,
 // of one expert; one launch runs every tile. Weights are read in place as BF16 or Q8_0
 // blocks (dequantized to BF16 in shared memory, the value dequantize_bf16 gives).
 constexpr int kGroupTile = 64;
+constexpr int kWgTile = 128;  // the warpgroup-MMA kernels' tiles (grouped_sm90.cu)
 struct GroupTile {
   int expert;  // index into the weight tables
   int row0;    // first sorted row
-  int m;       // rows, 1..kGroupTile
+  int m;       // rows, 1..grouped_tile_rows(dtype)
 };
 struct GroupedArgs {
   const GroupTile* tiles = nullptr;  // device
@@ -223,6 +224,14 @@ bool grouped_supports(DType type, int64_t cols);
 // Phase 1: out = bf16(silu(x W0^T) * (x W1^T)) (gate, up). Phase 2: out = x W0^T (down).
 void grouped_gate_up(const GroupedArgs& a, cudaStream_t s);
 void grouped_down(const GroupedArgs& a, cudaStream_t s);
+// Rows per tile the grouped kernels take for weights of `type`: kWgTile on the
+// warpgroup-MMA kernels, else kGroupTile.
+int grouped_tile_rows(DType type);
+// Whether BF16 weights take the warpgroup-MMA kernels (grouped_sm90.cu): a compute 9.0 device
+// and a build for sm_90a (checked once by running a probe kernel).
+bool grouped_wgmma_available();
+// Those kernels (BF16 weights only): phase 1 when gate_up, else phase 2.
+void grouped_wgmma(bool gate_up, const GroupedArgs& a, cudaStream_t s);
 
 // F32 -> Q8_0 blocks (llama.cpp's reference rounding); n a multiple of 32.
 void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s);

@@ -776,27 +776,41 @@ TEST(CudaKernels, DequantizeQ8ToBf16MatchesDequantizeBf16) {
 
 // The grouped tensor-core GEMMs against a double-precision reference on the same BF16 inputs
 // (x rounded to BF16, weights as dequantize_bf16 gives them): experts of 1, 64, 70 and 130
-// rows (tile edges), output widths off the 64-column tile, tables vs direct addresses.
+// rows (tile edges), output widths off the kernels' output blocks, tables vs direct addresses.
 TEST(CudaKernels, GroupedGemmsMatchReference) {
   SKIP_WITHOUT_GPU();
-  // Two shapes: outputs within one block and across two (BF16 blocks are 128 outputs wide,
-  // Q8_0 ones 64), 5 and 8 column steps.
+  // Three shapes: outputs within one block and across two or more (BF16 blocks are 128
+  // outputs wide, or 128 / 256 on the warpgroup-MMA kernels; Q8_0 ones 64), 3 to 12 column
+  // steps of 32 or 64, some ending past k.
   struct Shape {
     int d, de;
   };
-  for (const Shape sh : {Shape{160, 96}, Shape{256, 160}})
+  // On a compute 9.0 device the BF16 phases run the warpgroup-MMA kernels (blocks of 128
+  // gate|up outputs or 256 down outputs, 64-column steps): a build without sm_90a would
+  // quietly take the slower kernels.
+  int dev = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (major == 9 && minor == 0) {
+    EXPECT_TRUE(ts::cuda::grouped_wgmma_available());
+  }
+  for (const Shape sh : {Shape{160, 96}, Shape{256, 160}, Shape{384, 224}})
     for (DType t : {DType::kBF16, DType::kQ8_0}) {
       const int d = sh.d, de = sh.de;
       const std::string what = std::string(ts::dtype_name(t)) + " d " + std::to_string(d);
       const std::vector<int> rows_of = {1, 64, 70, 130};  // rows per expert, sorted by expert
+      // Tiles of 64 rows, or 128 on the warpgroup-MMA kernels (where 1, 64 and the 2 rows
+      // past 128 leave the second warpgroup idle; 70 and 128 use both).
+      const int tile_rows = ts::cuda::grouped_tile_rows(t);
       const int n_experts = int(rows_of.size());
       std::vector<ts::cuda::GroupTile> tiles;
       std::vector<int> first;
       int ns = 0;
       for (int e = 0; e < n_experts; ++e) {
         first.push_back(int(tiles.size()));
-        for (int off = 0; off < rows_of[size_t(e)]; off += ts::cuda::kGroupTile)
-          tiles.push_back({e, ns + off, std::min(ts::cuda::kGroupTile, rows_of[size_t(e)] - off)});
+        for (int off = 0; off < rows_of[size_t(e)]; off += tile_rows)
+          tiles.push_back({e, ns + off, std::min(tile_rows, rows_of[size_t(e)] - off)});
         ns += rows_of[size_t(e)];
       }
       first.push_back(int(tiles.size()));
