@@ -31,7 +31,7 @@ constexpr const char* kUsage =
     "  bench --device cuda [--model DIR | --synthetic CONFIG.json --dtype bf16|q8_0] [--quant q8_0]\n"
     "           [--contexts 128,4096 --prompts 512,4096 --gen-tokens N --profile --json]\n"
     "common flags: --threads N  --device cpu|cuda[:N]  --quant q8_0 (cuda: quantize at load)\n"
-    "  --prefill-chunk N   tokens per prefill chunk (default: cpu 256, cuda 2048)\n"
+    "  --prefill-chunk N   tokens per prefill chunk (default: cpu 256; cuda 4096, 2048 if tight)\n"
     "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
     "  --expert-cache-slots N | --expert-cache-mb M   streamed cache size (slots per layer)\n"
     "  --cache-policy lru|lfu  --direct-io  --io-threads N   streamed cache and readers\n"

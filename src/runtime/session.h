@@ -41,7 +41,7 @@ struct GpuExpertOptions {
 struct SessionOptions {
   int n_ctx = 0;           // KV cache length; 0 = min(max_position_embeddings, 4096)
   int prefill_chunk = 0;    // tokens per forward chunk during prefill; 0 = the backend's
-                            // default (CPU 256, CUDA 2048)
+                            // default (CPU 256; CUDA 4096, or 2048 where tight)
   bool quantize_q8_0 = false;  // CUDA: float matrices -> Q8_0 at load (CPU: use a pack)
   GpuExpertOptions gpu_experts;  // CUDA only
   Interventions interventions;  // steering, residual capture, router trace
