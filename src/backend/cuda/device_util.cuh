@@ -183,8 +183,6 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-// kAsync: keys and values from the BF16 copies of the cache by cp.async (AttentionArgs).
-
 __device__ __forceinline__ void store_as(void* dst, DType type, size_t i, float v) {
   if (type == DType::kF32) static_cast<float*>(dst)[i] = v;
   else if (type == DType::kBF16) static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16(v);
