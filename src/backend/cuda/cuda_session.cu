@@ -518,6 +518,7 @@ CudaBenchInfo CudaSession::info() const {
   b.decode_weight_bytes = bytes;
   b.kv_bytes_per_position = 2ull * uint64_t(hp_.n_layers) * uint64_t(hp_.kv_dim()) * 4;
   b.device_bytes = arena_.bytes();
+  b.prefill_chunk = chunk_;
   for (const DevLayer& L : w_.layers)
     if (L.is_moe) {
       ++b.moe_layers;

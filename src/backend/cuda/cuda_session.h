@@ -45,6 +45,7 @@ struct CudaBenchInfo {
   bool graphs = false;
   uint64_t expert_bytes = 0;         // one routed expert (gate + up + down), for the cache
   int moe_layers = 0;
+  int prefill_chunk = 0;             // tokens per prefill chunk (--prefill-chunk or the default)
 };
 CudaBenchInfo bench_info(const runtime::Engine& engine);
 

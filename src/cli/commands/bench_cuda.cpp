@@ -140,6 +140,7 @@ Status cmd_bench_cuda(const Args& args) {
                       {"kv_bytes_per_position", info.kv_bytes_per_position},
                       {"device_bytes_allocated", info.device_bytes},
                       {"cuda_graphs", info.graphs},
+                      {"prefill_chunk", info.prefill_chunk},
                       {"roofline_gbps", roofline_gbps},
                       {"roofline_tflops", roofline_tflops}};
   // The GPU expert cache's counters over one timed run.
@@ -169,10 +170,10 @@ Status cmd_bench_cuda(const Args& args) {
   };
   if (!json)
     std::printf("%s on %s\nweights read per decode token %.3f GB, KV %.1f KB per position, "
-                "%.1f GiB on the device\n",
+                "%.1f GiB on the device, prefill chunks of %d tokens\n",
                 source.c_str(), engine->device_name().c_str(), double(info.decode_weight_bytes) / 1e9,
                 double(info.kv_bytes_per_position) / 1e3,
-                double(info.device_bytes) / double(1ull << 30));
+                double(info.device_bytes) / double(1ull << 30), info.prefill_chunk);
   if (const auto c = engine->expert_cache()) {
     j["expert_cache"] = {{"residency", c->residency},
                          {"slots_per_layer", c->slots_per_layer},
