@@ -350,12 +350,10 @@ Status CudaSession::init(const std::string& device_name) {
   const size_t kv = size_t(hp.n_layers) * size_t(n_ctx_) * size_t(hp.kv_dim());
   // The widest MLP the layers run (d_ff only where a layer is dense, d_shared where a MoE
   // layer has a shared expert).
-  int64_t widest_mlp = 1;
-  for (const DevLayer& L : w_.layers) {
-    if (!L.is_moe) widest_mlp = std::max<int64_t>(widest_mlp, hp.d_ff);
-    if (L.is_moe) widest_mlp = std::max<int64_t>(widest_mlp, hp.d_expert);
-    if (L.is_moe && L.shared.gate.rows > 0) widest_mlp = std::max<int64_t>(widest_mlp, hp.d_shared);
-  }
+  int widest_mlp = 1;
+  for (const DevLayer& L : w_.layers)
+    widest_mlp = std::max({widest_mlp, L.is_moe ? hp.d_expert : hp.d_ff,
+                           L.is_moe && L.shared.gate.rows > 0 ? hp.d_shared : 1});
   const size_t hidden = size_t(widest_mlp);
   const size_t widest = std::max({d, size_t(hp.q_dim()), hidden});
   bool tc_attention = hp.head_dim == 64 || hp.head_dim == 128;

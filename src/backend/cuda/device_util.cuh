@@ -183,6 +183,37 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
+// The grouped GEMMs' epilogue for two adjacent outputs (col, col + 1) of one row, at element
+// o of out: phase 1 (kGateUp) BF16 silu(g) * u, as silu_mul_kernel computes it and
+// convert_f32 rounds; phase 2 the F32 sums g. The second output only when `both` (col + 1 <
+// n); one paired store when `pairs` (n even, so the pair is aligned).
+template <bool kGateUp>
+__device__ __forceinline__ void store_grouped_pair(void* out, size_t o, float g0, float g1,
+                                                   float u0, float u1, bool both, bool pairs) {
+  float v[2] = {g0, g1};
+  if (kGateUp) {
+    v[0] = g0 / (1.0f + expf(-g0)) * u0;
+    v[1] = g1 / (1.0f + expf(-g1)) * u1;
+  }
+  if (kGateUp) {
+    __nv_bfloat16* p = static_cast<__nv_bfloat16*>(out) + o;
+    if (both && pairs) {
+      *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
+    } else {
+      p[0] = __float2bfloat16(v[0]);
+      if (both) p[1] = __float2bfloat16(v[1]);
+    }
+  } else {
+    float* p = static_cast<float*>(out) + o;
+    if (both && pairs) {
+      *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+    } else {
+      p[0] = v[0];
+      if (both) p[1] = v[1];
+    }
+  }
+}
+
 __device__ __forceinline__ void store_as(void* dst, DType type, size_t i, float v) {
   if (type == DType::kF32) static_cast<float*>(dst)[i] = v;
   else if (type == DType::kBF16) static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16(v);

@@ -430,35 +430,10 @@ __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
         const int col = n0 + wc + 8 * j + 2 * tig;
         if (col >= a.n) continue;
         const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
-        float v[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          if (kGateUp) {
-            // silu(g) * u as silu_mul_kernel computes it, rounded as convert_f32 rounds.
-            const float g = acc0[i][j][2 * h + c], u = acc1[i][j][2 * h + c];
-            v[c] = g / (1.0f + expf(-g)) * u;
-          } else {
-            v[c] = acc0[i][j][2 * h + c];
-          }
-        }
-        const bool both = col + 1 < a.n;
-        if (kGateUp) {
-          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + o;
-          if (both && pairs) {
-            *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(v[0], v[1]);
-          } else {
-            out[0] = __float2bfloat16(v[0]);
-            if (both) out[1] = __float2bfloat16(v[1]);
-          }
-        } else {
-          float* out = static_cast<float*>(a.out) + o;
-          if (both && pairs) {
-            *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
-          } else {
-            out[0] = v[0];
-            if (both) out[1] = v[1];
-          }
-        }
+        const int iu = kGateUp ? i : 0;  // phase 2 has no up (acc1 is one row)
+        store_grouped_pair<kGateUp>(a.out, o, acc0[i][j][2 * h], acc0[i][j][2 * h + 1],
+                                    acc1[iu][j][2 * h], acc1[iu][j][2 * h + 1], col + 1 < a.n,
+                                    pairs);
       }
     }
 }

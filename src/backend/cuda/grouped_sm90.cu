@@ -186,36 +186,9 @@ __global__ void __launch_bounds__(kWgThreads) grouped_wgmma_kernel(GroupedArgs a
       const int col = n0 + 8 * j + 2 * (lane % 4);
       if (r >= tile.m || col >= a.n) continue;
       const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
-      float v[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float g = d[4 * j + 2 * h + c];
-        if (kGateUp) {
-          // silu(g) * u as silu_mul_kernel computes it, rounded as convert_f32 rounds.
-          const float u = d[64 + 4 * j + 2 * h + c];
-          v[c] = g / (1.0f + expf(-g)) * u;
-        } else {
-          v[c] = g;
-        }
-      }
-      const bool both = col + 1 < a.n;
-      if (kGateUp) {
-        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + o;
-        if (both && pairs) {
-          *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(v[0], v[1]);
-        } else {
-          out[0] = __float2bfloat16(v[0]);
-          if (both) out[1] = __float2bfloat16(v[1]);
-        }
-      } else {
-        float* out = static_cast<float*>(a.out) + o;
-        if (both && pairs) {
-          *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
-        } else {
-          out[0] = v[0];
-          if (both) out[1] = v[1];
-        }
-      }
+      const int i = 4 * j + 2 * h;  // gate (or down) in d[i], d[i + 1]; up in d[i + 64], ...
+      store_grouped_pair<kGateUp>(a.out, o, d[i], d[i + 1], kGateUp ? d[64 + i] : 0.0f,
+                                  kGateUp ? d[64 + i + 1] : 0.0f, col + 1 < a.n, pairs);
     }
 #endif
 }
