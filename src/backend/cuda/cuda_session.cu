@@ -367,7 +367,7 @@ Status CudaSession::init(const std::string& device_name) {
            c * size_t(hp.q_dim()) * 8 + c * size_t(hp.kv_dim()) * 8 +
            partial * size_t(hp.n_heads) * size_t(hp.head_dim + 2) * 4 +
            c * size_t(hp.n_experts) * 4 + c * k * (8 + d * 4) + 2 * c * k * hidden * 4 +
-           c * size_t(hp.vocab) * 4 + c * k * widest * 2;
+           std::min<size_t>(c, kLogitRows) * size_t(hp.vocab) * 4 + c * k * widest * 2;
   };
   size_t free_b = 0, total_b = 0;
   CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
@@ -422,7 +422,8 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(slot_rows_, arena_.alloc_n<float>(c * k * d));
   TS_ASSIGN(h1_, arena_.alloc_n<float>(c * k * hidden));
   TS_ASSIGN(h2_, arena_.alloc_n<float>(c * k * hidden));
-  TS_ASSIGN(logits_, arena_.alloc_n<float>(c * size_t(hp.vocab)));
+  logit_rows_ = int(std::min<size_t>(c, kLogitRows));
+  TS_ASSIGN(logits_, arena_.alloc_n<float>(size_t(logit_rows_) * size_t(hp.vocab)));
   TS_ASSIGN(tokens_, arena_.alloc_n<int>(c));
   TS_ASSIGN(pos_dev_, arena_.alloc_n<int>(1));
   TS_ASSIGN(act_, arena_.alloc(act_bytes_));
@@ -577,7 +578,7 @@ Status CudaSession::decode_segments() {
       TS_TRY(begin_segment());
       CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, 4, cudaMemcpyHostToDevice, stream_));
       CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
-      TS_TRY(run_layers(1, false, true));
+      TS_TRY(run_layers(1, nullptr, true));
       CUDA_TRY(cudaMemcpyAsync(h_logits_, logits_, size_t(hp_.vocab) * 4, cudaMemcpyDeviceToHost,
                                stream_));
       return end_segment();
@@ -649,7 +650,7 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
       Status st = [&]() -> Status {
         CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, 4, cudaMemcpyHostToDevice, stream_));
         CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
-        TS_TRY(run_layers(1, false, true));
+        TS_TRY(run_layers(1, nullptr, true));
         CUDA_TRY(cudaMemcpyAsync(h_logits_, logits_, size_t(hp_.vocab) * 4,
                                  cudaMemcpyDeviceToHost, stream_));
         return {};
@@ -665,13 +666,11 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   } else {
     CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
-    TS_TRY(run_layers(n, all_rows, last_chunk));
-    const float* last = logits_ + (all_rows ? size_t(n - 1) * size_t(hp_.vocab) : 0);
-    CUDA_TRY(cudaMemcpyAsync(h_logits_, last, size_t(hp_.vocab) * 4, cudaMemcpyDeviceToHost,
-                             stream_));
-    if (all_rows)
-      CUDA_TRY(cudaMemcpyAsync(logits_out, logits_, size_t(n) * size_t(hp_.vocab) * 4,
-                               cudaMemcpyDeviceToHost, stream_));
+    TS_TRY(run_layers(n, logits_out, last_chunk));
+    // With every row, the buffer holds the last block of logit_rows_ rows.
+    const size_t last_row = all_rows ? size_t((n - 1) % logit_rows_) : 0;
+    CUDA_TRY(cudaMemcpyAsync(h_logits_, logits_ + last_row * size_t(hp_.vocab),
+                             size_t(hp_.vocab) * 4, cudaMemcpyDeviceToHost, stream_));
   }
   CUDA_TRY(cudaStreamSynchronize(stream_));
   CUDA_TRY(cudaGetLastError());
@@ -685,7 +684,7 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   return {};
 }
 
-Status CudaSession::run_layers(int n, bool all_rows, bool last_chunk) {
+Status CudaSession::run_layers(int n, float* logits_out, bool last_chunk) {
   const size_t d = size_t(hp_.d_model);
   TS_TRY(prof_.time("embed", double(n) * double(w_.embed.row_bytes()), stream_,
                     [&] { return launch([&] { embed_rows(w_.embed, tokens_, n, x_, stream_); }); }));
@@ -719,9 +718,19 @@ Status CudaSession::run_layers(int n, bool all_rows, bool last_chunk) {
     TS_TRY(layer_boundary(l, n, last_chunk));
   }
   rmsnorm(x_, w_.final_norm, xn_, n, int(d), hp_.rms_eps, stream_);
-  return prof_.time("lm head", double(w_.lm_head.n_bytes()), stream_, [&] {
-    if (all_rows) return linear(w_.lm_head, xn_, n, logits_);
-    return linear(w_.lm_head, xn_ + size_t(n - 1) * d, 1, logits_);
+  return prof_.time("lm head", double(w_.lm_head.n_bytes()), stream_, [&]() -> Status {
+    if (!logits_out) return linear(w_.lm_head, xn_ + size_t(n - 1) * d, 1, logits_);
+    // Every row (perplexity, logit dumps): logit_rows_ rows at a time through the buffer,
+    // each block copied out before the next overwrites it (a copy to pageable memory returns
+    // when it is done).
+    const size_t vocab = size_t(hp_.vocab);
+    for (int r0 = 0; r0 < n; r0 += logit_rows_) {
+      const int m = std::min(logit_rows_, n - r0);
+      TS_TRY(linear(w_.lm_head, xn_ + size_t(r0) * d, m, logits_));
+      CUDA_TRY(cudaMemcpyAsync(logits_out + size_t(r0) * vocab, logits_, size_t(m) * vocab * 4,
+                               cudaMemcpyDeviceToHost, stream_));
+    }
+    return {};
   });
 }
 

@@ -124,6 +124,9 @@ inline uint64_t mlp_bytes(const DevMlp& m) {
 // Up to this many tokens the GEMV kernels run (weights read once per 4 tokens); beyond, cuBLAS
 // and the expert-grouped MoE.
 constexpr int kGemvMaxTokens = 8;
+// Rows of the logits buffer: callers that want every row's logits get them in blocks of
+// this many (vocab 151,936: 156 MB), not a chunk's worth (4,096 rows: 2.5 GB).
+constexpr size_t kLogitRows = 256;
 
 // Q8_0 weights in GEMVs take Q8 activations (dp4a) when rows fit the tile path.
 inline bool q8_activations(DType w, int64_t cols) { return w == DType::kQ8_0 && cols % 256 == 0; }
@@ -237,7 +240,8 @@ class CudaSession final : public runtime::Engine {
 
  private:
   Status forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk);
-  Status run_layers(int n, bool all_rows, bool last_chunk);
+  // logits_out: every row's logits to host memory, else only the last row's (logits_).
+  Status run_layers(int n, float* logits_out, bool last_chunk);
   Status layer_boundary(int layer, int n, bool last_chunk);
   Status attention_block(int layer, int n);
   Status moe_block(int layer, int n);
@@ -325,6 +329,7 @@ class CudaSession final : public runtime::Engine {
   const void** dq_tab_ = nullptr;
   int* dq_ids_ = nullptr;
   int partial_rows_ = 0;    // n * n_splits the partial buffer holds
+  int logit_rows_ = 1;      // rows the logits buffer holds (kLogitRows, or the chunk if less)
   unsigned long long* hist_ = nullptr;  // [n_layers, n_experts]
   // Pinned host mirrors.
   int* h_tokens_ = nullptr;

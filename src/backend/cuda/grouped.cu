@@ -498,17 +498,27 @@ void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
     return;
   }
   if (a.dtype == DType::kBF16) {
-    constexpr size_t smem = kMmaSmem<kGateUp, kMmaStages>;
-    const auto kernel = grouped_mma_kernel<kGateUp, kMmaStages>;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    const dim3 grid(unsigned((a.n + kMmaN - 1) / kMmaN), unsigned(a.n_tiles));
-    launch_kernel(kernel, grid, 128, smem, s, a);
+    grouped_mma(kGateUp, a, s);
     return;
   }
   const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));
   launch_kernel(grouped_gemm_kernel<kGateUp>, grid, 128, 0, s, a);
 }
+
+template <bool kGateUp>
+void launch_mma(const GroupedArgs& a, cudaStream_t s) {
+  constexpr size_t smem = kMmaSmem<kGateUp, kMmaStages>;
+  const auto kernel = grouped_mma_kernel<kGateUp, kMmaStages>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  const dim3 grid(unsigned((a.n + kMmaN - 1) / kMmaN), unsigned(a.n_tiles));
+  launch_kernel(kernel, grid, 128, smem, s, a);
+}
 }  // namespace
+
+void grouped_mma(bool gate_up, const GroupedArgs& a, cudaStream_t s) {
+  if (a.n_tiles == 0) return;
+  gate_up ? launch_mma<true>(a, s) : launch_mma<false>(a, s);
+}
 
 void grouped_gate_up(const GroupedArgs& a, cudaStream_t s) { launch_grouped<true>(a, s); }
 

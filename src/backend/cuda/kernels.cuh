@@ -232,6 +232,9 @@ int grouped_tile_rows(DType type);
 bool grouped_wgmma_available();
 // Those kernels (BF16 weights only): phase 1 when gate_up, else phase 2.
 void grouped_wgmma(bool gate_up, const GroupedArgs& a, cudaStream_t s);
+// The mma.sync kernels for BF16 weights on tiles of kGroupTile rows, which devices without
+// warpgroup MMA run (called directly by the kernel tests on devices that have it).
+void grouped_mma(bool gate_up, const GroupedArgs& a, cudaStream_t s);
 
 // F32 -> Q8_0 blocks (llama.cpp's reference rounding); n a multiple of 32.
 void quantize_q8_0(const float* x, void* out, int64_t n, cudaStream_t s);

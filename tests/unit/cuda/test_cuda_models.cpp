@@ -124,6 +124,26 @@ TEST_P(CudaFixture, ChunkedPrefillMatchesTransformers) {
   }
 }
 
+// Every row's logits of a chunk longer than the logits buffer (256 rows) come out in blocks:
+// each row agrees with a run in chunks of 13 (one block per chunk), and the last row is the
+// one decoding goes on from.
+TEST_P(CudaFixture, AllRowsLogitsOfALongChunk) {
+  const int T = 300;
+  std::vector<int> tokens;
+  for (int t = 0; t < T; ++t) tokens.push_back(prompt_[size_t(t) % prompt_.size()]);
+  std::vector<float> whole, short_chunks;
+  auto a = engine(*model_, {.n_ctx = T, .prefill_chunk = T});
+  auto b = engine(*model_, {.n_ctx = T, .prefill_chunk = 13});
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(a->forward(tokens, &whole).ok());
+  ASSERT_TRUE(b->forward(tokens, &short_chunks).ok());
+  ASSERT_EQ(whole.size(), size_t(T) * V_);
+  for (int t = 0; t < T; ++t)
+    ASSERT_LE(rel_err(&whole[size_t(t) * V_], &short_chunks[size_t(t) * V_], V_), kTol)
+        << "row " << t;
+  EXPECT_EQ(0, std::memcmp(a->last_logits().data(), &whole[size_t(T - 1) * V_], V_ * 4));
+}
+
 // The device holds the same bytes whatever residency the host used: logits byte-identical,
 // and repeated runs in one session are too.
 TEST_P(CudaFixture, LogitsByteIdenticalAcrossResidencyAndRepeats) {
