@@ -5,10 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-
 #include <random>
 
 #include "backend/cpu/ops.h"
@@ -22,9 +22,17 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// TS_TEST_DATA_DIR in the environment overrides the build-time path, as in the CUDA tests:
+// the fixtures are listed when the binary starts, so a binary run away from its build tree
+// (tests/gpu/run.sh on the GPU machine) must find them through the variable.
+fs::path models_dir() {
+  const char* env = std::getenv("TS_TEST_DATA_DIR");
+  return fs::path(env && *env ? env : TS_TEST_DATA_DIR) / "models";
+}
+
 std::vector<std::string> fixture_names() {
   std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(fs::path(TS_TEST_DATA_DIR) / "models"))
+  for (const auto& e : fs::directory_iterator(models_dir()))
     if (fs::exists(e.path() / "ref.json") && fs::exists(e.path() / "logits.npy"))
       out.push_back(e.path().filename().string());
   std::sort(out.begin(), out.end());
@@ -61,7 +69,7 @@ double rel_err(const float* a, const float* b, size_t n) {
 class Fixture : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    dir_ = (fs::path(TS_TEST_DATA_DIR) / "models" / GetParam()).string();
+    dir_ = (models_dir() / GetParam()).string();
     auto m = ts::runtime::LoadedModel::load(dir_);
     ASSERT_TRUE(m.ok()) << m.error().message;
     model_ = std::move(m.value());
