@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -17,27 +16,15 @@
 #include "runtime/model.h"
 #include "runtime/sampler.h"
 #include "runtime/session.h"
+#include "test_data.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-// TS_TEST_DATA_DIR in the environment overrides the build-time path, as in the CUDA tests:
-// the fixtures are listed when the binary starts, so a binary run away from its build tree
-// (tests/gpu/run.sh on the GPU machine) must find them through the variable.
-fs::path models_dir() {
-  const char* env = std::getenv("TS_TEST_DATA_DIR");
-  return fs::path(env && *env ? env : TS_TEST_DATA_DIR) / "models";
-}
+using ts_test::fixture_names;
 
-std::vector<std::string> fixture_names() {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(models_dir()))
-    if (fs::exists(e.path() / "ref.json") && fs::exists(e.path() / "logits.npy"))
-      out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
+fs::path models_dir() { return ts_test::data_dir() / "models"; }
 
 struct Ref {
   std::vector<int> prompt, greedy;

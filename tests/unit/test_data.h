@@ -1,0 +1,30 @@
+// Where the tests find their data, for the CPU and CUDA tests alike: TS_TEST_DATA_DIR in the
+// environment overrides the build-time path (tests/gpu/run.sh runs binaries built elsewhere;
+// the fixture list is built when the binary starts, so it must find them then), and the
+// fixture models (the directories of tests/models with a ref.json and logits.npy).
+#pragma once
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace ts_test {
+
+inline std::filesystem::path data_dir() {
+  const char* env = std::getenv("TS_TEST_DATA_DIR");
+  return std::filesystem::path(env && *env ? env : TS_TEST_DATA_DIR);
+}
+
+inline std::vector<std::string> fixture_names() {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(data_dir() / "models"))
+    if (std::filesystem::exists(e.path() / "ref.json") &&
+        std::filesystem::exists(e.path() / "logits.npy"))
+      out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace ts_test
