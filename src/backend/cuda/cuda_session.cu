@@ -434,6 +434,8 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(hist_, arena_.alloc_n<unsigned long long>(size_t(hp.n_layers) *
                                                       size_t(std::max(1, hp.n_experts))));
   CUDA_TRY(cudaMemset(hist_, 0, size_t(hp.n_layers) * size_t(std::max(1, hp.n_experts)) * 8));
+  TS_ASSIGN(route_counter_, arena_.alloc_n<unsigned>(1));
+  CUDA_TRY(cudaMemset(route_counter_, 0, sizeof(unsigned)));
   // Dequantization buffer for cuBLAS on quantized matrices (prefill only).
   size_t wtmp = 0;
   auto note = [&](const DevMatrix& m) {

@@ -331,6 +331,7 @@ class CudaSession final : public runtime::Engine {
   int partial_rows_ = 0;    // n * n_splits the partial buffer holds
   int logit_rows_ = 1;      // rows the logits buffer holds (kLogitRows, or the chunk if less)
   unsigned long long* hist_ = nullptr;  // [n_layers, n_experts]
+  unsigned* route_counter_ = nullptr;   // norm_route()'s, 0 between launches
   // Pinned host mirrors.
   int* h_tokens_ = nullptr;
   int* h_pos_ = nullptr;

@@ -11,32 +11,50 @@ Status CudaSession::moe_block(int layer, int n) {
   // The norm also writes the Q8 copy the experts' gate|up GEMVs read (a Q8_0 router's
   // GEMV re-quantizes the same rows to the same bytes).
   const bool experts_q8 = n <= kGemvMaxTokens && q8_activations(L.experts[0].gate.dtype, d);
-  TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
-    return launch([&] {
-      rmsnorm(x_, L.ffn_norm, xn_, n, d, hp_.rms_eps, stream_, experts_q8 ? qx_ : QAct{});
-    });
-  }));
-  TS_TRY(prof_.time("router", double(L.router.n_bytes()), stream_,
-                    [&] { return linear(L.router, xn_, n, router_); }));
-  if (sampled_routing_)
-    synthetic_route(router_, L.router_bias, pos_dev_, n, hp_.n_experts,
-                    route_seed_ + uint64_t(layer), stream_);
-  TS_TRY(prof_.time("top-k", double(n) * hp_.n_experts * 4, stream_, [&] {
-    return launch([&] {
-      const bool to_host = capturing_segments_;  // decode segments: one token
-      route({.logits = router_,
-             .ids = sel_ids_,
-             .weights = sel_w_,
-             .hist = hist_ + size_t(layer) * size_t(hp_.n_experts),
-             .n = n,
-             .n_experts = hp_.n_experts,
-             .top_k = k,
-             .renormalize = hp_.moe.renormalize,
-             .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
-             .host_flag = to_host ? ids_flag_dev_ : nullptr},
-            stream_);
-    });
-  }));
+  const bool to_host = capturing_segments_;  // decode segments: one token
+  const RouteArgs route_args{.logits = router_,
+                             .ids = sel_ids_,
+                             .weights = sel_w_,
+                             .hist = hist_ + size_t(layer) * size_t(hp_.n_experts),
+                             .n = n,
+                             .n_experts = hp_.n_experts,
+                             .top_k = k,
+                             .renormalize = hp_.moe.renormalize,
+                             .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
+                             .host_flag = to_host ? ids_flag_dev_ : nullptr};
+  if (n == 1 && !sampled_routing_ && norm_route_applies(L.router.dtype, d)) {
+    // Decode: norm, router and top-k in one launch (each was a launch of its own, paid
+    // mostly in latency: docs/PERF.md).
+    TS_TRY(prof_.time("norm+router+top-k", double(L.router.n_bytes()), stream_, [&] {
+      return launch([&] {
+        norm_route({.x = x_,
+                    .norm_w = L.ffn_norm,
+                    .eps = hp_.rms_eps,
+                    .d = d,
+                    .xn = xn_,
+                    .xq = experts_q8 ? qx_ : QAct{},
+                    .router = L.router.data,
+                    .router_dtype = L.router.dtype,
+                    .logits = router_,
+                    .counter = route_counter_,
+                    .route = route_args},
+                   stream_);
+      });
+    }));
+  } else {
+    TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
+      return launch([&] {
+        rmsnorm(x_, L.ffn_norm, xn_, n, d, hp_.rms_eps, stream_, experts_q8 ? qx_ : QAct{});
+      });
+    }));
+    TS_TRY(prof_.time("router", double(L.router.n_bytes()), stream_,
+                      [&] { return linear(L.router, xn_, n, router_); }));
+    if (sampled_routing_)
+      synthetic_route(router_, L.router_bias, pos_dev_, n, hp_.n_experts,
+                      route_seed_ + uint64_t(layer), stream_);
+    TS_TRY(prof_.time("top-k", double(n) * hp_.n_experts * 4, stream_,
+                      [&] { return launch([&] { route(route_args, stream_); }); }));
+  }
   if (iv_.trace_router) {
     std::vector<int> ids(size_t(n) * size_t(k));
     std::vector<float> wts(ids.size());

@@ -81,6 +81,29 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// 1 / RMS of the row xr[0, cols) for RMSNorm, summed by the whole block (thread i takes
+// i, i + blockDim.x, ...; warps, then the warp sums in order): the same bits for the same
+// blockDim, whichever kernel calls it. Every thread of the block must call it.
+__device__ __forceinline__ float block_rms_inv(const float* xr, int cols, float eps) {
+  __shared__ float part[32];
+  float ss = 0;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) part[0] = v;
+  }
+  __syncthreads();
+  return rsqrtf(part[0] / float(cols) + eps);
+}
+
+// The RMSNorm's block size for rows of `cols` (rmsnorm(), and the fused router launch, which
+// must sum the same way).
+inline int rmsnorm_block(int cols) { return cols >= 1024 ? 1024 : cols >= 256 ? 256 : 64; }
+
 // Eight BF16 / F16 weights (one 16-byte load) as F32, in column order.
 template <DType T>
 __device__ __forceinline__ void unpack8(uint4 raw, float wf[8]) {

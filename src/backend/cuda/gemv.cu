@@ -214,6 +214,43 @@ __device__ __forceinline__ void row_dot_any(const uint8_t* row, const float* x, 
 
 constexpr int kWarps = kRowWarps;
 
+// bytes (even) from src to dst in shared memory by one warp: cp.async where both are
+// 16-byte aligned (wait with warp_copy_wait), else 2-byte loads and stores.
+__device__ __forceinline__ void warp_stage(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0 &&
+      bytes % 16 == 0) {
+    warp_copy_async(dst, src, bytes, lane);
+    return;
+  }
+  for (int i = lane * 2; i < bytes; i += 64)
+    *reinterpret_cast<uint16_t*>(dst + i) = *reinterpret_cast<const uint16_t*>(src + i);
+}
+
+// A warp's share of row . x for a float row staged in shared memory (BF16 / F16: cols a
+// multiple of 8; F32: of 4), in row_dot<T, 1>'s order: the same sums as from global memory.
+template <DType T>
+__device__ __forceinline__ float staged_row_dot(const uint8_t* rs, const float* x, int cols,
+                                                int lane) {
+  float acc = 0.0f;
+  if constexpr (T == DType::kF32) {
+    const float* w = reinterpret_cast<const float*>(rs);
+#pragma unroll 4
+    for (int c = lane * 4; c < cols; c += 128)
+      acc += dot4(*reinterpret_cast<const float4*>(w + c), *reinterpret_cast<const float4*>(x + c));
+  } else {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(rs);
+#pragma unroll 4
+    for (int c = lane * 8; c < cols; c += 256) {
+      float wf[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(w + c), wf);
+      const float4* xv = reinterpret_cast<const float4*>(x + c);
+      acc += dot4(make_float4(wf[0], wf[1], wf[2], wf[3]), xv[0]) +
+             dot4(make_float4(wf[4], wf[5], wf[6], wf[7]), xv[1]);
+    }
+  }
+  return acc;
+}
+
 // Up to three matrices of one dtype and width in one launch (q, k, v): rows are numbered
 // across the parts, each part writes its own output.
 struct GemvParams {
@@ -255,19 +292,62 @@ __global__ void gemv_kernel(GemvParams p) {
   }
 }
 
-// One warp per token; lane i holds experts i, i + 32, ...
-__global__ void route_kernel(RouteArgs a) {
+// One token, rows of up to kStagedBytes (gemv_staged): the warp's whole row staged in one
+// go in dynamic shared memory, the copy started before the wait (the weights do not depend
+// on the kernels before, so it overlaps the previous kernel: programmatic dependent launch,
+// pdl_wait). Q8_0 (with Q8 activations): lane j takes blocks j, j + 32, ... in order, as
+// row_dot_q8q8 (which stages 64 blocks at a time, so a 4,096-column row such as
+// qwen3-30b-a3b's wo waited on two copies one after the other); BF16 / F16 in row_dot's
+// order (staged_row_dot). The same sums as gemv_kernel either way.
+template <DType T>
+__global__ void gemv_staged_kernel(GemvParams p) {
+  extern __shared__ float4 gemv_smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int64_t r = int64_t(blockIdx.x) * kWarps + warp;
+  const bool has_row = r < p.total_rows;
+  int part = 0;
+  uint8_t* tile = reinterpret_cast<uint8_t*>(gemv_smem) + size_t(warp) * p.row_bytes;
+  if (has_row) {
+    while (part + 1 < p.parts && r >= p.rows[part]) r -= p.rows[part++];
+    warp_stage(tile, p.w[part] + size_t(r) * p.row_bytes, int(p.row_bytes), lane);
+  }
   pdl_wait();
+  if (!has_row) return;
+  warp_copy_wait();
+  float v;
+  if constexpr (T == DType::kQ8_0) {
+    float acc[1] = {};
+    q8q8_tile_dot<1>(tile, 0, p.cols / 32, p.xq, p.xd, p.cols, 1, acc, lane);
+    v = warp_sum(acc[0]);
+  } else {
+    v = warp_sum(staged_row_dot<T>(tile, p.x, p.cols, lane));
+  }
+  if (lane == 0) {
+    float* y = p.y[part] + size_t(r);
+    *y = p.accumulate ? *y + v : v;
+  }
+}
+
+// Whether a GEMV takes gemv_staged_kernel: one token; Q8_0 with Q8 activations and rows of
+// a multiple of 256 columns, or BF16 / F16 rows of a multiple of 8; rows within kStagedBytes.
+bool gemv_staged(DType t, const GemvParams& p) {
+  if (p.n != 1 || p.row_bytes > size_t(kStagedBytes)) return false;
+  if (t == DType::kQ8_0) return p.xq && p.cols % 256 == 0;
+  return (t == DType::kBF16 || t == DType::kF16) && p.cols % 8 == 0;
+}
+
+// One warp per token; lane i holds experts i, i + 32, ...
+// Token t's routing by one warp. The logits are read from L2 (__ldcg): the fused launch
+// (norm_route_kernel) routes on logits other blocks of the same grid wrote.
+__device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane) {
   constexpr int kPer = kMaxExperts / 32;
-  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (t >= a.n) return;
   const float* lg = a.logits + size_t(t) * a.n_experts;
   float p[kPer];
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane + 32 * i;
-    p[i] = e < a.n_experts ? lg[e] : -INFINITY;
+    p[i] = e < a.n_experts ? __ldcg(lg + e) : -INFINITY;
     mx = fmaxf(mx, p[i]);
   }
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -335,6 +415,70 @@ __global__ void route_kernel(RouteArgs a) {
   }
 }
 
+__global__ void route_kernel(RouteArgs a) {
+  pdl_wait();
+  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t < a.n) route_token(a, t, lane);
+}
+
+// One token: block rmsnorm_block(d), a.rows experts per block (warps 0 .. rows - 1 score
+// one each), dynamic shared memory norm_route_smem(d, rows, row bytes). Before the wait
+// (the weights do not depend on earlier kernels, so this overlaps the previous kernel) the
+// block stages the norm weights and its router rows in shared memory. Then every block
+// normalizes x there (the bits rmsnorm_kernel writes), block 0 also to xn (and its Q8
+// copy), and each scoring warp takes its row's dot product in row_dot's order (the logits
+// gemv_kernel gives). Each block then makes its logits visible device-wide and counts
+// itself; the last one resets the counter for the next launch and routes (route_token
+// reads the logits from L2).
+constexpr int kNormRouteRows = 8;
+
+__host__ __device__ constexpr size_t norm_route_smem(int d, int rows, size_t row_bytes) {
+  return size_t(d) * 8 + size_t(rows) * row_bytes;
+}
+
+template <DType T>
+__global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
+  extern __shared__ float4 norm_route_smem4[];
+  const int d = a.d, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* xs = reinterpret_cast<float*>(norm_route_smem4);
+  float* ws = xs + d;
+  uint8_t* rs = reinterpret_cast<uint8_t*>(ws + d) + size_t(warp) * a.row_bytes;
+  const int e = blockIdx.x * a.rows + warp;
+  const bool scores = warp < a.rows && e < a.route.n_experts;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) ws[i] = a.norm_w[i];
+  if (scores)
+    warp_stage(rs, static_cast<const uint8_t*>(a.router) + size_t(e) * a.row_bytes,
+               int(a.row_bytes), lane);
+  pdl_wait();
+  const float inv = block_rms_inv(a.x, d, a.eps);  // its barriers also publish ws
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float v = a.x[i] * inv * ws[i];
+    xs[i] = v;
+    if (blockIdx.x == 0) {
+      a.xn[i] = v;
+      if (a.xq.q) warp_quantize_q8(v, size_t(i), a.xq);
+    }
+  }
+  warp_copy_wait();
+  __syncthreads();
+  if (scores) {
+    const float acc = staged_row_dot<T>(rs, xs, d, lane);
+    const float v = warp_sum(acc);
+    if (lane == 0) a.logits[e] = v;
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
+    if (last) *a.counter = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (warp == 0) route_token(a.route, 0, lane);
+}
+
 // grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
 template <DType T>
 __device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
@@ -350,22 +494,6 @@ __device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
   const uint8_t* ur = static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb;
   const int8_t* xq = a.xq ? a.xq + size_t(t) * a.d_model : nullptr;
   const float* xd = a.xd ? a.xd + size_t(t) * (a.d_model / 32) : nullptr;
-  if constexpr (T == DType::kQ8_0) {
-    if (xq && 2 * rb <= size_t(kStagedBytes)) {
-      // Both rows in flight at once.
-      __shared__ __align__(16) uint8_t staged[kRowWarps][kStagedBytes];
-      uint8_t* tile = staged[warp];
-      warp_copy_async(tile, gr, int(rb), lane);
-      warp_copy_async(tile + rb, ur, int(rb), lane);
-      warp_copy_wait();
-      const int nb = a.d_model / 32;
-      q8q8_tile_dot<1>(tile, 0, nb, xq, xd, a.d_model, 1, g, lane);
-      q8q8_tile_dot<1>(tile + rb, 0, nb, xq, xd, a.d_model, 1, u, lane);
-      const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
-      if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
-      return;
-    }
-  }
   row_dot_any<T, 1>(gr, x, xq, xd, a.d_model, 1, g, lane);
   row_dot_any<T, 1>(ur, x, xq, xd, a.d_model, 1, u, lane);
   const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
@@ -375,6 +503,41 @@ __device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
 template <DType T>
 __global__ void moe_gate_up_kernel(MoeArgs a) {
   gate_up_rows<T>(a);
+}
+
+// Q8_0 experts with Q8 activations, rows of up to kStagedBytes / 2 (moe_gate_up_staged):
+// the warp's gate and up rows staged at once in dynamic shared memory sized to them, and no
+// other shared memory, so qwen3-30b-a3b's 1,536 blocks run in one wave (12 blocks of 4 warps
+// per SM: 17 KB and at most 40 registers each; with a fixed 8.5 KB per warp plus the row
+// kernels' tile it was 5 per SM, 2.3 waves). Same sums as gate_up_rows (q8q8_tile_dot).
+__global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs a) {
+  pdl_wait();
+  extern __shared__ float4 gate_up_smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
+  if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
+  const int e = a.ids[s], t = s / a.top_k;
+  const size_t rb = dtype_row_bytes_dev(DType::kQ8_0, a.d_model);
+  uint8_t* tile = reinterpret_cast<uint8_t*>(gate_up_smem) + size_t(warp) * 2 * rb;
+  warp_copy_async(tile, static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb, int(rb), lane);
+  warp_copy_async(tile + rb, static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb, int(rb), lane);
+  warp_copy_wait();
+  const int nb = a.d_model / 32;
+  const int8_t* xq = a.xq + size_t(t) * a.d_model;
+  const float* xd = a.xd + size_t(t) * nb;
+  float g[1] = {}, u[1] = {};
+  q8q8_tile_dot<1>(tile, 0, nb, xq, xd, a.d_model, 1, g, lane);
+  q8q8_tile_dot<1>(tile + rb, 0, nb, xq, xd, a.d_model, 1, u, lane);
+  const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
+  if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
+}
+
+// Whether phase 1 takes moe_gate_up_q8_kernel (rows 16-byte aligned: a multiple of 256
+// columns; both rows within kStagedBytes).
+bool moe_gate_up_staged(const MoeArgs& a) {
+  const size_t rb = size_t(a.d_model / 32) * 34;
+  return a.gate_dtype == DType::kQ8_0 && a.xq && a.d_model % 256 == 0 &&
+         2 * rb <= size_t(kStagedBytes);
 }
 // BF16 / F16: 12 blocks of 4 warps per SM (40 registers), so qwen3-30b-a3b's 1,536 blocks
 // (8 experts x 768 rows) run in one wave instead of 1.16 (gate_up_wide decides).
@@ -444,55 +607,73 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
   }
 }
 
-// Phase 2 with a warp per (output row, rank): grid (d_model, n), block 32 * top_k (top_k <=
-// kMaxRankWarps). Warp k computes rank k's dot product for row r (BF16/F16: lane j takes
-// 8-column chunks j, j + 32, ...; Q8_0: the row staged, lane j takes blocks j, j + 32, ... as
-// moe_down_sum_kernel's staged path), reduced by warp_sum; the sums meet in shared memory and
-// one thread adds them, weighted, in rank order. Per token the sum is over ranks in order
-// whatever the residency, and each warp has a single short row in flight instead of one warp
-// waiting on all top_k.
+// Phase 2 with a warp per (rank, kRankRows output rows): grid (ceil(d_model / kRankRows), n),
+// block 32 * top_k (top_k <= kMaxRankWarps). Warp k computes rank k's dot products for rows
+// r0 .. r0 + kRankRows - 1 (BF16/F16: lane j takes 8-column chunks j, j + 32, ... of each,
+// the activations loaded once for all rows; Q8_0: the rows staged together, lane j takes
+// blocks j, j + 32, ... as moe_down_sum_kernel's staged path), each reduced by warp_sum; the
+// sums meet in shared memory and thread j adds row j's, weighted, in rank order. Per token
+// the sum is over ranks in order whatever the residency. kRankRows rows per warp keep
+// qwen3-30b-a3b's grid to one wave (512 blocks; a row per warp was 2,048 blocks, ~2 waves)
+// with 4 rows in flight per warp.
 constexpr int kMaxRankWarps = 8;
+constexpr int kRankRows = 4;
 constexpr int kRankRowBytes = 1088;  // Q8_0 rows staged per warp: up to 1,024 columns
 
 template <DType T>
 __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeArgs a) {
   pdl_wait();
   const int k = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = blockIdx.x, t = blockIdx.y, s = t * a.top_k + k;
+  const int r0 = blockIdx.x * kRankRows, t = blockIdx.y, s = t * a.top_k + k;
+  const int rows = min(kRankRows, a.d_model - r0);
   const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
-  const uint8_t* row = static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r) * rb;
-  __shared__ float sums[kMaxRankWarps];
-  float acc = 0.0f;
+  const uint8_t* row0 = static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r0) * rb;
+  __shared__ float sums[kRankRows][kMaxRankWarps];
+  float acc[kRankRows] = {};
   if constexpr (T == DType::kQ8_0) {
-    __shared__ __align__(16) uint8_t staged[kMaxRankWarps][kRankRowBytes];
-    warp_copy_async(staged[k], row, int(rb), lane);
+    __shared__ __align__(16) uint8_t staged[kMaxRankWarps][kRankRows][kRankRowBytes];
+#pragma unroll
+    for (int j = 0; j < kRankRows; ++j)
+      if (j < rows) warp_copy_async(staged[k][j], row0 + size_t(j) * rb, int(rb), lane);
     warp_copy_wait();
     const int nb = a.d_expert / 32;
-    float ak[1] = {};
-    q8q8_tile_dot<1>(staged[k], 0, nb, a.hq + size_t(s) * a.d_expert, a.hd + size_t(s) * nb,
-                     a.d_expert, 1, ak, lane);
-    acc = ak[0];
+#pragma unroll
+    for (int j = 0; j < kRankRows; ++j) {
+      float aj[1] = {};
+      if (j < rows)
+        q8q8_tile_dot<1>(staged[k][j], 0, nb, a.hq + size_t(s) * a.d_expert, a.hd + size_t(s) * nb,
+                         a.d_expert, 1, aj, lane);
+      acc[j] = aj[0];
+    }
   } else {
-    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
     const float* h = a.h + size_t(s) * a.d_expert;
-#pragma unroll 4
+#pragma unroll 2
     for (int c = lane * 8; c < a.d_expert; c += 256) {
-      float wf[8];
-      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
       const float4* xv = reinterpret_cast<const float4*>(h + c);
       const float4 x0 = xv[0], x1 = xv[1];
       const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc += wf[2 * i] * xs[2 * i] + wf[2 * i + 1] * xs[2 * i + 1];
+      for (int j = 0; j < kRankRows; ++j) {
+        if (j >= rows) break;
+        const uint16_t* w = reinterpret_cast<const uint16_t*>(row0 + size_t(j) * rb);
+        float wf[8];
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j] += wf[2 * i] * xs[2 * i] + wf[2 * i + 1] * xs[2 * i + 1];
+      }
     }
   }
-  acc = warp_sum(acc);
-  if (lane == 0) sums[k] = acc;
+#pragma unroll
+  for (int j = 0; j < kRankRows; ++j) {
+    const float v = warp_sum(acc[j]);
+    if (lane == 0) sums[j][k] = v;
+  }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (int(threadIdx.x) < rows) {
+    const int j = threadIdx.x;
     float total = 0;
-    for (int j = 0; j < a.top_k; ++j) total += a.weights[t * a.top_k + j] * sums[j];
-    float* o = a.out + size_t(t) * a.d_model + r;
+    for (int q = 0; q < a.top_k; ++q) total += a.weights[t * a.top_k + q] * sums[j][q];
+    float* o = a.out + size_t(t) * a.d_model + r0 + j;
     *o = a.accumulate ? *o + total : total;
   }
 }
@@ -509,11 +690,28 @@ bool moe_down_by_rank(const MoeArgs& a) {
 template <int NT>
 void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
   const dim3 grid(unsigned((p.total_rows + kWarps - 1) / kWarps), unsigned((p.n + NT - 1) / NT));
+  const bool staged = gemv_staged(w.dtype, p);
+  const size_t smem = size_t(kWarps) * p.row_bytes;
   switch (w.dtype) {
     case DType::kF32: launch_kernel(gemv_kernel<DType::kF32, NT>, grid, 32 * kWarps, 0, s, p); break;
-    case DType::kF16: launch_kernel(gemv_kernel<DType::kF16, NT>, grid, 32 * kWarps, 0, s, p); break;
-    case DType::kBF16: launch_kernel(gemv_kernel<DType::kBF16, NT>, grid, 32 * kWarps, 0, s, p); break;
-    case DType::kQ8_0: launch_kernel(gemv_kernel<DType::kQ8_0, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kF16:
+      if (staged)
+        launch_kernel(gemv_staged_kernel<DType::kF16>, grid, 32 * kWarps, smem, s, p);
+      else
+        launch_kernel(gemv_kernel<DType::kF16, NT>, grid, 32 * kWarps, 0, s, p);
+      break;
+    case DType::kBF16:
+      if (staged)
+        launch_kernel(gemv_staged_kernel<DType::kBF16>, grid, 32 * kWarps, smem, s, p);
+      else
+        launch_kernel(gemv_kernel<DType::kBF16, NT>, grid, 32 * kWarps, 0, s, p);
+      break;
+    case DType::kQ8_0:
+      if (staged)
+        launch_kernel(gemv_staged_kernel<DType::kQ8_0>, grid, 32 * kWarps, smem, s, p);
+      else
+        launch_kernel(gemv_kernel<DType::kQ8_0, NT>, grid, 32 * kWarps, 0, s, p);
+      break;
     case DType::kQ4_K: launch_kernel(gemv_kernel<DType::kQ4_K, NT>, grid, 32 * kWarps, 0, s, p); break;
   }
 }
@@ -549,6 +747,41 @@ void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, in
 
 void route(const RouteArgs& a, cudaStream_t s) {
   launch_kernel(route_kernel, unsigned((a.n + 3) / 4), 128, 0, s, a);
+}
+
+namespace {
+constexpr size_t kNormRouteMaxSmem = 227 * 1024;  // opt-in shared memory per block, sm_90
+
+size_t router_row_bytes(DType t, int d) { return size_t(d) * (t == DType::kF32 ? 4 : 2); }
+}  // namespace
+
+bool norm_route_applies(DType router_dtype, int d) {
+  const bool float_type =
+      router_dtype == DType::kF32 || router_dtype == DType::kBF16 || router_dtype == DType::kF16;
+  // d % 32: the Q8 copy's blocks are whole warps (as rmsnorm()); x, the norm weights and one
+  // router row in shared memory.
+  return float_type && d % 32 == 0 &&
+         norm_route_smem(d, 1, router_row_bytes(router_dtype, d)) <= kNormRouteMaxSmem;
+}
+
+void norm_route(const NormRouteArgs& args, cudaStream_t s) {
+  NormRouteArgs a = args;
+  a.route.logits = a.logits;
+  const int block = rmsnorm_block(a.d);
+  const size_t rb = router_row_bytes(a.router_dtype, a.d);
+  a.row_bytes = rb;
+  a.rows = int(std::min<size_t>(std::min(kNormRouteRows, block / 32),
+                                (kNormRouteMaxSmem - size_t(a.d) * 8) / rb));
+  const unsigned grid = unsigned((a.route.n_experts + a.rows - 1) / a.rows);
+  const size_t smem = norm_route_smem(a.d, a.rows, rb);
+  const auto kernel = a.router_dtype == DType::kF32   ? norm_route_kernel<DType::kF32>
+                      : a.router_dtype == DType::kF16 ? norm_route_kernel<DType::kF16>
+                                                      : norm_route_kernel<DType::kBF16>;
+  // Per device, so set at every launch (a host-side call); a failure shows at the launch.
+  // (The static shared memory counts against the 48 KiB default too.)
+  if (smem > 32 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  launch_kernel(kernel, grid, unsigned(block), smem, s, a);
 }
 
 namespace {
@@ -589,14 +822,20 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
     case DType::kBF16:
       launch_gate_up_16<DType::kBF16>(a, grid, s);
       break;
-    case DType::kQ8_0: launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ8_0:
+      if (moe_gate_up_staged(a))
+        launch_kernel(moe_gate_up_q8_kernel, grid, 32 * kWarps,
+                      size_t(kWarps) * 2 * size_t(a.d_model / 32) * 34, s, a);
+      else
+        launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a);
+      break;
     case DType::kQ4_K: launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
   }
 }
 
 void moe_down_sum(const MoeArgs& a, cudaStream_t s) {
   if (moe_down_by_rank(a)) {
-    const dim3 grid(unsigned(a.d_model), unsigned(a.n));
+    const dim3 grid(unsigned((a.d_model + kRankRows - 1) / kRankRows), unsigned(a.n));
     const unsigned block = unsigned(32 * a.top_k);
     switch (a.down_dtype) {
       case DType::kBF16: launch_kernel(moe_down_rank_kernel<DType::kBF16>, grid, block, 0, s, a); break;

@@ -27,19 +27,7 @@ __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int col
   pdl_wait();
   const float* xr = x + size_t(blockIdx.x) * cols;
   float* yr = y + size_t(blockIdx.x) * cols;
-  float ss = 0;
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
-  __shared__ float part[32];
-  ss = warp_sum(ss);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) part[0] = v;
-  }
-  __syncthreads();
-  const float inv = rsqrtf(part[0] / float(cols) + eps);
+  const float inv = block_rms_inv(xr, cols, eps);
   for (int i = threadIdx.x; i < cols; i += blockDim.x) {
     const float v = xr[i] * inv * w[i];
     yr[i] = v;
@@ -205,7 +193,7 @@ void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStr
 
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int cols, float eps,
              cudaStream_t s, QAct q) {
-  const int block = cols >= 1024 ? 1024 : cols >= 256 ? 256 : 64;
+  const int block = rmsnorm_block(cols);
   if (cols % 32 != 0) q = {};  // callers quantize only widths of whole blocks
   launch_kernel(rmsnorm_kernel, unsigned(rows), block, 0, s, x, w, y, cols, eps, q);
 }

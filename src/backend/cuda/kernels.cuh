@@ -131,6 +131,28 @@ struct RouteArgs {
 void route(const RouteArgs& a, cudaStream_t s);
 constexpr int kMaxExperts = 512;
 
+// Decode (one token) of a MoE layer's entry in one launch: RMSNorm of x (written to xn and,
+// with xq, its Q8 copy: the same bytes rmsnorm() writes), the router GEMV (the logits the
+// GEMV gives, to logits) and route() on them. route.n must be 1.
+struct NormRouteArgs {
+  const float* x;       // [d] the residual stream
+  const float* norm_w;  // [d]
+  float eps;
+  int d;
+  float* xn;  // [d]
+  QAct xq = {};
+  const void* router;  // [n_experts, d] of router_dtype
+  DType router_dtype;
+  size_t row_bytes = 0;  // set by norm_route()
+  int rows = 0;          // experts per block, set by norm_route()
+  float* logits;         // [n_experts]
+  unsigned* counter;     // a device counter, 0 between launches (the kernel leaves it 0)
+  RouteArgs route;       // route.logits is set to logits
+};
+// Router types the fused launch takes (F32, BF16, F16) and widths (a multiple of 32).
+bool norm_route_applies(DType router_dtype, int d);
+void norm_route(const NormRouteArgs& a, cudaStream_t s);
+
 // The routed-expert pass for few tokens, experts addressed through per-layer tables of
 // device pointers indexed by expert id (so a cache can bind slots without changing this).
 struct MoeArgs {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -120,6 +121,9 @@ TEST(CudaKernels, GemvMatchesCpuForEveryDtype) {
       if (!ts::dtype_row_ok(t, cols)) continue;
       const int64_t rows = 37;
       const std::vector<uint8_t> w = make_matrix(t, rows, cols, 11);
+      // One token runs the kernel that stages rows in shared memory (BF16 / F16 rows of a
+      // multiple of 8 columns): token 0 (the same x for every n) must get the same bits.
+      std::vector<float> one_token;
       for (int n : {1, 3, 6}) {
         const std::vector<float> x = randn(size_t(n * cols), 5);
         std::vector<float> want(size_t(n * rows));
@@ -129,6 +133,12 @@ TEST(CudaKernels, GemvMatchesCpuForEveryDtype) {
         ts::cuda::gemv({dw.p, t, rows, cols}, dx.as<float>(), n, dy.as<float>(), false, nullptr);
         EXPECT_LE(max_rel(dy.get<float>(), want), 1e-4)
             << ts::dtype_name(t) << " cols " << cols << " n " << n;
+        const std::vector<float> got = dy.get<float>();
+        if (n == 1)
+          one_token = got;
+        else
+          EXPECT_EQ(std::vector<float>(got.begin(), got.begin() + rows), one_token)
+              << ts::dtype_name(t) << " cols " << cols << " n " << n;
         // accumulate: y += W x
         ts::cuda::gemv({dw.p, t, rows, cols}, dx.as<float>(), n, dy.as<float>(), true, nullptr);
         std::vector<float> twice = want;
@@ -143,9 +153,13 @@ TEST(CudaKernels, GemvMatchesCpuForEveryDtype) {
 // the same way (d = max|x| / 127, round to nearest), so only the float scaling can differ.
 TEST(CudaKernels, GemvQ8ActivationsMatchIntegerReference) {
   SKIP_WITHOUT_GPU();
-  for (int64_t cols : {256, 2048, 4096}) {
+  // One token with rows of up to 8,192 columns takes the kernel that stages whole rows;
+  // 8,448 and every n = 4 the tile-by-tile kernel. Token 0's x is the same for n = 1 and 4
+  // (one random sequence), and both kernels must give it the same bits.
+  for (int64_t cols : {256, 2048, 4096, 8448}) {
     const int64_t rows = 21;
     const std::vector<uint8_t> w = make_matrix(DType::kQ8_0, rows, cols, 17);
+    std::vector<float> one_token;
     for (int n : {1, 4}) {
       const std::vector<float> x = randn(size_t(n * cols), 23);
       std::vector<float> want(size_t(n * rows), 0.0f);
@@ -174,6 +188,11 @@ TEST(CudaKernels, GemvQ8ActivationsMatchIntegerReference) {
       float* y = dy.as<float>();
       ts::cuda::gemv_parts(&m, &y, 1, {dx.as<float>(), q}, n, false, nullptr);
       EXPECT_LE(max_rel(dy.get<float>(), want), 1e-5) << "cols " << cols << " n " << n;
+      const std::vector<float> got = dy.get<float>();
+      if (n == 1)
+        one_token = got;
+      else
+        EXPECT_EQ(std::vector<float>(got.begin(), got.begin() + rows), one_token) << cols;
       // and within Q8 activation error of the exact F32-activation product
       std::vector<float> exact(want.size());
       for (int t = 0; t < n; ++t)
@@ -442,6 +461,86 @@ TEST(CudaKernels, RouteMatchesSelectExperts) {
   }
 }
 
+// The fused decode launch against the three it replaces (rmsnorm with its Q8 copy, the
+// router GEMV, route): the same bytes of xn, its Q8 blocks, the logits, ids and weights, and
+// the same histogram counts. Outputs are poisoned (NaN / 0xff) before each run; the second
+// run checks that the kernel left its counter ready for the next launch.
+TEST(CudaKernels, NormRouteMatchesNormRouterAndTopK) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    // 96: a 64-thread block; 288: 256 threads; 2048: 1,024 threads.
+    for (int d : {96, 288, 2048}) {
+      for (int n_experts : {8, 60, 128, 300}) {
+        const int k = n_experts == 300 ? 40 : std::min(8, n_experts / 2);
+        ASSERT_TRUE(ts::cuda::norm_route_applies(t, d));
+        const std::vector<uint8_t> router = make_matrix(t, n_experts, d, uint32_t(d + n_experts));
+        const std::vector<float> x = randn(size_t(d), uint32_t(3 + d), 3.0f);
+        const std::vector<float> nw = randn(size_t(d), uint32_t(4 + d));
+        Dev dr(router), dx(x), dnw(nw), counter(std::vector<unsigned>{0});
+        struct Out {
+          Dev xn, q, qd, logits, ids, w, hist;
+        };
+        const auto make_out = [&] {
+          return new Out{Dev(size_t(d) * 4),
+                         Dev(size_t(d)),
+                         Dev(size_t(d) / 32 * 4),
+                         Dev(size_t(n_experts) * 4),
+                         Dev(size_t(k) * 4),
+                         Dev(size_t(k) * 4),
+                         Dev(std::vector<unsigned long long>(size_t(n_experts), 0))};
+        };
+        const std::unique_ptr<Out> ref(make_out()), got(make_out());
+        const auto route_args = [&](Out& o) {
+          return ts::cuda::RouteArgs{.logits = o.logits.as<float>(),
+                                     .ids = o.ids.as<int>(),
+                                     .weights = o.w.as<float>(),
+                                     .hist = o.hist.as<unsigned long long>(),
+                                     .n = 1,
+                                     .n_experts = n_experts,
+                                     .top_k = k,
+                                     .renormalize = true};
+        };
+        ts::cuda::rmsnorm(dx.as<float>(), dnw.as<float>(), ref->xn.as<float>(), 1, d, 1e-6f,
+                          nullptr, {ref->q.as<int8_t>(), ref->qd.as<float>()});
+        ts::cuda::gemv({dr.p, t, n_experts, d}, ref->xn.as<float>(), 1, ref->logits.as<float>(),
+                       false, nullptr);
+        ts::cuda::route(route_args(*ref), nullptr);
+        for (int run = 0; run < 2; ++run) {
+          if (run == 1) {  // poison again
+            for (Dev* o : {&got->xn, &got->q, &got->qd, &got->logits, &got->ids, &got->w})
+              cudaMemset(o->p, 0xff, o->bytes);
+          }
+          ts::cuda::norm_route({.x = dx.as<float>(),
+                                .norm_w = dnw.as<float>(),
+                                .eps = 1e-6f,
+                                .d = d,
+                                .xn = got->xn.as<float>(),
+                                .xq = {got->q.as<int8_t>(), got->qd.as<float>()},
+                                .router = dr.p,
+                                .router_dtype = t,
+                                .logits = got->logits.as<float>(),
+                                .counter = counter.as<unsigned>(),
+                                .route = route_args(*got)},
+                               nullptr);
+          const std::string what = std::string(ts::dtype_name(t)) + " d " + std::to_string(d) +
+                                   " experts " + std::to_string(n_experts) + " run " +
+                                   std::to_string(run);
+          EXPECT_EQ(got->xn.get<uint32_t>(), ref->xn.get<uint32_t>()) << what;
+          EXPECT_EQ(got->q.get<int8_t>(), ref->q.get<int8_t>()) << what;
+          EXPECT_EQ(got->qd.get<uint32_t>(), ref->qd.get<uint32_t>()) << what;
+          EXPECT_EQ(got->logits.get<uint32_t>(), ref->logits.get<uint32_t>()) << what;
+          EXPECT_EQ(got->ids.get<int>(), ref->ids.get<int>()) << what;
+          EXPECT_EQ(got->w.get<uint32_t>(), ref->w.get<uint32_t>()) << what;
+          std::vector<unsigned long long> want_h = ref->hist.get<unsigned long long>();
+          for (auto& c : want_h) c *= unsigned(run + 1);
+          EXPECT_EQ(got->hist.get<unsigned long long>(), want_h) << what;
+          EXPECT_EQ(counter.get<unsigned>()[0], 0u) << what;
+        }
+      }
+    }
+  }
+}
+
 // The expert cache's decode path: one token's ids also land in mapped host memory, and the
 // flag is raised only after them.
 TEST(CudaKernels, RouteWritesIdsAndFlagToMappedHostMemory) {
@@ -484,8 +583,12 @@ TEST(CudaKernels, RouteWritesIdsAndFlagToMappedHostMemory) {
 // out = sum_r w_r D_r h_r in rank order.
 TEST(CudaKernels, MoePhasesMatchCpu) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kBF16, DType::kQ8_0, DType::kQ4_K}) {
-    const int d = 256, de = 256, n_experts = 6, k = 3, n = 2;
+  // d 262: phase 2 by rank (BF16) with a last block of 2 rows, not 4 (F32 and BF16 only).
+  const std::pair<DType, int> cases[] = {{DType::kF32, 256},  {DType::kBF16, 256},
+                                         {DType::kQ8_0, 256}, {DType::kQ4_K, 256},
+                                         {DType::kF32, 262},  {DType::kBF16, 262}};
+  for (const auto& [t, d] : cases) {
+    const int de = 256, n_experts = 6, k = 3, n = 2;
     std::vector<std::vector<uint8_t>> G, U, D;
     std::vector<Dev*> owned;
     std::vector<const void*> gp, up, dp;
@@ -523,7 +626,7 @@ TEST(CudaKernels, MoePhasesMatchCpu) {
                               .n = n, .d_model = d, .d_expert = de, .top_k = k};
     ts::cuda::moe_gate_up(a, nullptr);
     ts::cuda::moe_down_sum(a, nullptr);
-    EXPECT_LE(max_rel(dout.get<float>(), want), 1e-4) << ts::dtype_name(t);
+    EXPECT_LE(max_rel(dout.get<float>(), want), 1e-4) << ts::dtype_name(t) << " d " << d;
     // BF16 phase 1 has a second kernel (fewer registers, for one-wave grids): the same h.
     if (t == DType::kBF16) {
       const std::vector<float> h_auto = dh.get<float>();
