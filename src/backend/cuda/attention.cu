@@ -1,9 +1,10 @@
 // RoPE + KV append, and attention: decode split over the keys (by KV head or by query head)
 // with a merge, the F32 tiled prefill kernel, and the tensor-core prefill kernel (flash
 // attention 2 on mma.sync).
-#include "backend/cuda/kernels.cuh"
+#include <climits>
 
 #include "backend/cuda/device_util.cuh"
+#include "backend/cuda/kernels.cuh"
 
 namespace ts::cuda {
 namespace {
@@ -184,7 +185,6 @@ __host__ __device__ constexpr size_t gqa_smem_floats(int group, int hd) {
 }
 
 __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(AttentionArgs a) {
-  pdl_wait();
   extern __shared__ float4 gqa_smem4[];
   float* smem = reinterpret_cast<float*>(gqa_smem4);
   const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
@@ -200,6 +200,30 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
   const int j0 = split * chunk, j1 = min(n_keys, j0 + chunk);
   const float scale = rsqrtf(float(hd));
   const int h0 = g * group;
+  // Tile keys [jt, jt + kGqaTile) in shared memory, keys past the split zero; only those in
+  // [lo, hi) are read (the rest of the tile is written by the other call).
+  const int hd4 = hd / 4;
+  const auto stage = [&](int jt, int nk, int lo, int hi) {
+    for (int i = threadIdx.x; i < kGqaTile * hd4; i += blockDim.x) {
+      const int j = i / hd4, c4 = i % hd4;
+      const bool in = j < nk && jt + j >= lo && jt + j < hi;
+      if (j < nk && !in) continue;
+      float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kv4;
+      if (in) {
+        const size_t at = size_t(jt + j) * kv_dim + size_t(g) * hd;
+        kv4 = reinterpret_cast<const float4*>(a.k_cache + at)[c4];
+        vv4 = reinterpret_cast<const float4*>(a.v_cache + at)[c4];
+      }
+      reinterpret_cast<float4*>(Ks + j * ks)[c4] = kv4;
+      reinterpret_cast<float4*>(Vs + j * hd)[c4] = vv4;
+    }
+  };
+  // The position is written before the step's first kernel, and keys before it by earlier
+  // steps: the first tile's old keys are staged before the wait, overlapping the kernels
+  // before (the step's own keys, written by rope_kv_append, after it).
+  const int old_keys = *a.pos;
+  if (j0 < j1) stage(j0, min(kGqaTile, j1 - j0), 0, old_keys);
+  pdl_wait();
   for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
     qs[i] = a.q[size_t(t) * a.n_heads * hd + size_t(h0) * hd + i];
   float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
@@ -210,20 +234,13 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
 #pragma unroll
     for (int i = 0; i < kGqaPerLane; ++i) acc[x][i] = 0.0f;
   }
-  const int hd4 = hd / 4;
   for (int jt = j0; jt < j1; jt += kGqaTile) {
     const int nk = min(kGqaTile, j1 - jt);
-    __syncthreads();  // the previous tile is no longer read (and q is written, first time)
-    for (int i = threadIdx.x; i < kGqaTile * hd4; i += blockDim.x) {
-      const int j = i / hd4, c4 = i % hd4;
-      float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kv4;
-      if (j < nk) {
-        const size_t at = size_t(jt + j) * kv_dim + size_t(g) * hd;
-        kv4 = reinterpret_cast<const float4*>(a.k_cache + at)[c4];
-        vv4 = reinterpret_cast<const float4*>(a.v_cache + at)[c4];
-      }
-      reinterpret_cast<float4*>(Ks + j * ks)[c4] = kv4;
-      reinterpret_cast<float4*>(Vs + j * hd)[c4] = vv4;
+    if (jt == j0) {
+      stage(jt, nk, old_keys, INT_MAX);  // the first tile's new keys
+    } else {
+      __syncthreads();  // the previous tile is no longer read
+      stage(jt, nk, 0, INT_MAX);
     }
     __syncthreads();
 #pragma unroll

@@ -23,11 +23,15 @@ namespace {
 
 // Programmatic dependent launch (sm_90): every kernel is launched with
 // programmaticStreamSerializationAllowed, so the next kernel in the stream (or graph) is
-// scheduled while this one finishes instead of after; each kernel's first statement,
-// pdl_wait(), blocks until the kernels before it have completed and their writes are
-// visible, then lets the next one launch. Every kernel calls it, so the ordering is as
-// strict as a plain stream's (completion is transitive: no kernel completes before its
-// predecessor). TURBOSPARK_CUDA_PDL=0 launches plainly (to measure what it saves).
+// scheduled while this one finishes instead of after. pdl_wait() blocks until the kernel
+// before has completed and its writes are visible, then lets the next kernel launch (once
+// every block of this one has). Every kernel calls it before it reads anything an earlier
+// kernel wrote, so the ordering is as strict as a plain stream's (completion is transitive:
+// no kernel completes before its wait returns, so before its predecessor completes). What
+// no kernel of the step writes (weights, earlier steps' KV rows) may be read before it:
+// kernels stage such data there, overlapping the kernel before. (Letting the next kernel
+// launch before the wait measured slower: docs/PERF.md.)
+// TURBOSPARK_CUDA_PDL=0 launches plainly (to measure what it saves).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

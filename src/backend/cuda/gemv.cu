@@ -608,41 +608,51 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
 }
 
 // Phase 2 with a warp per (rank, kRankRows output rows): grid (ceil(d_model / kRankRows), n),
-// block 32 * top_k (top_k <= kMaxRankWarps). Warp k computes rank k's dot products for rows
-// r0 .. r0 + kRankRows - 1 (BF16/F16: lane j takes 8-column chunks j, j + 32, ... of each,
-// the activations loaded once for all rows; Q8_0: the rows staged together, lane j takes
-// blocks j, j + 32, ... as moe_down_sum_kernel's staged path), each reduced by warp_sum; the
-// sums meet in shared memory and thread j adds row j's, weighted, in rank order. Per token
-// the sum is over ranks in order whatever the residency. kRankRows rows per warp keep
-// qwen3-30b-a3b's grid to one wave (512 blocks; a row per warp was 2,048 blocks, ~2 waves)
-// with 4 rows in flight per warp.
+// block 32 * top_k (top_k <= kMaxRankWarps), dynamic shared memory top_k * kRankRows rows.
+// Warp k stages rank k's rows r0 .. r0 + kRankRows - 1 and computes their dot products
+// (BF16/F16: lane j takes 8-column chunks j, j + 32, ..., as row_dot; Q8_0: blocks j, j + 32,
+// ... as moe_down_sum_kernel's staged path), each reduced by warp_sum; the sums meet in
+// shared memory and thread j adds row j's, weighted, in rank order. Per token the sum is over
+// ranks in order whatever the residency. kRankRows rows per warp keep qwen3-30b-a3b's grid
+// to one wave (512 blocks; a row per warp was 2,048 blocks, ~2 waves).
+//
+// The rows' copies start before the wait: the ids were written by the router two kernels
+// back (complete once the kernel before this one has passed its own wait, which it has
+// when this one launches), the tables and the rows are weights, and with the GPU expert
+// cache this launch also waits on the copies' event. Only h (and its Q8 copy), written by
+// the kernel before, is read after the wait.
 constexpr int kMaxRankWarps = 8;
 constexpr int kRankRows = 4;
 constexpr int kRankRowBytes = 1088;  // Q8_0 rows staged per warp: up to 1,024 columns
+constexpr size_t kRankMaxSmem = 96 * 1024;
 
 template <DType T>
 __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeArgs a) {
-  pdl_wait();
+  extern __shared__ float4 rank_smem[];
   const int k = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r0 = blockIdx.x * kRankRows, t = blockIdx.y, s = t * a.top_k + k;
   const int rows = min(kRankRows, a.d_model - r0);
   const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
-  const uint8_t* row0 = static_cast<const uint8_t*>(a.down[a.ids[s]]) + size_t(r0) * rb;
+  const int e = __ldcg(a.ids + s);
+  const uint8_t* row0 = reinterpret_cast<const uint8_t*>(
+                            __ldcg(reinterpret_cast<const unsigned long long*>(a.down) + e)) +
+                        size_t(r0) * rb;
+  uint8_t* staged = reinterpret_cast<uint8_t*>(rank_smem) + size_t(k) * kRankRows * rb;
+#pragma unroll
+  for (int j = 0; j < kRankRows; ++j)
+    if (j < rows) warp_stage(staged + size_t(j) * rb, row0 + size_t(j) * rb, int(rb), lane);
+  pdl_wait();
   __shared__ float sums[kRankRows][kMaxRankWarps];
   float acc[kRankRows] = {};
+  warp_copy_wait();
   if constexpr (T == DType::kQ8_0) {
-    __shared__ __align__(16) uint8_t staged[kMaxRankWarps][kRankRows][kRankRowBytes];
-#pragma unroll
-    for (int j = 0; j < kRankRows; ++j)
-      if (j < rows) warp_copy_async(staged[k][j], row0 + size_t(j) * rb, int(rb), lane);
-    warp_copy_wait();
     const int nb = a.d_expert / 32;
 #pragma unroll
     for (int j = 0; j < kRankRows; ++j) {
       float aj[1] = {};
       if (j < rows)
-        q8q8_tile_dot<1>(staged[k][j], 0, nb, a.hq + size_t(s) * a.d_expert, a.hd + size_t(s) * nb,
-                         a.d_expert, 1, aj, lane);
+        q8q8_tile_dot<1>(staged + size_t(j) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                         a.hd + size_t(s) * nb, a.d_expert, 1, aj, lane);
       acc[j] = aj[0];
     }
   } else {
@@ -655,9 +665,9 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeAr
 #pragma unroll
       for (int j = 0; j < kRankRows; ++j) {
         if (j >= rows) break;
-        const uint16_t* w = reinterpret_cast<const uint16_t*>(row0 + size_t(j) * rb);
+        const uint16_t* w = reinterpret_cast<const uint16_t*>(staged + size_t(j) * rb);
         float wf[8];
-        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
+        unpack8<T>(*reinterpret_cast<const uint4*>(w + c), wf);
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j] += wf[2 * i] * xs[2 * i] + wf[2 * i + 1] * xs[2 * i + 1];
       }
@@ -678,11 +688,14 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeAr
   }
 }
 
+size_t moe_down_rank_smem(const MoeArgs& a) {
+  return size_t(a.top_k) * kRankRows * dtype_row_bytes(a.down_dtype, a.d_expert);
+}
+
 // Whether moe_down_rank_kernel takes phase 2 (else moe_down_sum_kernel).
 bool moe_down_by_rank(const MoeArgs& a) {
-  if (a.top_k < 1 || a.top_k > kMaxRankWarps) return false;
-  if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16)
-    return a.d_expert % 8 == 0 && a.d_expert <= 4096;
+  if (a.top_k < 1 || a.top_k > kMaxRankWarps || moe_down_rank_smem(a) > kRankMaxSmem) return false;
+  if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16) return a.d_expert % 8 == 0;
   return a.down_dtype == DType::kQ8_0 && a.hq && a.d_expert % 256 == 0 &&
          size_t(a.d_expert / 32) * 34 <= size_t(kRankRowBytes);
 }
@@ -837,11 +850,14 @@ void moe_down_sum(const MoeArgs& a, cudaStream_t s) {
   if (moe_down_by_rank(a)) {
     const dim3 grid(unsigned((a.d_model + kRankRows - 1) / kRankRows), unsigned(a.n));
     const unsigned block = unsigned(32 * a.top_k);
-    switch (a.down_dtype) {
-      case DType::kBF16: launch_kernel(moe_down_rank_kernel<DType::kBF16>, grid, block, 0, s, a); break;
-      case DType::kF16: launch_kernel(moe_down_rank_kernel<DType::kF16>, grid, block, 0, s, a); break;
-      default: launch_kernel(moe_down_rank_kernel<DType::kQ8_0>, grid, block, 0, s, a); break;
-    }
+    const size_t smem = moe_down_rank_smem(a);
+    const auto kernel = a.down_dtype == DType::kBF16  ? moe_down_rank_kernel<DType::kBF16>
+                        : a.down_dtype == DType::kF16 ? moe_down_rank_kernel<DType::kF16>
+                                                      : moe_down_rank_kernel<DType::kQ8_0>;
+    // Per device, so set at every launch (a host-side call); a failure shows at the launch.
+    if (smem > 32 * 1024)
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    launch_kernel(kernel, grid, block, smem, s, a);
     return;
   }
   const dim3 grid(unsigned((a.d_model + kWarps - 1) / kWarps), unsigned(a.n));
