@@ -339,10 +339,14 @@ bool gemv_staged(DType t, const GemvParams& p) {
 // One warp per token; lane i holds experts i, i + 32, ...
 // Token t's routing by one warp. The logits are read from L2 (__ldcg): the fused launch
 // (norm_route_kernel) routes on logits other blocks of the same grid wrote.
-__device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane) {
-  constexpr int kPer = kMaxExperts / 32;
+constexpr int kRoutePer = kMaxExperts / 32;
+
+// Token t's softmax over its logits by one warp: lane holds experts lane, lane + 32, ...
+// (-1 past n_experts).
+__device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane,
+                                            float (&p)[kRoutePer]) {
+  constexpr int kPer = kRoutePer;
   const float* lg = a.logits + size_t(t) * a.n_experts;
-  float p[kPer];
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -361,6 +365,12 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane)
   sum = warp_sum(sum);
 #pragma unroll
   for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < a.n_experts ? p[i] / sum : -1.0f;
+}
+
+__device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane) {
+  constexpr int kPer = kRoutePer;
+  float p[kPer];
+  route_probs(a, t, lane, p);
   float picked_sum = 0, mine_w = 0.0f;
   int mine_e = 0;
   for (int r = 0; r < a.top_k; ++r) {
@@ -406,6 +416,66 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane)
   if (a.renormalize && a.top_k > 32) {
     __syncwarp();
     for (int r = lane; r < a.top_k; r += 32) a.weights[size_t(t) * a.top_k + r] /= picked_sum;
+  }
+  if (a.host_flag) {
+    // Every lane's host writes are visible system-wide before lane 0 raises the flag.
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) *reinterpret_cast<volatile int*>(a.host_flag) = 1;
+  }
+}
+
+// One token's routing by a whole block (norm_route_kernel's last): warp 0 takes the
+// probabilities as route_token does, then every expert's rank at once (how many experts beat
+// it: a higher probability, or the same and a lower id, route_token's order), g threads per
+// expert counting a share each, instead of top_k rounds of a warp-wide argmax one after the
+// other. The same ids and weights as route_token, summed in rank order.
+__device__ __forceinline__ void block_route_one(const RouteArgs& a) {
+  __shared__ float probs[kMaxExperts];
+  __shared__ int sel_e[kMaxExperts];
+  __shared__ float sel_p[kMaxExperts];
+  const int lane = threadIdx.x % 32, ne = a.n_experts;
+  if (threadIdx.x < 32) {
+    // Slots no rank fills (only with NaN probabilities) still name an expert.
+    for (int r = lane; r < a.top_k; r += 32) {
+      sel_e[r] = 0;
+      sel_p[r] = 0.0f;
+    }
+    float p[kRoutePer];
+    route_probs(a, 0, lane, p);
+#pragma unroll
+    for (int i = 0; i < kRoutePer; ++i)
+      if (lane + 32 * i < ne) probs[lane + 32 * i] = p[i];
+  }
+  __syncthreads();
+  int g = 1;  // threads per expert: a power of two up to 32, so a group is within a warp
+  while (g < 32 && 2 * g * ne <= int(blockDim.x)) g *= 2;
+  const int per_pass = int(blockDim.x) / g;
+  for (int e0 = 0; e0 < ne; e0 += per_pass) {
+    const int e = e0 + int(threadIdx.x) / g, part = int(threadIdx.x) % g;
+    const float pe = e < ne ? probs[e] : 0.0f;
+    int rank = 0;
+    if (e < ne)
+      for (int j = part; j < ne; j += g) {
+        const float pj = probs[j];
+        rank += pj > pe || (pj == pe && j < e);
+      }
+    for (int o = g / 2; o > 0; o >>= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+    if (e < ne && part == 0 && rank < a.top_k) {
+      sel_e[rank] = e;
+      sel_p[rank] = pe;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  float picked_sum = 0;
+  for (int r = 0; r < a.top_k; ++r) picked_sum += sel_p[r];
+  for (int r = lane; r < a.top_k; r += 32) {
+    const int e = sel_e[r];
+    a.ids[r] = e;
+    if (a.host_ids) a.host_ids[r] = e;
+    a.weights[r] = a.renormalize ? sel_p[r] / picked_sum : sel_p[r];
+    if (a.hist) atomicAdd(a.hist + e, 1ull);
   }
   if (a.host_flag) {
     // Every lane's host writes are visible system-wide before lane 0 raises the flag.
@@ -476,7 +546,7 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
   __syncthreads();
   if (!last) return;
   __threadfence();
-  if (warp == 0) route_token(a.route, 0, lane);
+  block_route_one(a.route);
 }
 
 // grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
@@ -763,7 +833,8 @@ void route(const RouteArgs& a, cudaStream_t s) {
 }
 
 namespace {
-constexpr size_t kNormRouteMaxSmem = 227 * 1024;  // opt-in shared memory per block, sm_90
+// Opt-in shared memory per block on sm_90 (227 KiB) less the kernel's static arrays.
+constexpr size_t kNormRouteMaxSmem = 218 * 1024;
 
 size_t router_row_bytes(DType t, int d) { return size_t(d) * (t == DType::kF32 ? 4 : 2); }
 }  // namespace

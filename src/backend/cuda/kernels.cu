@@ -22,14 +22,30 @@ __global__ void embed_kernel(const uint8_t* table, DType type, size_t row_bytes,
   }
 }
 
+// The thread's first kRmsPre norm weights are loaded before the wait (weights: no kernel
+// writes them), overlapping the kernel before.
+constexpr int kRmsPre = 4;
+
 __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int cols, float eps,
                                QAct q) {
+  float wr[kRmsPre];
+#pragma unroll
+  for (int u = 0; u < kRmsPre; ++u) {
+    const int i = threadIdx.x + u * blockDim.x;
+    wr[u] = i < cols ? w[i] : 0.0f;
+  }
   pdl_wait();
   const float* xr = x + size_t(blockIdx.x) * cols;
   float* yr = y + size_t(blockIdx.x) * cols;
   const float inv = block_rms_inv(xr, cols, eps);
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-    const float v = xr[i] * inv * w[i];
+  int u = 0;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x, ++u) {
+    float wi = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kRmsPre; ++c)
+      if (c == u) wi = wr[c];
+    if (u >= kRmsPre) wi = w[i];
+    const float v = xr[i] * inv * wi;
     yr[i] = v;
     // A warp's lanes hold one whole Q8 block (blockDim and cols are multiples of 32).
     if (q.q) warp_quantize_q8(v, size_t(blockIdx.x) * cols + i, q);

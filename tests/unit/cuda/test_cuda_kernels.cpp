@@ -500,10 +500,24 @@ TEST(CudaKernels, NormRouteMatchesNormRouterAndTopK) {
                                      .top_k = k,
                                      .renormalize = true};
         };
-        ts::cuda::rmsnorm(dx.as<float>(), dnw.as<float>(), ref->xn.as<float>(), 1, d, 1e-6f,
-                          nullptr, {ref->q.as<int8_t>(), ref->qd.as<float>()});
-        ts::cuda::gemv({dr.p, t, n_experts, d}, ref->xn.as<float>(), 1, ref->logits.as<float>(),
-                       false, nullptr);
+        const auto reference = [&] {
+          ts::cuda::rmsnorm(dx.as<float>(), dnw.as<float>(), ref->xn.as<float>(), 1, d, 1e-6f,
+                            nullptr, {ref->q.as<int8_t>(), ref->qd.as<float>()});
+          ts::cuda::gemv({dr.p, t, n_experts, d}, ref->xn.as<float>(), 1, ref->logits.as<float>(),
+                         false, nullptr);
+        };
+        reference();
+        // A tie at the top: the best expert's row copied over another's (same row, same
+        // logit), so both are picked and the lower id must rank first.
+        {
+          const std::vector<float> lg = ref->logits.get<float>();
+          const int best = int(std::max_element(lg.begin(), lg.end()) - lg.begin());
+          const int other = best == 0 ? n_experts - 1 : 0;
+          const size_t rb = router.size() / size_t(n_experts);
+          cudaMemcpy(dr.as<uint8_t>() + size_t(other) * rb, dr.as<uint8_t>() + size_t(best) * rb,
+                     rb, cudaMemcpyDeviceToDevice);
+          reference();
+        }
         ts::cuda::route(route_args(*ref), nullptr);
         for (int run = 0; run < 2; ++run) {
           if (run == 1) {  // poison again
