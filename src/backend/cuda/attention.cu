@@ -1,10 +1,11 @@
 // RoPE + KV append, and attention: decode split over the keys (by KV head or by query head)
 // with a merge, the F32 tiled prefill kernel, and the tensor-core prefill kernel (flash
 // attention 2 on mma.sync).
+#include "backend/cuda/kernels.cuh"
+
 #include <climits>
 
 #include "backend/cuda/device_util.cuh"
-#include "backend/cuda/kernels.cuh"
 
 namespace ts::cuda {
 namespace {

@@ -336,13 +336,11 @@ bool gemv_staged(DType t, const GemvParams& p) {
   return (t == DType::kBF16 || t == DType::kF16) && p.cols % 8 == 0;
 }
 
-// One warp per token; lane i holds experts i, i + 32, ...
-// Token t's routing by one warp. The logits are read from L2 (__ldcg): the fused launch
-// (norm_route_kernel) routes on logits other blocks of the same grid wrote.
 constexpr int kRoutePer = kMaxExperts / 32;
 
 // Token t's softmax over its logits by one warp: lane holds experts lane, lane + 32, ...
-// (-1 past n_experts).
+// (-1 past n_experts). The logits are read from L2 (__ldcg): norm_route_kernel routes on
+// logits other blocks of the same grid wrote.
 __device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane,
                                             float (&p)[kRoutePer]) {
   constexpr int kPer = kRoutePer;
@@ -367,6 +365,7 @@ __device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane,
   for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < a.n_experts ? p[i] / sum : -1.0f;
 }
 
+// Token t's routing by one warp: top_k rounds of a warp-wide argmax (ties to the lower id).
 __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane) {
   constexpr int kPer = kRoutePer;
   float p[kPer];
@@ -485,6 +484,7 @@ __device__ __forceinline__ void block_route_one(const RouteArgs& a) {
   }
 }
 
+// One warp per token.
 __global__ void route_kernel(RouteArgs a) {
   pdl_wait();
   const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -498,8 +498,8 @@ __global__ void route_kernel(RouteArgs a) {
 // normalizes x there (the bits rmsnorm_kernel writes), block 0 also to xn (and its Q8
 // copy), and each scoring warp takes its row's dot product in row_dot's order (the logits
 // gemv_kernel gives). Each block then makes its logits visible device-wide and counts
-// itself; the last one resets the counter for the next launch and routes (route_token
-// reads the logits from L2).
+// itself; the last one resets the counter for the next launch and routes
+// (block_route_one, reading the logits from L2).
 constexpr int kNormRouteRows = 8;
 
 __host__ __device__ constexpr size_t norm_route_smem(int d, int rows, size_t row_bytes) {
