@@ -770,32 +770,37 @@ bool moe_down_by_rank(const MoeArgs& a) {
          size_t(a.d_expert / 32) * 34 <= size_t(kRankRowBytes);
 }
 
+// One dtype's GEMV: gemv_staged_kernel where it applies (gemv_staged), else gemv_kernel.
+template <DType T, int NT>
+void launch_gemv_as(const GemvParams& p, dim3 grid, cudaStream_t s) {
+  if constexpr (T == DType::kF16 || T == DType::kBF16 || T == DType::kQ8_0) {
+    if (gemv_staged(T, p)) {
+      launch_kernel(gemv_staged_kernel<T>, grid, 32 * kWarps, size_t(kWarps) * p.row_bytes, s, p);
+      return;
+    }
+  }
+  launch_kernel(gemv_kernel<T, NT>, grid, 32 * kWarps, 0, s, p);
+}
+
 template <int NT>
 void launch_gemv(const DevMatrix& w, const GemvParams& p, cudaStream_t s) {
   const dim3 grid(unsigned((p.total_rows + kWarps - 1) / kWarps), unsigned((p.n + NT - 1) / NT));
-  const bool staged = gemv_staged(w.dtype, p);
-  const size_t smem = size_t(kWarps) * p.row_bytes;
   switch (w.dtype) {
-    case DType::kF32: launch_kernel(gemv_kernel<DType::kF32, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kF32:
+      launch_gemv_as<DType::kF32, NT>(p, grid, s);
+      break;
     case DType::kF16:
-      if (staged)
-        launch_kernel(gemv_staged_kernel<DType::kF16>, grid, 32 * kWarps, smem, s, p);
-      else
-        launch_kernel(gemv_kernel<DType::kF16, NT>, grid, 32 * kWarps, 0, s, p);
+      launch_gemv_as<DType::kF16, NT>(p, grid, s);
       break;
     case DType::kBF16:
-      if (staged)
-        launch_kernel(gemv_staged_kernel<DType::kBF16>, grid, 32 * kWarps, smem, s, p);
-      else
-        launch_kernel(gemv_kernel<DType::kBF16, NT>, grid, 32 * kWarps, 0, s, p);
+      launch_gemv_as<DType::kBF16, NT>(p, grid, s);
       break;
     case DType::kQ8_0:
-      if (staged)
-        launch_kernel(gemv_staged_kernel<DType::kQ8_0>, grid, 32 * kWarps, smem, s, p);
-      else
-        launch_kernel(gemv_kernel<DType::kQ8_0, NT>, grid, 32 * kWarps, 0, s, p);
+      launch_gemv_as<DType::kQ8_0, NT>(p, grid, s);
       break;
-    case DType::kQ4_K: launch_kernel(gemv_kernel<DType::kQ4_K, NT>, grid, 32 * kWarps, 0, s, p); break;
+    case DType::kQ4_K:
+      launch_gemv_as<DType::kQ4_K, NT>(p, grid, s);
+      break;
   }
 }
 
@@ -835,8 +840,6 @@ void route(const RouteArgs& a, cudaStream_t s) {
 namespace {
 // Opt-in shared memory per block on sm_90 (227 KiB) less the kernel's static arrays.
 constexpr size_t kNormRouteMaxSmem = 218 * 1024;
-
-size_t router_row_bytes(DType t, int d) { return size_t(d) * (t == DType::kF32 ? 4 : 2); }
 }  // namespace
 
 bool norm_route_applies(DType router_dtype, int d) {
@@ -845,14 +848,14 @@ bool norm_route_applies(DType router_dtype, int d) {
   // d % 32: the Q8 copy's blocks are whole warps (as rmsnorm()); x, the norm weights and one
   // router row in shared memory.
   return float_type && d % 32 == 0 &&
-         norm_route_smem(d, 1, router_row_bytes(router_dtype, d)) <= kNormRouteMaxSmem;
+         norm_route_smem(d, 1, size_t(dtype_row_bytes(router_dtype, d))) <= kNormRouteMaxSmem;
 }
 
 void norm_route(const NormRouteArgs& args, cudaStream_t s) {
   NormRouteArgs a = args;
   a.route.logits = a.logits;
   const int block = rmsnorm_block(a.d);
-  const size_t rb = router_row_bytes(a.router_dtype, a.d);
+  const size_t rb = size_t(dtype_row_bytes(a.router_dtype, a.d));
   a.row_bytes = rb;
   a.rows = int(std::min<size_t>(std::min(kNormRouteRows, block / 32),
                                 (kNormRouteMaxSmem - size_t(a.d) * 8) / rb));

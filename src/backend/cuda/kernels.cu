@@ -38,18 +38,18 @@ __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int col
   const float* xr = x + size_t(blockIdx.x) * cols;
   float* yr = y + size_t(blockIdx.x) * cols;
   const float inv = block_rms_inv(xr, cols, eps);
-  int u = 0;
-  for (int i = threadIdx.x; i < cols; i += blockDim.x, ++u) {
-    float wi = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kRmsPre; ++c)
-      if (c == u) wi = wr[c];
-    if (u >= kRmsPre) wi = w[i];
+  const auto put = [&](int i, float wi) {
     const float v = xr[i] * inv * wi;
     yr[i] = v;
     // A warp's lanes hold one whole Q8 block (blockDim and cols are multiples of 32).
     if (q.q) warp_quantize_q8(v, size_t(blockIdx.x) * cols + i, q);
+  };
+#pragma unroll
+  for (int u = 0; u < kRmsPre; ++u) {
+    const int i = threadIdx.x + u * blockDim.x;
+    if (i < cols) put(i, wr[u]);
   }
+  for (int i = threadIdx.x + kRmsPre * blockDim.x; i < cols; i += blockDim.x) put(i, w[i]);
 }
 
 __global__ void add_bias_kernel(float* y, const float* b, int64_t total, int dim) {
