@@ -291,24 +291,37 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
   }
 }
 
-// grid (n_heads, n), block 128, n_splits floats of dynamic shared memory: merges the splits.
-// The splits' (m, l) are read by all threads at once and the weights exp(m_s - M) kept in
-// shared memory, so no loop waits on a load before issuing the next (a serial walk over 66
-// splits was ~66 dependent L2 round trips); the sums still run over s in order, as before.
+// grid (n_heads, n), block 128, 2 * n_splits floats of dynamic shared memory: merges the
+// splits. Everything a short context needs is loaded at once, right after the wait: each
+// split's (m, l) pair into shared memory, and each thread's output values of the first
+// kMergePre splits into registers (later splits, at long contexts, are loaded in the sum).
+// No loop waits on a load before issuing the next (a serial walk over 66 splits was ~66
+// dependent L2 round trips); the sums still run over s in order, as before.
+constexpr int kMergePre = 8;
+
 __global__ void attention_merge_kernel(AttentionArgs a) {
   pdl_wait();
-  extern __shared__ float merge_w[];  // [n_splits]: m_s, then exp(m_s - M)
+  extern __shared__ float merge_smem[];
+  float* merge_w = merge_smem;               // [n_splits]: m_s, then exp(m_s - M)
+  float* merge_l = merge_smem + a.n_splits;  // [n_splits]: l_s
   __shared__ int first_empty;
   __shared__ float warp_m[4];
   const int h = blockIdx.x, t = blockIdx.y, hd = a.head_dim, n_splits = a.n_splits;
   const float* part = a.partial + (size_t(t) * a.n_heads + h) * n_splits * (hd + 2);
+  // This thread's first output dimension (head_dim <= blockDim: its only one).
+  const int dim0 = threadIdx.x;
+  float pre[kMergePre];
+#pragma unroll
+  for (int s = 0; s < kMergePre; ++s)
+    pre[s] = s < n_splits && dim0 < hd ? part[s * (hd + 2) + 2 + dim0] : 0.0f;
   if (threadIdx.x == 0) first_empty = n_splits;
   __syncthreads();
   // Splits past the last key are empty (m = -inf) and only trail: the first one ends the list.
   for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
-    const float ms = part[s * (hd + 2)];
-    merge_w[s] = ms;
-    if (ms == -INFINITY) atomicMin(&first_empty, s);
+    const float2 ml = *reinterpret_cast<const float2*>(part + s * (hd + 2));
+    merge_w[s] = ml.x;
+    merge_l[s] = ml.y;
+    if (ml.x == -INFINITY) atomicMin(&first_empty, s);
   }
   __syncthreads();
   const int used = first_empty;
@@ -322,13 +335,20 @@ __global__ void attention_merge_kernel(AttentionArgs a) {
   __syncthreads();
   float L = 0;
 #pragma unroll 8
-  for (int s = 0; s < used; ++s) L += part[s * (hd + 2) + 1] * merge_w[s];
+  for (int s = 0; s < used; ++s) L += merge_l[s] * merge_w[s];
   const float inv = 1.0f / L;
   float* o = a.out + size_t(t) * a.n_heads * hd + size_t(h) * hd;
-  for (int dim = threadIdx.x; dim < hd; dim += blockDim.x) {
+  for (int dim = dim0; dim < hd; dim += blockDim.x) {
     float v = 0;
+    int s = 0;
+    if (dim == dim0) {
+#pragma unroll
+      for (; s < kMergePre; ++s)
+        if (s < used) v += pre[s] * merge_w[s];
+      s = min(used, kMergePre);
+    }
 #pragma unroll 8
-    for (int s = 0; s < used; ++s) v += part[s * (hd + 2) + 2 + dim] * merge_w[s];
+    for (; s < used; ++s) v += part[s * (hd + 2) + 2 + dim] * merge_w[s];
     v *= inv;
     o[dim] = v;
     // head_dim % 32 == 0 (attention() checks): a warp's lanes hold one whole Q8 block.
@@ -680,7 +700,7 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
       launch_kernel(attention_split_kernel, dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)), 32 * kAttnWarps, 0, s, a);
     }
     launch_kernel(attention_merge_kernel, dim3(unsigned(a.n_heads), unsigned(a.n)), 128,
-                  size_t(a.n_splits) * 4, s, a);
+                  size_t(a.n_splits) * 8, s, a);
   }
   if (args.out_q.q && !a.out_q.q)
     quantize_act(a.out, int64_t(a.n) * a.n_heads * a.head_dim, args.out_q, s);
