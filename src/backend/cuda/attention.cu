@@ -209,24 +209,27 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
       const int j = i / hd4, c4 = i % hd4;
       const bool in = j < nk && jt + j >= lo && jt + j < hi;
       if (j < nk && !in) continue;
-      float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kv4;
       if (in) {
-        const size_t at = size_t(jt + j) * kv_dim + size_t(g) * hd;
-        kv4 = reinterpret_cast<const float4*>(a.k_cache + at)[c4];
-        vv4 = reinterpret_cast<const float4*>(a.v_cache + at)[c4];
+        const size_t at = size_t(jt + j) * kv_dim + size_t(g) * hd + size_t(c4) * 4;
+        cp_async16(Ks + j * ks + c4 * 4, a.k_cache + at);
+        cp_async16(Vs + j * hd + c4 * 4, a.v_cache + at);
+      } else {
+        reinterpret_cast<float4*>(Ks + j * ks)[c4] = make_float4(0.f, 0.f, 0.f, 0.f);
+        reinterpret_cast<float4*>(Vs + j * hd)[c4] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      reinterpret_cast<float4*>(Ks + j * ks)[c4] = kv4;
-      reinterpret_cast<float4*>(Vs + j * hd)[c4] = vv4;
     }
   };
   // The position is written before the step's first kernel, and keys before it by earlier
   // steps: the first tile's old keys are staged before the wait, overlapping the kernels
-  // before (the step's own keys, written by rope_kv_append, after it).
+  // before (the step's own keys, written by rope_kv_append, after it). All copies are
+  // asynchronous: the block reaches its wait at once, and after it the queries and the new
+  // keys arrive in one round trip.
   const int old_keys = *a.pos;
   if (j0 < j1) stage(j0, min(kGqaTile, j1 - j0), 0, old_keys);
   pdl_wait();
-  for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
-    qs[i] = a.q[size_t(t) * a.n_heads * hd + size_t(h0) * hd + i];
+  const float* q = a.q + size_t(t) * a.n_heads * hd + size_t(h0) * hd;
+  if (j0 < j1)
+    for (int i = threadIdx.x; i < group * hd4; i += blockDim.x) cp_async16(qs + 4 * i, q + 4 * i);
   float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
 #pragma unroll
   for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
@@ -243,6 +246,7 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
       __syncthreads();  // the previous tile is no longer read
       stage(jt, nk, 0, INT_MAX);
     }
+    cp_async_wait_all();
     __syncthreads();
 #pragma unroll
     for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
