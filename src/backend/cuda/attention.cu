@@ -10,21 +10,43 @@
 namespace ts::cuda {
 namespace {
 
-// grid (n, max(n_heads, n_kv_heads)), block head_dim / 2 threads.
+// grid (n, max(n_heads, n_kv_heads)), block head_dim / 2 threads. What no kernel of the step
+// writes (the position, written before the step's first kernel; the frequencies and the norm
+// weights) is read before the wait, with the angle computed from it; after the wait every
+// input of the block (q, k and v) is loaded at once, so the block waits on one L2 round trip,
+// not one per input and norm.
 __global__ void rope_kv_kernel(RopeKvArgs a) {
-  pdl_wait();
   // Threads i >= half (the block is whole warps) only join the norm's reductions.
   const int t = blockIdx.x, h = blockIdx.y, half = a.head_dim / 2;
   const bool live = int(threadIdx.x) < half;
   const int i = live ? int(threadIdx.x) : 0;
   const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
+  const bool is_q = h < a.n_heads, is_kv = h < a.n_kv_heads;
   const int position = *a.pos + t;
   // transformers: freqs = position * inv_freq in float32, then cos/sin.
   const float freq = float(position) * a.inv_freq[i];
   const float c = float(cos(double(freq))), s = float(sin(double(freq)));
+  const bool q_norm = is_q && a.q_norm, k_norm = is_kv && a.k_norm;
+  const float qw0 = q_norm ? a.q_norm[i] : 0.0f, qw1 = q_norm ? a.q_norm[i + half] : 0.0f;
+  const float kw0 = k_norm ? a.k_norm[i] : 0.0f, kw1 = k_norm ? a.k_norm[i + half] : 0.0f;
+  pdl_wait();
+  float* xh = a.q + size_t(t) * q_dim + size_t(h) * a.head_dim;
+  const size_t src = size_t(t) * kv_dim + size_t(h) * a.head_dim;
+  const size_t dst = size_t(position) * kv_dim + size_t(h) * a.head_dim;
+  float q0 = 0.0f, q1 = 0.0f, k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
+  if (is_q && live) {
+    q0 = xh[i];
+    q1 = xh[i + half];
+  }
+  if (is_kv && live) {
+    k0 = a.k[src + i];
+    k1 = a.k[src + i + half];
+    v0 = a.v[src + i];
+    v1 = a.v[src + i + half];
+  }
   // Per-head RMSNorm (qwen3_moe) before the rotation: the block reduces its head's squares.
   __shared__ float part[32];
-  auto head_norm = [&](float& x0, float& x1, const float* w) {
+  auto head_norm = [&](float& x0, float& x1, float w0, float w1) {
     float ss = warp_sum(x0 * x0 + x1 * x1);
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
     __syncthreads();
@@ -32,35 +54,29 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
     for (int wi = 0; wi < int((blockDim.x + 31) / 32); ++wi) total += part[wi];
     __syncthreads();
     const float inv = rsqrtf(total / float(a.head_dim) + a.eps);
-    x0 = x0 * inv * w[i];
-    x1 = x1 * inv * w[i + half];
+    x0 = x0 * inv * w0;
+    x1 = x1 * inv * w1;
   };
-  if (h < a.n_heads) {
-    float* xh = a.q + size_t(t) * q_dim + size_t(h) * a.head_dim;
-    float x0 = live ? xh[i] : 0.0f, x1 = live ? xh[i + half] : 0.0f;
-    if (a.q_norm) head_norm(x0, x1, a.q_norm);
+  if (is_q) {
+    if (q_norm) head_norm(q0, q1, qw0, qw1);
     if (live) {
-      xh[i] = x0 * c - x1 * s;
-      xh[i + half] = x1 * c + x0 * s;
+      xh[i] = q0 * c - q1 * s;
+      xh[i + half] = q1 * c + q0 * s;
     }
   }
-  if (h < a.n_kv_heads) {
-    const size_t src = size_t(t) * kv_dim + size_t(h) * a.head_dim;
-    const size_t dst = size_t(position) * kv_dim + size_t(h) * a.head_dim;
-    float x0 = live ? a.k[src + i] : 0.0f, x1 = live ? a.k[src + i + half] : 0.0f;
-    if (a.k_norm) head_norm(x0, x1, a.k_norm);
+  if (is_kv) {
+    if (k_norm) head_norm(k0, k1, kw0, kw1);
     if (live) {
-      const float k0 = x0 * c - x1 * s, k1 = x1 * c + x0 * s;
-      const float v0 = a.v[src + i], v1 = a.v[src + i + half];
-      a.k_cache[dst + i] = k0;
-      a.k_cache[dst + i + half] = k1;
+      const float r0 = k0 * c - k1 * s, r1 = k1 * c + k0 * s;
+      a.k_cache[dst + i] = r0;
+      a.k_cache[dst + i + half] = r1;
       a.v_cache[dst + i] = v0;
       a.v_cache[dst + i + half] = v1;
       if (a.k_bf16) {
         __nv_bfloat16* kb = static_cast<__nv_bfloat16*>(a.k_bf16);
         __nv_bfloat16* vb = static_cast<__nv_bfloat16*>(a.v_bf16);
-        kb[dst + i] = __float2bfloat16_rn(k0);
-        kb[dst + i + half] = __float2bfloat16_rn(k1);
+        kb[dst + i] = __float2bfloat16_rn(r0);
+        kb[dst + i + half] = __float2bfloat16_rn(r1);
         vb[dst + i] = __float2bfloat16_rn(v0);
         vb[dst + i + half] = __float2bfloat16_rn(v1);
       }
