@@ -337,6 +337,7 @@ __global__ void attention_merge_kernel(AttentionArgs a) {
   if (threadIdx.x == 0) first_empty = n_splits;
   __syncthreads();
   // Splits past the last key are empty (m = -inf) and only trail: the first one ends the list.
+  // (head_dim is even, RoPE's pairs, so each split's (m, l) pair is 8-byte aligned.)
   for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
     const float2 ml = *reinterpret_cast<const float2*>(part + s * (hd + 2));
     merge_w[s] = ml.x;
