@@ -307,6 +307,63 @@ TEST_P(CudaAttention, RopeAndAttentionMatchCpu) {
 }
 INSTANTIATE_TEST_SUITE_P(Tokens, CudaAttention, ::testing::Values(1, 5, 40));
 
+// RoPE + KV append with qwen3_moe's per-head RMSNorm of q and k first (weights loaded before
+// the kernel's wait, q, k and v after it): against the CPU's rmsnorm and rope per head.
+TEST(CudaKernels, RopeWithPerHeadNormMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (const int hd : {64, 128}) {
+    for (const int n : {1, 5}) {
+      const int n_heads = 8, n_kv = 2, pos0 = 37, n_ctx = 64;
+      const int qd = n_heads * hd, kvd = n_kv * hd;
+      const float eps = 1e-6f;
+      std::vector<float> inv;
+      for (int i = 0; i < hd / 2; ++i) inv.push_back(1.0f / std::pow(1e6f, float(2 * i) / hd));
+      const std::vector<float> q = randn(size_t(n * qd), 31), k = randn(size_t(n * kvd), 32),
+                               v = randn(size_t(n * kvd), 33), qn = randn(size_t(hd), 34, 0.5f),
+                               kn = randn(size_t(hd), 35, 0.5f);
+      std::vector<float> qr = q, kr = k, kc_ref(size_t(n_ctx * kvd), 0.0f),
+                         vc_ref(size_t(n_ctx * kvd), 0.0f);
+      const ts::cpu::RopeTable rope{hd, inv};
+      for (int t = 0; t < n; ++t) {
+        for (int h = 0; h < n_heads; ++h) {
+          float* x = &qr[size_t(t * qd + h * hd)];
+          ts::cpu::rmsnorm_rows(x, qn.data(), x, 1, hd, eps);
+        }
+        for (int h = 0; h < n_kv; ++h) {
+          float* x = &kr[size_t(t * kvd + h * hd)];
+          ts::cpu::rmsnorm_rows(x, kn.data(), x, 1, hd, eps);
+        }
+        ts::cpu::rope_apply(&qr[size_t(t * qd)], n_heads, rope, pos0 + t);
+        ts::cpu::rope_apply(&kr[size_t(t * kvd)], n_kv, rope, pos0 + t);
+        std::copy_n(&kr[size_t(t * kvd)], kvd, &kc_ref[size_t((pos0 + t) * kvd)]);
+        std::copy_n(&v[size_t(t * kvd)], kvd, &vc_ref[size_t((pos0 + t) * kvd)]);
+      }
+      Dev dq(q), dk(k), dv(v), dinv(inv), dqn(qn), dkn(kn), dpos(std::vector<int>{pos0}),
+          dkc(std::vector<float>(kc_ref.size(), 0.0f)),
+          dvc(std::vector<float>(vc_ref.size(), 0.0f));
+      ts::cuda::rope_kv_append({.q = dq.as<float>(),
+                                .k = dk.as<float>(),
+                                .v = dv.as<float>(),
+                                .k_cache = dkc.as<float>(),
+                                .v_cache = dvc.as<float>(),
+                                .inv_freq = dinv.as<float>(),
+                                .pos = dpos.as<int>(),
+                                .n = n,
+                                .n_heads = n_heads,
+                                .n_kv_heads = n_kv,
+                                .head_dim = hd,
+                                .q_norm = dqn.as<float>(),
+                                .k_norm = dkn.as<float>(),
+                                .eps = eps},
+                               nullptr);
+      const std::string what = "hd " + std::to_string(hd) + " n " + std::to_string(n);
+      EXPECT_LE(max_rel(dq.get<float>(), qr), 1e-5) << what;
+      EXPECT_LE(max_rel(dkc.get<float>(), kc_ref), 1e-5) << what;
+      EXPECT_EQ(dvc.get<float>(), vc_ref) << what;
+    }
+  }
+}
+
 // Decode attention shapes: one block per KV head for groups of 1 to 32 query heads (head dims
 // 64 and 128; groups of 16 and 32 give a warp 2 and 4 heads), one block per
 // query head where the head dim is too wide; short and long contexts, split counts from 1 to
