@@ -365,6 +365,15 @@ __device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane,
   for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < a.n_experts ? p[i] / sum : -1.0f;
 }
 
+// With host_flag: once the warp's lanes have written the host ids, *host_flag = 1 (every
+// lane's host writes are visible system-wide first). Called by the whole warp.
+__device__ __forceinline__ void raise_host_flag(const RouteArgs& a, int lane) {
+  if (!a.host_flag) return;
+  __threadfence_system();
+  __syncwarp();
+  if (lane == 0) *reinterpret_cast<volatile int*>(a.host_flag) = 1;
+}
+
 // Token t's routing by one warp: top_k rounds of a warp-wide argmax (ties to the lower id).
 __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane) {
   constexpr int kPer = kRoutePer;
@@ -416,12 +425,7 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane)
     __syncwarp();
     for (int r = lane; r < a.top_k; r += 32) a.weights[size_t(t) * a.top_k + r] /= picked_sum;
   }
-  if (a.host_flag) {
-    // Every lane's host writes are visible system-wide before lane 0 raises the flag.
-    __threadfence_system();
-    __syncwarp();
-    if (lane == 0) *reinterpret_cast<volatile int*>(a.host_flag) = 1;
-  }
+  raise_host_flag(a, lane);
 }
 
 // One token's routing by a whole block (norm_route_kernel's last): warp 0 takes the
@@ -476,12 +480,7 @@ __device__ __forceinline__ void block_route_one(const RouteArgs& a) {
     a.weights[r] = a.renormalize ? sel_p[r] / picked_sum : sel_p[r];
     if (a.hist) atomicAdd(a.hist + e, 1ull);
   }
-  if (a.host_flag) {
-    // Every lane's host writes are visible system-wide before lane 0 raises the flag.
-    __threadfence_system();
-    __syncwarp();
-    if (lane == 0) *reinterpret_cast<volatile int*>(a.host_flag) = 1;
-  }
+  raise_host_flag(a, lane);
 }
 
 // One warp per token.
@@ -605,7 +604,7 @@ __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs
 // Whether phase 1 takes moe_gate_up_q8_kernel (rows 16-byte aligned: a multiple of 256
 // columns; both rows within kStagedBytes).
 bool moe_gate_up_staged(const MoeArgs& a) {
-  const size_t rb = size_t(a.d_model / 32) * 34;
+  const size_t rb = dtype_row_bytes(DType::kQ8_0, a.d_model);
   return a.gate_dtype == DType::kQ8_0 && a.xq && a.d_model % 256 == 0 &&
          2 * rb <= size_t(kStagedBytes);
 }
@@ -767,7 +766,7 @@ bool moe_down_by_rank(const MoeArgs& a) {
   if (a.top_k < 1 || a.top_k > kMaxRankWarps || moe_down_rank_smem(a) > kRankMaxSmem) return false;
   if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16) return a.d_expert % 8 == 0;
   return a.down_dtype == DType::kQ8_0 && a.hq && a.d_expert % 256 == 0 &&
-         size_t(a.d_expert / 32) * 34 <= size_t(kRankRowBytes);
+         dtype_row_bytes(DType::kQ8_0, a.d_expert) <= size_t(kRankRowBytes);
 }
 
 // One dtype's GEMV: gemv_staged_kernel where it applies (gemv_staged), else gemv_kernel.
@@ -912,7 +911,7 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
     case DType::kQ8_0:
       if (moe_gate_up_staged(a))
         launch_kernel(moe_gate_up_q8_kernel, grid, 32 * kWarps,
-                      size_t(kWarps) * 2 * size_t(a.d_model / 32) * 34, s, a);
+                      size_t(kWarps) * 2 * dtype_row_bytes(DType::kQ8_0, a.d_model), s, a);
       else
         launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a);
       break;

@@ -240,6 +240,23 @@ TEST(CudaKernels, RmsnormMatchesCpu) {
   }
 }
 
+// RoPE + KV append's arguments on these device buffers (no norms, no BF16 copies).
+ts::cuda::RopeKvArgs rope_args(const Dev& q, const Dev& k, const Dev& v, const Dev& k_cache,
+                               const Dev& v_cache, const Dev& inv_freq, const Dev& pos, int n,
+                               int n_heads, int n_kv, int hd) {
+  return {.q = q.as<float>(),
+          .k = k.as<float>(),
+          .v = v.as<float>(),
+          .k_cache = k_cache.as<float>(),
+          .v_cache = v_cache.as<float>(),
+          .inv_freq = inv_freq.as<float>(),
+          .pos = pos.as<int>(),
+          .n = n,
+          .n_heads = n_heads,
+          .n_kv_heads = n_kv,
+          .head_dim = hd};
+}
+
 // n = 1: the split (flash-decoding) kernel; n > 1: the tiled prefill kernel (40 queries:
 // more than one query tile, keys over several key tiles).
 class CudaAttention : public ::testing::TestWithParam<int> {};
@@ -272,20 +289,10 @@ TEST_P(CudaAttention, RopeAndAttentionMatchCpu) {
     Dev dout(want.size() * 4), dpart(size_t(n * n_heads * splits * (hd + 2)) * 4);
     // BF16 copies of the appended rows (poisoned: the other rows must stay untouched).
     Dev dkb(kc.size() * 2), dvb(vc.size() * 2);
-    ts::cuda::rope_kv_append({.q = dq.as<float>(),
-                              .k = dk.as<float>(),
-                              .v = dv.as<float>(),
-                              .k_cache = dkc.as<float>(),
-                              .v_cache = dvc.as<float>(),
-                              .inv_freq = dinv.as<float>(),
-                              .pos = dpos.as<int>(),
-                              .n = n,
-                              .n_heads = n_heads,
-                              .n_kv_heads = n_kv,
-                              .head_dim = hd,
-                              .k_bf16 = dkb.p,
-                              .v_bf16 = dvb.p},
-                             nullptr);
+    ts::cuda::RopeKvArgs ra = rope_args(dq, dk, dv, dkc, dvc, dinv, dpos, n, n_heads, n_kv, hd);
+    ra.k_bf16 = dkb.p;
+    ra.v_bf16 = dvb.p;
+    ts::cuda::rope_kv_append(ra, nullptr);
     EXPECT_LE(max_rel(dq.get<float>(), qr), 1e-6);
     EXPECT_LE(max_rel(dkc.get<float>(), kc_ref), 1e-6);
     EXPECT_EQ(dvc.get<float>(), vc_ref);
@@ -341,21 +348,11 @@ TEST(CudaKernels, RopeWithPerHeadNormMatchesCpu) {
       Dev dq(q), dk(k), dv(v), dinv(inv), dqn(qn), dkn(kn), dpos(std::vector<int>{pos0}),
           dkc(std::vector<float>(kc_ref.size(), 0.0f)),
           dvc(std::vector<float>(vc_ref.size(), 0.0f));
-      ts::cuda::rope_kv_append({.q = dq.as<float>(),
-                                .k = dk.as<float>(),
-                                .v = dv.as<float>(),
-                                .k_cache = dkc.as<float>(),
-                                .v_cache = dvc.as<float>(),
-                                .inv_freq = dinv.as<float>(),
-                                .pos = dpos.as<int>(),
-                                .n = n,
-                                .n_heads = n_heads,
-                                .n_kv_heads = n_kv,
-                                .head_dim = hd,
-                                .q_norm = dqn.as<float>(),
-                                .k_norm = dkn.as<float>(),
-                                .eps = eps},
-                               nullptr);
+      ts::cuda::RopeKvArgs ra = rope_args(dq, dk, dv, dkc, dvc, dinv, dpos, n, n_heads, n_kv, hd);
+      ra.q_norm = dqn.as<float>();
+      ra.k_norm = dkn.as<float>();
+      ra.eps = eps;
+      ts::cuda::rope_kv_append(ra, nullptr);
       const std::string what = "hd " + std::to_string(hd) + " n " + std::to_string(n);
       EXPECT_LE(max_rel(dq.get<float>(), qr), 1e-5) << what;
       EXPECT_LE(max_rel(dkc.get<float>(), kc_ref), 1e-5) << what;
