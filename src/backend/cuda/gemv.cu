@@ -336,6 +336,72 @@ bool gemv_staged(DType t, const GemvParams& p) {
   return (t == DType::kBF16 || t == DType::kF16) && p.cols % 8 == 0;
 }
 
+// Decode's attention entry in one launch (norm_gemv_parts): every block normalizes x
+// itself, as rmsnorm() does and to its bits (block_rms_inv_as sums in rmsnorm_kernel's
+// order), into shared memory (Q8_0: as Q8 blocks, the bytes rmsnorm() writes to its Q8
+// copy), then each warp takes one row as gemv_staged_kernel does, its copy started before
+// the wait. Block 0 also writes xn. The same q, k, v as rmsnorm() then gemv_parts(), one
+// launch and one wait fewer. Eight warps a block: half the blocks normalizing the same x,
+// and BF16 rows plus x in shared memory still one wave for qwen3-30b-a3b (640 blocks).
+constexpr int kNormGemvWarps = 8;
+
+struct NormIn {
+  const float* x;
+  const float* w;
+  float* xn;
+  float eps;
+  int threads;  // rmsnorm_block(cols): the block size whose sums the norm reproduces
+};
+
+inline size_t norm_gemv_smem(DType t, size_t row_bytes, int cols) {
+  const size_t xs = t == DType::kQ8_0 ? size_t(cols) + size_t(cols / 32) * 4 : size_t(cols) * 4;
+  return size_t(kNormGemvWarps) * row_bytes + xs;
+}
+
+template <DType T>
+__global__ void __launch_bounds__(32 * kNormGemvWarps) norm_gemv_kernel(GemvParams p, NormIn nrm) {
+  extern __shared__ float4 norm_gemv_smem4[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int64_t r = int64_t(blockIdx.x) * kNormGemvWarps + warp;
+  const bool has_row = r < p.total_rows;
+  int part = 0;
+  uint8_t* smem = reinterpret_cast<uint8_t*>(norm_gemv_smem4);
+  uint8_t* tile = smem + size_t(warp) * p.row_bytes;
+  // Row bytes are a multiple of 16 (gemv_staged's widths), so x starts 16-byte aligned.
+  uint8_t* xs = smem + size_t(kNormGemvWarps) * p.row_bytes;
+  if (has_row) {
+    while (part + 1 < p.parts && r >= p.rows[part]) r -= p.rows[part++];
+    warp_stage(tile, p.w[part] + size_t(r) * p.row_bytes, int(p.row_bytes), lane);
+  }
+  pdl_wait();
+  const float inv = block_rms_inv_as(nrm.x, p.cols, nrm.eps, nrm.threads);
+  const QAct q{reinterpret_cast<int8_t*>(xs), reinterpret_cast<float*>(xs + p.cols)};
+  // Q8_0: cols is a multiple of 256, so every warp's lanes hold one whole Q8 block.
+  for (int i = threadIdx.x; i < p.cols; i += blockDim.x) {
+    const float v = nrm.x[i] * inv * nrm.w[i];  // rmsnorm_kernel's expression
+    if constexpr (T == DType::kQ8_0)
+      warp_quantize_q8(v, size_t(i), q);
+    else
+      reinterpret_cast<float*>(xs)[i] = v;
+    if (blockIdx.x == 0) nrm.xn[i] = v;
+  }
+  __syncthreads();
+  if (!has_row) return;
+  warp_copy_wait();
+  float v;
+  if constexpr (T == DType::kQ8_0) {
+    float acc[1] = {};
+    q8q8_tile_dot<1>(tile, 0, p.cols / 32, q.q, q.d, p.cols, 1, acc, lane);
+    v = warp_sum(acc[0]);
+  } else {
+    v = warp_sum(staged_row_dot<T>(tile, reinterpret_cast<const float*>(xs), p.cols, lane));
+  }
+  if (lane == 0) {
+    float* y = p.y[part] + size_t(r);
+    *y = p.accumulate ? *y + v : v;
+  }
+}
+
 constexpr int kRoutePer = kMaxExperts / 32;
 
 // Token t's softmax over its logits by one warp: lane holds experts lane, lane + 32, ...
@@ -599,6 +665,27 @@ __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs
   q8q8_tile_dot<1>(tile + rb, 0, nb, xq, xd, a.d_model, 1, u, lane);
   const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
   if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
+  if (!a.h_counter) return;
+  // h's Q8 copy: the block's rows made visible device-wide and counted; the last of the 32
+  // / kWarps blocks of the row group resets the count for the next launch and quantizes
+  // the group from L2, one warp as rmsnorm() quantizes (the bytes quantize_act writes).
+  // Whole blocks return together above: d_expert is a multiple of 32 and the mask is per
+  // slot.
+  constexpr unsigned kGroupBlocks = 32 / kWarps;
+  const int group = blockIdx.x / int(kGroupBlocks);
+  unsigned* count = a.h_counter + size_t(s) * (a.d_expert / 32) + group;
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(count, 1u) == kGroupBlocks - 1;
+    if (last) *count = 0;
+  }
+  __syncthreads();
+  if (!last || warp != 0) return;
+  __threadfence();
+  const size_t at = size_t(s) * a.d_expert + size_t(group) * 32 + lane;
+  warp_quantize_q8(__ldcg(a.h + at), at, a.h_q8);
 }
 
 // Whether phase 1 takes moe_gate_up_q8_kernel (rows 16-byte aligned: a multiple of 256
@@ -811,8 +898,9 @@ void gemv(const DevMatrix& w, const float* x, int n, float* y, bool accumulate, 
   gemv_parts(&w, &y, 1, {x}, n, accumulate, s);
 }
 
-void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
-                bool accumulate, cudaStream_t s) {
+namespace {
+GemvParams parts_params(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
+                        bool accumulate) {
   GemvParams p{};
   p.parts = parts;
   for (int i = 0; i < parts; ++i) {
@@ -828,8 +916,95 @@ void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, in
   p.xd = in.q.d;
   p.n = n;
   p.accumulate = accumulate;
+  return p;
+}
+
+template <DType T>
+void launch_norm_gemv(const GemvParams& p, const NormIn& nrm, cudaStream_t s) {
+  const size_t smem = norm_gemv_smem(T, p.row_bytes, p.cols);
+  // Per device, so set at every launch (a host-side call); a failure shows at the launch.
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(norm_gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         int(smem));
+  const unsigned grid = unsigned((p.total_rows + kNormGemvWarps - 1) / kNormGemvWarps);
+  launch_kernel(norm_gemv_kernel<T>, grid, 32 * kNormGemvWarps, smem, s, p, nrm);
+}
+
+// Blocks of `kernel` (block threads, smem bytes) resident per SM, times the SMs.
+template <class K>
+int64_t resident_blocks(K kernel, int threads, size_t smem) {
+  int dev = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess)
+    return 0;
+  return int64_t(per_sm) * sms;
+}
+
+template <DType T>
+bool norm_gemv_fits(const GemvParams& p) {
+  const int64_t fused = resident_blocks(norm_gemv_kernel<T>, 32 * kNormGemvWarps,
+                                        norm_gemv_smem(T, p.row_bytes, p.cols));
+  const int64_t plain =
+      resident_blocks(gemv_staged_kernel<T>, 32 * kWarps, size_t(kWarps) * p.row_bytes);
+  if (fused <= 0 || plain <= 0) return false;
+  const int64_t blocks_fused = (p.total_rows + kNormGemvWarps - 1) / kNormGemvWarps;
+  const int64_t blocks_plain = (p.total_rows + kWarps - 1) / kWarps;
+  return (blocks_fused + fused - 1) / fused <= (blocks_plain + plain - 1) / plain;
+}
+}  // namespace
+
+void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
+                bool accumulate, cudaStream_t s) {
+  const GemvParams p = parts_params(w, y, parts, in, n, accumulate);
   if (n == 1) launch_gemv<1>(w[0], p, s);
   else launch_gemv<4>(w[0], p, s);
+}
+
+bool norm_gemv_applies(const DevMatrix* w, int parts) {
+  for (int i = 1; i < parts; ++i)
+    if (w[i].dtype != w[0].dtype || w[i].cols != w[0].cols) return false;
+  const DType t = w[0].dtype;
+  const int64_t cols = w[0].cols;
+  // rmsnorm_block(cols) must be a multiple of the block (cols >= 256 gives 256 or 1,024).
+  if (cols < 256 || w[0].row_bytes() > size_t(kStagedBytes)) return false;
+  float* y[3] = {};
+  const GemvParams p = parts_params(w, y, parts, {}, 1, false);
+  switch (t) {
+    case DType::kQ8_0:
+      return cols % 256 == 0 && norm_gemv_fits<DType::kQ8_0>(p);
+    case DType::kBF16:
+      return cols % 8 == 0 && norm_gemv_fits<DType::kBF16>(p);
+    case DType::kF16:
+      return cols % 8 == 0 && norm_gemv_fits<DType::kF16>(p);
+    default:
+      return false;
+  }
+}
+
+void norm_gemv_parts(const DevMatrix* w, float* const* y, int parts, const NormGemvInput& in,
+                     cudaStream_t s) {
+  const GemvParams p = parts_params(w, y, parts, {}, 1, false);
+  const NormIn nrm{.x = in.x,
+                   .w = in.norm_w,
+                   .xn = in.xn,
+                   .eps = in.eps,
+                   .threads = rmsnorm_block(int(w[0].cols))};
+  switch (w[0].dtype) {
+    case DType::kQ8_0:
+      launch_norm_gemv<DType::kQ8_0>(p, nrm, s);
+      break;
+    case DType::kBF16:
+      launch_norm_gemv<DType::kBF16>(p, nrm, s);
+      break;
+    case DType::kF16:
+      launch_norm_gemv<DType::kF16>(p, nrm, s);
+      break;
+    default:
+      break;  // norm_gemv_applies says no
+  }
 }
 
 void route(const RouteArgs& a, cudaStream_t s) {
@@ -917,6 +1092,11 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
       break;
     case DType::kQ4_K: launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
   }
+}
+
+bool moe_gate_up_quantizes(const MoeArgs& a) {
+  static_assert(32 % kWarps == 0, "a Q8 block's 32 rows are whole blocks of the grid");
+  return moe_gate_up_staged(a) && a.d_expert % 32 == 0;
 }
 
 void moe_down_sum(const MoeArgs& a, cudaStream_t s) {

@@ -811,6 +811,146 @@ TEST(CudaKernels, MoePhasesQ8ActivationsMatchIntegerReference) {
   }
 }
 
+// The fused decode entry (norm_gemv_parts): every block normalizes x itself, so q, k, v
+// and xn must be rmsnorm() then gemv_parts() to the bit (Q8_0: on rmsnorm()'s Q8 copy), for
+// both norm block sizes (256 and 1,024 threads' sums), with rows that end part way through
+// a block. x is far from unit RMS so a wrong 1 / RMS shows.
+TEST(CudaKernels, NormGemvEqualsRmsnormThenGemv) {
+  SKIP_WITHOUT_GPU();
+  const int64_t rows[3] = {520, 64, 77};
+  for (DType t : {DType::kQ8_0, DType::kBF16, DType::kF16})
+    for (int cols : {256, 768, 2048, 4096}) {
+      std::vector<std::vector<uint8_t>> host;
+      std::vector<std::unique_ptr<Dev>> mats, outs, refs;
+      ts::cuda::DevMatrix w[3];
+      float* y[3];
+      float* y_ref[3];
+      for (int i = 0; i < 3; ++i) {
+        host.push_back(make_matrix(t, rows[i], cols, uint32_t(70 + i)));
+        mats.push_back(std::make_unique<Dev>(host.back()));
+        w[i] = {mats.back()->p, t, rows[i], cols};
+        outs.push_back(std::make_unique<Dev>(size_t(rows[i]) * 4));
+        refs.push_back(std::make_unique<Dev>(size_t(rows[i]) * 4));
+        y[i] = outs.back()->as<float>();
+        y_ref[i] = refs.back()->as<float>();
+      }
+      const std::string what = std::string(ts::dtype_name(t)) + " cols " + std::to_string(cols);
+      ASSERT_TRUE(ts::cuda::norm_gemv_applies(w, 3)) << what;
+      const std::vector<float> x = randn(size_t(cols), 81, 7.0f), nw = randn(size_t(cols), 82);
+      const bool q8 = t == DType::kQ8_0;
+      Dev dx(x), dnw(nw), dxn(size_t(cols) * 4), dxn_ref(size_t(cols) * 4),
+          dq(static_cast<size_t>(cols)), dd(size_t(cols / 32) * 4);
+      ts::cuda::rmsnorm(dx.as<float>(), dnw.as<float>(), dxn_ref.as<float>(), 1, cols, 1e-6f,
+                        nullptr,
+                        q8 ? ts::cuda::QAct{dq.as<int8_t>(), dd.as<float>()} : ts::cuda::QAct{});
+      ts::cuda::GemvInput in{dxn_ref.as<float>()};
+      if (q8) in.q = {dq.as<int8_t>(), dd.as<float>()};
+      ts::cuda::gemv_parts(w, y_ref, 3, in, 1, false, nullptr);
+      ts::cuda::norm_gemv_parts(
+          w, y, 3,
+          {.x = dx.as<float>(), .norm_w = dnw.as<float>(), .eps = 1e-6f, .xn = dxn.as<float>()},
+          nullptr);
+      EXPECT_EQ(dxn.get<float>(), dxn_ref.get<float>()) << what;
+      for (int i = 0; i < 3; ++i) {
+        const std::vector<float> got = outs[size_t(i)]->get<float>(),
+                                 want = refs[size_t(i)]->get<float>();
+        EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4)) << what << " part " << i;
+        EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); }))
+            << what << " part " << i;
+      }
+    }
+  // What it does not take: F32 rows, Q8_0 widths off 256, rows under 256 columns, mixed
+  // types.
+  std::vector<uint8_t> bytes(size_t(64) * 8192 * 4);
+  Dev mem(bytes);
+  auto m = [&](DType t, int64_t cols) { return ts::cuda::DevMatrix{mem.p, t, 64, cols}; };
+  const ts::cuda::DevMatrix f32[1] = {m(DType::kF32, 1024)};
+  const ts::cuda::DevMatrix q8_288[1] = {m(DType::kQ8_0, 288)};
+  const ts::cuda::DevMatrix bf16_128[1] = {m(DType::kBF16, 128)};
+  const ts::cuda::DevMatrix mixed[2] = {m(DType::kBF16, 1024), m(DType::kF16, 1024)};
+  EXPECT_FALSE(ts::cuda::norm_gemv_applies(f32, 1));
+  EXPECT_FALSE(ts::cuda::norm_gemv_applies(q8_288, 1));
+  EXPECT_FALSE(ts::cuda::norm_gemv_applies(bf16_128, 1));
+  EXPECT_FALSE(ts::cuda::norm_gemv_applies(mixed, 2));
+}
+
+// Phase 1 writing h's Q8 copy itself (MoeArgs::h_q8): the bytes quantize_act makes of the
+// h it wrote, in one launch and in two (the GPU expert cache's hits, then its misses, by
+// slot mask), three times over (the group counters must come back to 0 each launch).
+TEST(CudaKernels, MoePhaseOneQ8CopyEqualsQuantizeAct) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    int d, de, k, n;
+  };
+  for (const Case c : {Case{512, 768, 8, 1}, Case{2048, 256, 3, 2}}) {
+    const int n_experts = 9, ns = c.n * c.k;
+    std::vector<std::unique_ptr<Dev>> owned;
+    std::vector<const void*> gp, up;
+    for (int e = 0; e < n_experts; ++e) {
+      owned.push_back(
+          std::make_unique<Dev>(make_matrix(DType::kQ8_0, c.de, c.d, uint32_t(30 + e))));
+      gp.push_back(owned.back()->p);
+      owned.push_back(
+          std::make_unique<Dev>(make_matrix(DType::kQ8_0, c.de, c.d, uint32_t(50 + e))));
+      up.push_back(owned.back()->p);
+    }
+    std::vector<int> ids, mask;
+    for (int s = 0; s < ns; ++s) {
+      ids.push_back((s * 5 + 2) % n_experts);
+      mask.push_back(s % 3 == 1);
+    }
+    const std::vector<float> x = randn(size_t(c.n * c.d), 23);
+    const size_t nh = size_t(ns) * size_t(c.de);
+    Dev dg(gp), du(up), di(ids), dm(mask), dx(x), dxq(size_t(c.n * c.d)),
+        dxd(size_t(c.n * c.d / 32) * 4), dh(nh * 4), dq_ref(nh), dd_ref(nh / 32 * 4),
+        dcount(std::vector<unsigned>(nh / 32, 0u));
+    ts::cuda::quantize_act(dx.as<float>(), int64_t(c.n) * c.d, {dxq.as<int8_t>(), dxd.as<float>()},
+                           nullptr);
+    ts::cuda::MoeArgs a{.gate = dg.as<const void*>(),
+                        .up = du.as<const void*>(),
+                        .down = nullptr,
+                        .gate_dtype = DType::kQ8_0,
+                        .down_dtype = DType::kQ8_0,
+                        .ids = di.as<int>(),
+                        .weights = nullptr,
+                        .xn = dx.as<float>(),
+                        .h = dh.as<float>(),
+                        .out = nullptr,
+                        .n = c.n,
+                        .d_model = c.d,
+                        .d_expert = c.de,
+                        .top_k = c.k};
+    a.xq = dxq.as<int8_t>();
+    a.xd = dxd.as<float>();
+    ASSERT_TRUE(ts::cuda::moe_gate_up_quantizes(a));
+    ts::cuda::moe_gate_up(a, nullptr);
+    ts::cuda::quantize_act(dh.as<float>(), int64_t(nh), {dq_ref.as<int8_t>(), dd_ref.as<float>()},
+                           nullptr);
+    const std::vector<float> h_ref = dh.get<float>();
+    for (int round = 0; round < 3; ++round) {
+      Dev dh2(nh * 4), dq(nh), dd(nh / 32 * 4);
+      ts::cuda::MoeArgs f = a;
+      f.h = dh2.as<float>();
+      f.h_q8 = {dq.as<int8_t>(), dd.as<float>()};
+      f.h_counter = dcount.as<unsigned>();
+      const std::string what = "d " + std::to_string(c.d) + " d_expert " + std::to_string(c.de) +
+                               " round " + std::to_string(round);
+      if (round == 1) {
+        // Two launches by slot mask: the slots of mask 1, then those of mask 0.
+        f.slot_mask = dm.as<int>();
+        f.mask_value = 1;
+        ts::cuda::moe_gate_up(f, nullptr);
+        f.mask_value = 0;
+      }
+      ts::cuda::moe_gate_up(f, nullptr);
+      EXPECT_EQ(dh2.get<float>(), h_ref) << what;
+      EXPECT_EQ(dq.get<int8_t>(), dq_ref.get<int8_t>()) << what;
+      EXPECT_EQ(dd.get<float>(), dd_ref.get<float>()) << what;
+      EXPECT_EQ(dcount.get<unsigned>(), std::vector<unsigned>(nh / 32, 0u)) << what;
+    }
+  }
+}
+
 TEST(CudaKernels, QuantizeQ8_0MatchesCpuBytes) {
   SKIP_WITHOUT_GPU();
   const int64_t n = 32 * 100;
