@@ -104,31 +104,6 @@ __device__ __forceinline__ float block_rms_inv(const float* xr, int cols, float 
   return rsqrtf(part[0] / float(cols) + eps);
 }
 
-// block_rms_inv as a block of `threads` threads would sum (a multiple of blockDim.x and of
-// 32, at most 1,024): warp w of this block takes that block's warps w, w + blockDim.x / 32,
-// ..., each lane summing the values that block's thread would. The same bits as
-// block_rms_inv under blockDim.x == threads, from a block of another size (norm_gemv's).
-// Every thread of the block must call it.
-__device__ __forceinline__ float block_rms_inv_as(const float* xr, int cols, float eps,
-                                                  int threads) {
-  __shared__ float part_as[32];
-  const int lane = threadIdx.x % 32;
-  for (int vw = threadIdx.x / 32; vw < threads / 32; vw += blockDim.x / 32) {
-    float ss = 0;
-    for (int i = vw * 32 + lane; i < cols; i += threads) ss += xr[i] * xr[i];
-    ss = warp_sum(ss);
-    if (lane == 0) part_as[vw] = ss;
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = int(threadIdx.x) < threads / 32 ? part_as[threadIdx.x] : 0.0f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) part_as[0] = v;
-  }
-  __syncthreads();
-  return rsqrtf(part_as[0] / float(cols) + eps);
-}
-
 // The RMSNorm's block size for rows of `cols` (rmsnorm(), and the fused router launch, which
 // must sum the same way).
 inline int rmsnorm_block(int cols) { return cols >= 1024 ? 1024 : cols >= 256 ? 256 : 64; }

@@ -337,64 +337,120 @@ bool gemv_staged(DType t, const GemvParams& p) {
 }
 
 // Decode's attention entry in one launch (norm_gemv_parts): every block normalizes x
-// itself, as rmsnorm() does and to its bits (block_rms_inv_as sums in rmsnorm_kernel's
-// order), into shared memory (Q8_0: as Q8 blocks, the bytes rmsnorm() writes to its Q8
-// copy), then each warp takes one row as gemv_staged_kernel does, its copy started before
-// the wait. Block 0 also writes xn. The same q, k, v as rmsnorm() then gemv_parts(), one
-// launch and one wait fewer. Eight warps a block: half the blocks normalizing the same x,
-// and BF16 rows plus x in shared memory still one wave for qwen3-30b-a3b (640 blocks).
-constexpr int kNormGemvWarps = 8;
+// itself, as rmsnorm() does and to its bits, then each warp takes one row as
+// gemv_staged_kernel does, its copy started before the wait. Block 0 also writes xn. The
+// same q, k, v as rmsnorm() then gemv_parts(), one launch and one wait fewer.
+//
+// The norm must cost one round trip after the wait, not a chain of them (a first version,
+// with block_rms_inv_as's loops and the norm weights loaded after the wait, took ~6 us more
+// per layer than the two launches: docs/PERF.md): the block's norm weights are in registers
+// before the wait (kNormW per thread), x comes in one round of 16-byte loads into shared
+// memory, and the sum of squares is taken from there in rmsnorm_kernel's order (the thread
+// of a block of VPER * 256 threads, rmsnorm_block(cols), that sums x[v], x[v + VPER * 256],
+// ... is here thread v % 256's share kp = v / 256); the normalized x replaces x in shared
+// memory (Q8_0: its Q8 blocks, the bytes rmsnorm() writes, go beside it). Eight warps a
+// block: half the blocks normalizing the same x, and BF16 rows plus x in shared memory still
+// one wave for qwen3-30b-a3b (640 blocks).
+constexpr int kNormGemvWarps = 8, kNormGemvThreads = 32 * kNormGemvWarps;
+constexpr int kNormW = 8;  // norm weights per thread in registers (the rest loaded later)
 
 struct NormIn {
   const float* x;
   const float* w;
   float* xn;
   float eps;
-  int threads;  // rmsnorm_block(cols): the block size whose sums the norm reproduces
 };
 
 inline size_t norm_gemv_smem(DType t, size_t row_bytes, int cols) {
-  const size_t xs = t == DType::kQ8_0 ? size_t(cols) + size_t(cols / 32) * 4 : size_t(cols) * 4;
+  const size_t xs =
+      size_t(cols) * 4 + (t == DType::kQ8_0 ? size_t(cols) + size_t(cols / 32) * 4 : 0);
   return size_t(kNormGemvWarps) * row_bytes + xs;
 }
 
-template <DType T>
-__global__ void __launch_bounds__(32 * kNormGemvWarps) norm_gemv_kernel(GemvParams p, NormIn nrm) {
+template <DType T, int VPER>
+__global__ void __launch_bounds__(kNormGemvThreads) norm_gemv_kernel(GemvParams p, NormIn nrm) {
   extern __shared__ float4 norm_gemv_smem4[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float sums[32];
+  constexpr int B = kNormGemvThreads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, cols = p.cols;
   int64_t r = int64_t(blockIdx.x) * kNormGemvWarps + warp;
   const bool has_row = r < p.total_rows;
   int part = 0;
   uint8_t* smem = reinterpret_cast<uint8_t*>(norm_gemv_smem4);
   uint8_t* tile = smem + size_t(warp) * p.row_bytes;
   // Row bytes are a multiple of 16 (gemv_staged's widths), so x starts 16-byte aligned.
-  uint8_t* xs = smem + size_t(kNormGemvWarps) * p.row_bytes;
+  float* xs = reinterpret_cast<float*>(smem + size_t(kNormGemvWarps) * p.row_bytes);
+  const QAct q{reinterpret_cast<int8_t*>(xs + cols),
+               reinterpret_cast<float*>(reinterpret_cast<int8_t*>(xs + cols) + cols)};
   if (has_row) {
     while (part + 1 < p.parts && r >= p.rows[part]) r -= p.rows[part++];
     warp_stage(tile, p.w[part] + size_t(r) * p.row_bytes, int(p.row_bytes), lane);
   }
+  float wr[kNormW];
+#pragma unroll
+  for (int k = 0; k < kNormW; ++k) {
+    const int i = int(threadIdx.x) + B * k;
+    wr[k] = i < cols ? nrm.w[i] : 0.0f;
+  }
   pdl_wait();
-  const float inv = block_rms_inv_as(nrm.x, p.cols, nrm.eps, nrm.threads);
-  const QAct q{reinterpret_cast<int8_t*>(xs), reinterpret_cast<float*>(xs + p.cols)};
-  // Q8_0: cols is a multiple of 256, so every warp's lanes hold one whole Q8 block.
-  for (int i = threadIdx.x; i < p.cols; i += blockDim.x) {
-    const float v = nrm.x[i] * inv * nrm.w[i];  // rmsnorm_kernel's expression
+  // x into shared memory: all of the thread's loads issued before the first store.
+  {
+    const float4* x4 = reinterpret_cast<const float4*>(nrm.x);
+    float4* xs4 = reinterpret_cast<float4*>(xs);
+    const int n4 = cols / 4;
+    constexpr int kBatch = 4;
+    for (int i0 = int(threadIdx.x); i0 < n4; i0 += kBatch * B) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (i0 + b * B < n4) v[b] = x4[i0 + b * B];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (i0 + b * B < n4) xs4[i0 + b * B] = v[b];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int kp = 0; kp < VPER; ++kp) {
+    float ss = 0;
+    for (int i = int(threadIdx.x) + B * kp; i < cols; i += B * VPER) ss += xs[i] * xs[i];
+    ss = warp_sum(ss);
+    if (lane == 0) sums[warp + kNormGemvWarps * kp] = ss;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = int(threadIdx.x) < kNormGemvWarps * VPER ? sums[threadIdx.x] : 0.0f;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) sums[0] = v;
+  }
+  __syncthreads();
+  const float inv = rsqrtf(sums[0] / float(cols) + nrm.eps);
+  // Each thread rewrites only the elements it reads. Q8_0: cols is a multiple of 256, so a
+  // warp's lanes hold one whole Q8 block at every step.
+  const auto put = [&](int i, float wi) {
+    const float v = xs[i] * inv * wi;  // rmsnorm_kernel's expression
     if constexpr (T == DType::kQ8_0)
       warp_quantize_q8(v, size_t(i), q);
     else
-      reinterpret_cast<float*>(xs)[i] = v;
+      xs[i] = v;
     if (blockIdx.x == 0) nrm.xn[i] = v;
+  };
+#pragma unroll
+  for (int k = 0; k < kNormW; ++k) {
+    const int i = int(threadIdx.x) + B * k;
+    if (i < cols) put(i, wr[k]);
   }
+  for (int i = int(threadIdx.x) + B * kNormW; i < cols; i += B) put(i, nrm.w[i]);
   __syncthreads();
   if (!has_row) return;
   warp_copy_wait();
   float v;
   if constexpr (T == DType::kQ8_0) {
     float acc[1] = {};
-    q8q8_tile_dot<1>(tile, 0, p.cols / 32, q.q, q.d, p.cols, 1, acc, lane);
+    q8q8_tile_dot<1>(tile, 0, cols / 32, q.q, q.d, cols, 1, acc, lane);
     v = warp_sum(acc[0]);
   } else {
-    v = warp_sum(staged_row_dot<T>(tile, reinterpret_cast<const float*>(xs), p.cols, lane));
+    v = warp_sum(staged_row_dot<T>(tile, xs, cols, lane));
   }
   if (lane == 0) {
     float* y = p.y[part] + size_t(r);
@@ -919,15 +975,24 @@ GemvParams parts_params(const DevMatrix* w, float* const* y, int parts, GemvInpu
   return p;
 }
 
-template <DType T>
+// rmsnorm_block(cols) / 256: the norm block's threads per thread of this one (1 or 4).
+template <DType T, int VPER>
 void launch_norm_gemv(const GemvParams& p, const NormIn& nrm, cudaStream_t s) {
   const size_t smem = norm_gemv_smem(T, p.row_bytes, p.cols);
   // Per device, so set at every launch (a host-side call); a failure shows at the launch.
   if (smem > 48 * 1024)
-    cudaFuncSetAttribute(norm_gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaFuncSetAttribute(norm_gemv_kernel<T, VPER>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          int(smem));
   const unsigned grid = unsigned((p.total_rows + kNormGemvWarps - 1) / kNormGemvWarps);
-  launch_kernel(norm_gemv_kernel<T>, grid, 32 * kNormGemvWarps, smem, s, p, nrm);
+  launch_kernel(norm_gemv_kernel<T, VPER>, grid, kNormGemvThreads, smem, s, p, nrm);
+}
+
+template <DType T>
+void launch_norm_gemv(const GemvParams& p, const NormIn& nrm, cudaStream_t s) {
+  if (rmsnorm_block(p.cols) == 4 * kNormGemvThreads)
+    launch_norm_gemv<T, 4>(p, nrm, s);
+  else
+    launch_norm_gemv<T, 1>(p, nrm, s);
 }
 
 // Blocks of `kernel` (block threads, smem bytes) resident per SM, times the SMs.
@@ -945,7 +1010,7 @@ int64_t resident_blocks(K kernel, int threads, size_t smem) {
 
 template <DType T>
 bool norm_gemv_fits(const GemvParams& p) {
-  const int64_t fused = resident_blocks(norm_gemv_kernel<T>, 32 * kNormGemvWarps,
+  const int64_t fused = resident_blocks(norm_gemv_kernel<T, 4>, kNormGemvThreads,
                                         norm_gemv_smem(T, p.row_bytes, p.cols));
   const int64_t plain =
       resident_blocks(gemv_staged_kernel<T>, 32 * kWarps, size_t(kWarps) * p.row_bytes);
@@ -987,11 +1052,7 @@ bool norm_gemv_applies(const DevMatrix* w, int parts) {
 void norm_gemv_parts(const DevMatrix* w, float* const* y, int parts, const NormGemvInput& in,
                      cudaStream_t s) {
   const GemvParams p = parts_params(w, y, parts, {}, 1, false);
-  const NormIn nrm{.x = in.x,
-                   .w = in.norm_w,
-                   .xn = in.xn,
-                   .eps = in.eps,
-                   .threads = rmsnorm_block(int(w[0].cols))};
+  const NormIn nrm{.x = in.x, .w = in.norm_w, .xn = in.xn, .eps = in.eps};
   switch (w[0].dtype) {
     case DType::kQ8_0:
       launch_norm_gemv<DType::kQ8_0>(p, nrm, s);
