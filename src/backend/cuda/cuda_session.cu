@@ -461,9 +461,6 @@ Status CudaSession::init(const std::string& device_name) {
   CUDA_TRY(cudaMemset(hist_, 0, size_t(hp.n_layers) * size_t(std::max(1, hp.n_experts)) * 8));
   TS_ASSIGN(route_counter_, arena_.alloc_n<unsigned>(1));
   CUDA_TRY(cudaMemset(route_counter_, 0, sizeof(unsigned)));
-  const size_t h_groups = size_t(kGemvMaxTokens) * k * hidden / 32 + 1;
-  TS_ASSIGN(h_counter_, arena_.alloc_n<unsigned>(h_groups));
-  CUDA_TRY(cudaMemset(h_counter_, 0, h_groups * sizeof(unsigned)));
   norm_qkv_.assign(size_t(hp.n_layers), 0);
   for (size_t l = 0; fuse_norm_qkv_ && l < w_.layers.size(); ++l) {
     const DevLayer& L = w_.layers[l];

@@ -79,13 +79,8 @@ Status CudaSession::moe_block(int layer, int n) {
       a.xd = qx_.d;
     }
     const bool h_q8 = q8_activations(a.down_dtype, hp_.d_expert);
-    if (h_q8 && fuse_quant_h_ && moe_gate_up_quantizes(a)) {
-      // Phase 1 writes h's Q8 copy itself (the same bytes as quantize_act below).
-      a.h_q8 = qh_;
-      a.h_counter = h_counter_;
-      a.hq = qh_.q;
-      a.hd = qh_.d;
-    }
+    // Phase 2 quantizes h itself (the same bytes as quantize_act below).
+    a.quantize_h = h_q8 && fuse_quant_h_ && moe_down_quantizes(a);
     if (cached()) {
       // Phase 1 of the slots that hit runs during the binding (bind_ids); below, the rest.
       a.slot_mask = slot_hit_;
@@ -96,7 +91,7 @@ Status CudaSession::moe_block(int layer, int n) {
     const double down_bytes = double(n) * k * double(L.experts[0].down.n_bytes());
     TS_TRY(prof_.time("experts gate|up", up_bytes, stream_,
                       [&] { return launch([&] { moe_gate_up(a, stream_); }); }));
-    if (h_q8 && !a.h_counter) {
+    if (h_q8 && !a.quantize_h) {
       const int64_t nh = int64_t(n) * k * hp_.d_expert;
       TS_TRY(prof_.time("quantize h", double(nh) * 5, stream_,
                         [&] { return launch([&] { quantize_act(h1_, nh, qh_, stream_); }); }));

@@ -182,6 +182,44 @@ __device__ __forceinline__ void q8q8_tile_dot(const uint8_t* tile, int b0, int n
   }
 }
 
+// One Q8_0 block (f16 d, int8 q[32] at blk) . 32 int8 activations packed 4 per int, in
+// q8q8_tile_dot's order: the integer sum.
+__device__ __forceinline__ int q8_block_idot(const uint16_t* blk, const int (&x)[8]) {
+  int s = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    s = __dp4a(int(uint32_t(blk[1 + 2 * i]) | uint32_t(blk[2 + 2 * i]) << 16), x[i], s);
+  return s;
+}
+
+// 32 floats (16-byte aligned) as one Q8 block, the bytes quantize_act_kernel writes: q packed
+// 4 per int (little end first), d = max|x| / 127.
+__device__ __forceinline__ void quantize_block_q8(const float* x, int (&q)[8], float& d) {
+  const float4* xv = reinterpret_cast<const float4*>(x);
+  float v[32];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float4 f = xv[i];
+    v[4 * i] = f.x;
+    v[4 * i + 1] = f.y;
+    v[4 * i + 2] = f.z;
+    v[4 * i + 3] = f.w;
+  }
+  float amax = 0;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      w |= uint32_t(uint8_t(int8_t(__float2int_rn(v[4 * i + j] * id)))) << (8 * j);
+    q[i] = int(w);
+  }
+}
+
 template <int NT>
 __device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* xq,
                                              const float* xd, int cols, int nt, float (&acc)[NT],
@@ -721,27 +759,6 @@ __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs
   q8q8_tile_dot<1>(tile + rb, 0, nb, xq, xd, a.d_model, 1, u, lane);
   const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
   if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
-  if (!a.h_counter) return;
-  // h's Q8 copy: the block's rows made visible device-wide and counted; the last of the 32
-  // / kWarps blocks of the row group resets the count for the next launch and quantizes
-  // the group from L2, one warp as rmsnorm() quantizes (the bytes quantize_act writes).
-  // Whole blocks return together above: d_expert is a multiple of 32 and the mask is per
-  // slot.
-  constexpr unsigned kGroupBlocks = 32 / kWarps;
-  const int group = blockIdx.x / int(kGroupBlocks);
-  unsigned* count = a.h_counter + size_t(s) * (a.d_expert / 32) + group;
-  __threadfence();
-  __syncthreads();
-  __shared__ bool last;
-  if (threadIdx.x == 0) {
-    last = atomicAdd(count, 1u) == kGroupBlocks - 1;
-    if (last) *count = 0;
-  }
-  __syncthreads();
-  if (!last || warp != 0) return;
-  __threadfence();
-  const size_t at = size_t(s) * a.d_expert + size_t(group) * 32 + lane;
-  warp_quantize_q8(__ldcg(a.h + at), at, a.h_q8);
 }
 
 // Whether phase 1 takes moe_gate_up_q8_kernel (rows 16-byte aligned: a multiple of 256
@@ -859,13 +876,32 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeAr
   warp_copy_wait();
   if constexpr (T == DType::kQ8_0) {
     const int nb = a.d_expert / 32;
+    if (a.quantize_h) {
+      // h's block `lane` (nb <= 32: one per lane) quantized here, once for the warp's rows,
+      // instead of read as Q8 from a quantize_act launch: the same bytes, the same sums as
+      // q8q8_tile_dot.
+      int hq[8] = {};
+      float hd = 0.0f;
+      if (lane < nb) quantize_block_q8(a.h + size_t(s) * a.d_expert + lane * 32, hq, hd);
 #pragma unroll
-    for (int j = 0; j < kRankRows; ++j) {
-      float aj[1] = {};
-      if (j < rows)
-        q8q8_tile_dot<1>(staged + size_t(j) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
-                         a.hd + size_t(s) * nb, a.d_expert, 1, aj, lane);
-      acc[j] = aj[0];
+      for (int j = 0; j < kRankRows; ++j) {
+        float aj = 0.0f;
+        if (j < rows && lane < nb) {
+          const uint16_t* blk =
+              reinterpret_cast<const uint16_t*>(staged + size_t(j) * rb + size_t(lane) * 34);
+          aj += f16_bits(blk[0]) * hd * float(q8_block_idot(blk, hq));
+        }
+        acc[j] = aj;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRankRows; ++j) {
+        float aj[1] = {};
+        if (j < rows)
+          q8q8_tile_dot<1>(staged + size_t(j) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                           a.hd + size_t(s) * nb, a.d_expert, 1, aj, lane);
+        acc[j] = aj[0];
+      }
     }
   } else {
     const float* h = a.h + size_t(s) * a.d_expert;
@@ -908,7 +944,7 @@ size_t moe_down_rank_smem(const MoeArgs& a) {
 bool moe_down_by_rank(const MoeArgs& a) {
   if (a.top_k < 1 || a.top_k > kMaxRankWarps || moe_down_rank_smem(a) > kRankMaxSmem) return false;
   if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16) return a.d_expert % 8 == 0;
-  return a.down_dtype == DType::kQ8_0 && a.hq && a.d_expert % 256 == 0 &&
+  return a.down_dtype == DType::kQ8_0 && (a.hq || a.quantize_h) && a.d_expert % 256 == 0 &&
          dtype_row_bytes(DType::kQ8_0, a.d_expert) <= size_t(kRankRowBytes);
 }
 
@@ -1155,9 +1191,10 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
   }
 }
 
-bool moe_gate_up_quantizes(const MoeArgs& a) {
-  static_assert(32 % kWarps == 0, "a Q8 block's 32 rows are whole blocks of the grid");
-  return moe_gate_up_staged(a) && a.d_expert % 32 == 0;
+bool moe_down_quantizes(const MoeArgs& a) {
+  MoeArgs q = a;
+  q.quantize_h = true;
+  return q.down_dtype == DType::kQ8_0 && moe_down_by_rank(q);
 }
 
 void moe_down_sum(const MoeArgs& a, cudaStream_t s) {

@@ -191,23 +191,21 @@ struct MoeArgs {
   // the GPU expert cache, the slots whose experts hit run while the misses are copied.
   const int* slot_mask = nullptr;
   int mask_value = 0;
-  // Optional, where moe_gate_up_quantizes(): phase 1 also writes h as Q8 blocks to h_q8 (the
-  // bytes quantize_act writes), instead of a quantize_act launch after it. The last block of
-  // each 32-row group to finish quantizes the group; h_counter [n * top_k * d_expert / 32]
-  // counts them, 0 between launches (the kernel leaves it 0).
-  QAct h_q8 = {};
-  unsigned* h_counter = nullptr;
+  // Q8_0 phase 2, where moe_down_quantizes(): h read as F32 and quantized by the kernel, each
+  // lane its own block (the bytes quantize_act writes), instead of hq / hd from a
+  // quantize_act launch before it.
+  bool quantize_h = false;
   // BF16 / F16 phase 1: -1 picks its kernel by the grid's waves (gemv.cu gate_up_wide);
   // tests force 1 (40 registers) or 0 (default) to compare the two.
   int force_wide = -1;
 };
 // phase 1: h[t, r] = silu(gate_e . xn[t]) * (up_e . xn[t]), e = ids[t, r]
 void moe_gate_up(const MoeArgs& a, cudaStream_t s);
-// Whether phase 1 can write h's Q8 copy itself (MoeArgs::h_q8): Q8_0 experts with Q8
-// activations through the staged kernel, d_expert a multiple of 32.
-bool moe_gate_up_quantizes(const MoeArgs& a);
 // phase 2: out[t] (+)= sum over r = 0..k-1, in rank order, of weights[t, r] * (down_e . h[t, r])
 void moe_down_sum(const MoeArgs& a, cudaStream_t s);
+// Whether phase 2 can quantize h itself (MoeArgs::quantize_h): Q8_0 down rows of up to
+// 1,024 columns (a multiple of 256), top_k <= 8, through the kernel by rank.
+bool moe_down_quantizes(const MoeArgs& a);
 
 // Prefill helpers (expert-grouped GEMMs).
 // dst[i] = src[src_row[i]] (rows of d floats), converted to dst_type (F32, F16 or BF16).

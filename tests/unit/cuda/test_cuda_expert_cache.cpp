@@ -287,7 +287,7 @@ TEST(CudaExpertCacheErrors, CacheSmallerThanOneExpertIsAClearError) {
 }
 
 // TURBOSPARK_CUDA_FUSE (the decode fusions not on by default): the attention's RMSNorm
-// inside the q|k|v GEMV and h's Q8 copy written by phase 1 must give the same logits to
+// inside the q|k|v GEMV and h quantized by phase 2 itself must give the same logits to
 // the byte, on BF16 and Q8_0 weights, resident and through the host cache, over a prefill
 // and token-by-token decode (graph replay, and without graphs under the profiler). The
 // profiler's counts show the fused launches replaced the separate ones.
@@ -348,7 +348,7 @@ TEST(CudaDecodeFusions, SameBytesAsSeparateLaunches) {
     // One attention RMSNorm launch fewer per layer and decode step.
     EXPECT_EQ(base.rmsnorm_calls - fused.rmsnorm_calls, int64_t(kSteps) * 2) << name;
     if (t == ts::DType::kQ8_0) {
-      // Every GEMV-sized chunk's phase 1 quantizes h itself: the prompt's (5 tokens) too.
+      // Every GEMV-sized chunk's phase 2 quantizes h itself: the prompt's (5 tokens) too.
       EXPECT_EQ(base.quantize_calls, int64_t(kSteps + 1) * 2) << name;
       EXPECT_EQ(fused.quantize_calls, 0) << name;
     } else {

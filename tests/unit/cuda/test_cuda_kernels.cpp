@@ -874,18 +874,17 @@ TEST(CudaKernels, NormGemvEqualsRmsnormThenGemv) {
   EXPECT_FALSE(ts::cuda::norm_gemv_applies(mixed, 2));
 }
 
-// Phase 1 writing h's Q8 copy itself (MoeArgs::h_q8): the bytes quantize_act makes of the
-// h it wrote, in one launch and in two (the GPU expert cache's hits, then its misses, by
-// slot mask), three times over (the group counters must come back to 0 each launch).
-TEST(CudaKernels, MoePhaseOneQ8CopyEqualsQuantizeAct) {
+// Phase 2 quantizing h itself (MoeArgs::quantize_h): the same output bytes as from the Q8
+// copy quantize_act makes, onto a zero output and accumulated onto a residual.
+TEST(CudaKernels, MoeDownQuantizingHEqualsQuantizeAct) {
   SKIP_WITHOUT_GPU();
   struct Case {
     int d, de, k, n;
   };
-  for (const Case c : {Case{512, 768, 8, 1}, Case{2048, 256, 3, 2}}) {
+  for (const Case c : {Case{512, 768, 8, 1}, Case{2048, 256, 3, 2}, Case{1024, 1024, 4, 1}}) {
     const int n_experts = 9, ns = c.n * c.k;
     std::vector<std::unique_ptr<Dev>> owned;
-    std::vector<const void*> gp, up;
+    std::vector<const void*> gp, up, dp;
     for (int e = 0; e < n_experts; ++e) {
       owned.push_back(
           std::make_unique<Dev>(make_matrix(DType::kQ8_0, c.de, c.d, uint32_t(30 + e))));
@@ -893,26 +892,29 @@ TEST(CudaKernels, MoePhaseOneQ8CopyEqualsQuantizeAct) {
       owned.push_back(
           std::make_unique<Dev>(make_matrix(DType::kQ8_0, c.de, c.d, uint32_t(50 + e))));
       up.push_back(owned.back()->p);
+      owned.push_back(
+          std::make_unique<Dev>(make_matrix(DType::kQ8_0, c.d, c.de, uint32_t(70 + e))));
+      dp.push_back(owned.back()->p);
     }
-    std::vector<int> ids, mask;
+    std::vector<int> ids;
+    std::vector<float> w;
     for (int s = 0; s < ns; ++s) {
       ids.push_back((s * 5 + 2) % n_experts);
-      mask.push_back(s % 3 == 1);
+      w.push_back(0.3f + 0.05f * float(s));
     }
-    const std::vector<float> x = randn(size_t(c.n * c.d), 23);
+    const std::vector<float> x = randn(size_t(c.n * c.d), 23), resid = randn(size_t(c.n * c.d), 24);
     const size_t nh = size_t(ns) * size_t(c.de);
-    Dev dg(gp), du(up), di(ids), dm(mask), dx(x), dxq(size_t(c.n * c.d)),
-        dxd(size_t(c.n * c.d / 32) * 4), dh(nh * 4), dq_ref(nh), dd_ref(nh / 32 * 4),
-        dcount(std::vector<unsigned>(nh / 32, 0u));
+    Dev dg(gp), du(up), ddn(dp), di(ids), dw(w), dx(x), dxq(size_t(c.n * c.d)),
+        dxd(size_t(c.n * c.d / 32) * 4), dh(nh * 4), dhq(nh), dhd(nh / 32 * 4);
     ts::cuda::quantize_act(dx.as<float>(), int64_t(c.n) * c.d, {dxq.as<int8_t>(), dxd.as<float>()},
                            nullptr);
     ts::cuda::MoeArgs a{.gate = dg.as<const void*>(),
                         .up = du.as<const void*>(),
-                        .down = nullptr,
+                        .down = ddn.as<const void*>(),
                         .gate_dtype = DType::kQ8_0,
                         .down_dtype = DType::kQ8_0,
                         .ids = di.as<int>(),
-                        .weights = nullptr,
+                        .weights = dw.as<float>(),
                         .xn = dx.as<float>(),
                         .h = dh.as<float>(),
                         .out = nullptr,
@@ -922,33 +924,46 @@ TEST(CudaKernels, MoePhaseOneQ8CopyEqualsQuantizeAct) {
                         .top_k = c.k};
     a.xq = dxq.as<int8_t>();
     a.xd = dxd.as<float>();
-    ASSERT_TRUE(ts::cuda::moe_gate_up_quantizes(a));
     ts::cuda::moe_gate_up(a, nullptr);
-    ts::cuda::quantize_act(dh.as<float>(), int64_t(nh), {dq_ref.as<int8_t>(), dd_ref.as<float>()},
+    ts::cuda::quantize_act(dh.as<float>(), int64_t(nh), {dhq.as<int8_t>(), dhd.as<float>()},
                            nullptr);
-    const std::vector<float> h_ref = dh.get<float>();
-    for (int round = 0; round < 3; ++round) {
-      Dev dh2(nh * 4), dq(nh), dd(nh / 32 * 4);
+    const std::string what = "d " + std::to_string(c.d) + " d_expert " + std::to_string(c.de) +
+                             " top_k " + std::to_string(c.k);
+    ASSERT_TRUE(ts::cuda::moe_down_quantizes(a)) << what;
+    for (bool accumulate : {false, true}) {
+      Dev want(resid), got(resid);
+      ts::cuda::MoeArgs r = a;
+      r.accumulate = accumulate;
+      r.out = want.as<float>();
+      r.hq = dhq.as<int8_t>();
+      r.hd = dhd.as<float>();
+      ts::cuda::moe_down_sum(r, nullptr);
       ts::cuda::MoeArgs f = a;
-      f.h = dh2.as<float>();
-      f.h_q8 = {dq.as<int8_t>(), dd.as<float>()};
-      f.h_counter = dcount.as<unsigned>();
-      const std::string what = "d " + std::to_string(c.d) + " d_expert " + std::to_string(c.de) +
-                               " round " + std::to_string(round);
-      if (round == 1) {
-        // Two launches by slot mask: the slots of mask 1, then those of mask 0.
-        f.slot_mask = dm.as<int>();
-        f.mask_value = 1;
-        ts::cuda::moe_gate_up(f, nullptr);
-        f.mask_value = 0;
-      }
-      ts::cuda::moe_gate_up(f, nullptr);
-      EXPECT_EQ(dh2.get<float>(), h_ref) << what;
-      EXPECT_EQ(dq.get<int8_t>(), dq_ref.get<int8_t>()) << what;
-      EXPECT_EQ(dd.get<float>(), dd_ref.get<float>()) << what;
-      EXPECT_EQ(dcount.get<unsigned>(), std::vector<unsigned>(nh / 32, 0u)) << what;
+      f.accumulate = accumulate;
+      f.out = got.as<float>();
+      f.quantize_h = true;
+      ts::cuda::moe_down_sum(f, nullptr);
+      const std::vector<float> g = got.get<float>(), wv = want.get<float>();
+      EXPECT_EQ(0, std::memcmp(g.data(), wv.data(), g.size() * 4)) << what << " acc " << accumulate;
+      EXPECT_NE(g, resid) << what << " acc " << accumulate;  // written
     }
   }
+  // Rows past 1,024 columns take the other phase 2 kernel: no.
+  ts::cuda::MoeArgs big{.gate = nullptr,
+                        .up = nullptr,
+                        .down = nullptr,
+                        .gate_dtype = DType::kQ8_0,
+                        .down_dtype = DType::kQ8_0,
+                        .ids = nullptr,
+                        .weights = nullptr,
+                        .xn = nullptr,
+                        .h = nullptr,
+                        .out = nullptr,
+                        .n = 1,
+                        .d_model = 4096,
+                        .d_expert = 14336,
+                        .top_k = 2};
+  EXPECT_FALSE(ts::cuda::moe_down_quantizes(big));
 }
 
 TEST(CudaKernels, QuantizeQ8_0MatchesCpuBytes) {
