@@ -164,31 +164,6 @@ Status CudaSession::begin(int device) {
   const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
   use_graphs_ = !(env && std::string(env) == "0");
   cached_.resize(size_t(hp_.n_layers));
-  return read_fusions(std::getenv("TURBOSPARK_CUDA_FUSE"));
-}
-
-// TURBOSPARK_CUDA_FUSE: unset, "" or "0" none; "all" (or "1") every one; else a
-// comma-separated list of norm-qkv, quant-h. Each gives the same bytes as without it.
-Status CudaSession::read_fusions(const char* env) {
-  const std::string v = env ? env : "";
-  if (v.empty() || v == "0") return {};
-  if (v == "all" || v == "1") {
-    fuse_norm_qkv_ = fuse_quant_h_ = true;
-    return {};
-  }
-  size_t at = 0;
-  while (at <= v.size()) {
-    const size_t end = std::min(v.find(',', at), v.size());
-    const std::string name = v.substr(at, end - at);
-    if (name == "norm-qkv")
-      fuse_norm_qkv_ = true;
-    else if (name == "quant-h")
-      fuse_quant_h_ = true;
-    else
-      return make_error("TURBOSPARK_CUDA_FUSE: unknown fusion '" + name +
-                        "' (known: norm-qkv, quant-h, all, 0)");
-    at = end + 1;
-  }
   return {};
 }
 
@@ -461,12 +436,6 @@ Status CudaSession::init(const std::string& device_name) {
   CUDA_TRY(cudaMemset(hist_, 0, size_t(hp.n_layers) * size_t(std::max(1, hp.n_experts)) * 8));
   TS_ASSIGN(route_counter_, arena_.alloc_n<unsigned>(1));
   CUDA_TRY(cudaMemset(route_counter_, 0, sizeof(unsigned)));
-  norm_qkv_.assign(size_t(hp.n_layers), 0);
-  for (size_t l = 0; fuse_norm_qkv_ && l < w_.layers.size(); ++l) {
-    const DevLayer& L = w_.layers[l];
-    const DevMatrix w[3] = {L.wq, L.wk, L.wv};
-    norm_qkv_[l] = norm_gemv_applies(w, 3);
-  }
   // Dequantization buffer for cuBLAS on quantized matrices (prefill only).
   size_t wtmp = 0;
   auto note = [&](const DevMatrix& m) {
@@ -811,27 +780,16 @@ Status CudaSession::attention_block(int layer, int n) {
       n <= kGemvMaxTokens && L.wk.dtype == L.wq.dtype && L.wv.dtype == L.wq.dtype;
   // The norm also writes the Q8 copy the q|k|v GEMV reads.
   const bool qkv_q8 = qkv_gemv && q8_activations(L.wq.dtype, L.wq.cols);
-  // Or, fused, the GEMV's blocks normalize x themselves (the same bytes).
-  const bool norm_qkv = n == 1 && qkv_gemv && norm_qkv_[size_t(layer)];
-  if (!norm_qkv) {
-    TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
-      return launch([&] {
-        rmsnorm(x_, L.attn_norm, xn_, n, d, hp_.rms_eps, stream_, qkv_q8 ? qx_ : QAct{});
-      });
-    }));
-  }
+  TS_TRY(prof_.time("rmsnorm", double(n) * d * 8, stream_, [&] {
+    return launch([&] {
+      rmsnorm(x_, L.attn_norm, xn_, n, d, hp_.rms_eps, stream_, qkv_q8 ? qx_ : QAct{});
+    });
+  }));
   TS_TRY(prof_.time("qkv", double(L.wq.n_bytes() + L.wk.n_bytes() + L.wv.n_bytes()), stream_,
                     [&]() -> Status {
                       if (qkv_gemv) {
                         const DevMatrix w[3] = {L.wq, L.wk, L.wv};
                         float* const y[3] = {q_, k_, v_};
-                        if (norm_qkv)
-                          return launch([&] {
-                            norm_gemv_parts(
-                                w, y, 3,
-                                {.x = x_, .norm_w = L.attn_norm, .eps = hp_.rms_eps, .xn = xn_},
-                                stream_);
-                          });
                         GemvInput in{xn_};
                         if (qkv_q8) in.q = qx_;
                         gemv_parts(w, y, 3, in, n, false, stream_);

@@ -332,12 +332,6 @@ class CudaSession final : public runtime::Engine {
   int logit_rows_ = 1;      // rows the logits buffer holds (kLogitRows, or the chunk if less)
   unsigned long long* hist_ = nullptr;  // [n_layers, n_experts]
   unsigned* route_counter_ = nullptr;   // norm_route()'s, 0 between launches
-  // Decode fusions that TURBOSPARK_CUDA_FUSE turns on (read_fusions): the attention's
-  // RMSNorm inside the q|k|v GEMV (per layer: where norm_gemv_applies), and h quantized by
-  // phase 2 instead of a quantize_act launch. Off by default until measured.
-  bool fuse_norm_qkv_ = false, fuse_quant_h_ = false;
-  std::vector<char> norm_qkv_;
-  Status read_fusions(const char* env);
   // Pinned host mirrors.
   int* h_tokens_ = nullptr;
   int* h_pos_ = nullptr;

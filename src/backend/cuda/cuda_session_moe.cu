@@ -78,9 +78,6 @@ Status CudaSession::moe_block(int layer, int n) {
       a.xq = qx_.q;
       a.xd = qx_.d;
     }
-    const bool h_q8 = q8_activations(a.down_dtype, hp_.d_expert);
-    // Phase 2 quantizes h itself (the same bytes as quantize_act below).
-    a.quantize_h = h_q8 && fuse_quant_h_ && moe_down_quantizes(a);
     if (cached()) {
       // Phase 1 of the slots that hit runs during the binding (bind_ids); below, the rest.
       a.slot_mask = slot_hit_;
@@ -91,10 +88,8 @@ Status CudaSession::moe_block(int layer, int n) {
     const double down_bytes = double(n) * k * double(L.experts[0].down.n_bytes());
     TS_TRY(prof_.time("experts gate|up", up_bytes, stream_,
                       [&] { return launch([&] { moe_gate_up(a, stream_); }); }));
-    if (h_q8 && !a.quantize_h) {
-      const int64_t nh = int64_t(n) * k * hp_.d_expert;
-      TS_TRY(prof_.time("quantize h", double(nh) * 5, stream_,
-                        [&] { return launch([&] { quantize_act(h1_, nh, qh_, stream_); }); }));
+    if (q8_activations(a.down_dtype, hp_.d_expert)) {
+      quantize_act(h1_, int64_t(n) * k * hp_.d_expert, qh_, stream_);
       a.hq = qh_.q;
       a.hd = qh_.d;
     }

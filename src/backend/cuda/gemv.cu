@@ -182,44 +182,6 @@ __device__ __forceinline__ void q8q8_tile_dot(const uint8_t* tile, int b0, int n
   }
 }
 
-// One Q8_0 block (f16 d, int8 q[32] at blk) . 32 int8 activations packed 4 per int, in
-// q8q8_tile_dot's order: the integer sum.
-__device__ __forceinline__ int q8_block_idot(const uint16_t* blk, const int (&x)[8]) {
-  int s = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    s = __dp4a(int(uint32_t(blk[1 + 2 * i]) | uint32_t(blk[2 + 2 * i]) << 16), x[i], s);
-  return s;
-}
-
-// 32 floats (16-byte aligned) as one Q8 block, the bytes quantize_act_kernel writes: q packed
-// 4 per int (little end first), d = max|x| / 127.
-__device__ __forceinline__ void quantize_block_q8(const float* x, int (&q)[8], float& d) {
-  const float4* xv = reinterpret_cast<const float4*>(x);
-  float v[32];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float4 f = xv[i];
-    v[4 * i] = f.x;
-    v[4 * i + 1] = f.y;
-    v[4 * i + 2] = f.z;
-    v[4 * i + 3] = f.w;
-  }
-  float amax = 0;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    uint32_t w = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      w |= uint32_t(uint8_t(int8_t(__float2int_rn(v[4 * i + j] * id)))) << (8 * j);
-    q[i] = int(w);
-  }
-}
-
 template <int NT>
 __device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* xq,
                                              const float* xd, int cols, int nt, float (&acc)[NT],
@@ -372,128 +334,6 @@ bool gemv_staged(DType t, const GemvParams& p) {
   if (p.n != 1 || p.row_bytes > size_t(kStagedBytes)) return false;
   if (t == DType::kQ8_0) return p.xq && p.cols % 256 == 0;
   return (t == DType::kBF16 || t == DType::kF16) && p.cols % 8 == 0;
-}
-
-// Decode's attention entry in one launch (norm_gemv_parts): every block normalizes x
-// itself, as rmsnorm() does and to its bits, then each warp takes one row as
-// gemv_staged_kernel does, its copy started before the wait. Block 0 also writes xn. The
-// same q, k, v as rmsnorm() then gemv_parts(), one launch and one wait fewer.
-//
-// The norm must cost one round trip after the wait, not a chain of them (a first version,
-// with block_rms_inv_as's loops and the norm weights loaded after the wait, took ~6 us more
-// per layer than the two launches: docs/PERF.md): the block's norm weights are in registers
-// before the wait (kNormW per thread), x comes in one round of 16-byte loads into shared
-// memory, and the sum of squares is taken from there in rmsnorm_kernel's order (the thread
-// of a block of VPER * 256 threads, rmsnorm_block(cols), that sums x[v], x[v + VPER * 256],
-// ... is here thread v % 256's share kp = v / 256); the normalized x replaces x in shared
-// memory (Q8_0: its Q8 blocks, the bytes rmsnorm() writes, go beside it). Eight warps a
-// block: half the blocks normalizing the same x, and BF16 rows plus x in shared memory still
-// one wave for qwen3-30b-a3b (640 blocks).
-constexpr int kNormGemvWarps = 8, kNormGemvThreads = 32 * kNormGemvWarps;
-constexpr int kNormW = 8;  // norm weights per thread in registers (the rest loaded later)
-
-struct NormIn {
-  const float* x;
-  const float* w;
-  float* xn;
-  float eps;
-};
-
-inline size_t norm_gemv_smem(DType t, size_t row_bytes, int cols) {
-  const size_t xs =
-      size_t(cols) * 4 + (t == DType::kQ8_0 ? size_t(cols) + size_t(cols / 32) * 4 : 0);
-  return size_t(kNormGemvWarps) * row_bytes + xs;
-}
-
-template <DType T, int VPER>
-__global__ void __launch_bounds__(kNormGemvThreads) norm_gemv_kernel(GemvParams p, NormIn nrm) {
-  extern __shared__ float4 norm_gemv_smem4[];
-  __shared__ float sums[32];
-  constexpr int B = kNormGemvThreads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, cols = p.cols;
-  int64_t r = int64_t(blockIdx.x) * kNormGemvWarps + warp;
-  const bool has_row = r < p.total_rows;
-  int part = 0;
-  uint8_t* smem = reinterpret_cast<uint8_t*>(norm_gemv_smem4);
-  uint8_t* tile = smem + size_t(warp) * p.row_bytes;
-  // Row bytes are a multiple of 16 (gemv_staged's widths), so x starts 16-byte aligned.
-  float* xs = reinterpret_cast<float*>(smem + size_t(kNormGemvWarps) * p.row_bytes);
-  const QAct q{reinterpret_cast<int8_t*>(xs + cols),
-               reinterpret_cast<float*>(reinterpret_cast<int8_t*>(xs + cols) + cols)};
-  if (has_row) {
-    while (part + 1 < p.parts && r >= p.rows[part]) r -= p.rows[part++];
-    warp_stage(tile, p.w[part] + size_t(r) * p.row_bytes, int(p.row_bytes), lane);
-  }
-  float wr[kNormW];
-#pragma unroll
-  for (int k = 0; k < kNormW; ++k) {
-    const int i = int(threadIdx.x) + B * k;
-    wr[k] = i < cols ? nrm.w[i] : 0.0f;
-  }
-  pdl_wait();
-  // x into shared memory: all of the thread's loads issued before the first store.
-  {
-    const float4* x4 = reinterpret_cast<const float4*>(nrm.x);
-    float4* xs4 = reinterpret_cast<float4*>(xs);
-    const int n4 = cols / 4;
-    constexpr int kBatch = 4;
-    for (int i0 = int(threadIdx.x); i0 < n4; i0 += kBatch * B) {
-      float4 v[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (i0 + b * B < n4) v[b] = x4[i0 + b * B];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (i0 + b * B < n4) xs4[i0 + b * B] = v[b];
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int kp = 0; kp < VPER; ++kp) {
-    float ss = 0;
-    for (int i = int(threadIdx.x) + B * kp; i < cols; i += B * VPER) ss += xs[i] * xs[i];
-    ss = warp_sum(ss);
-    if (lane == 0) sums[warp + kNormGemvWarps * kp] = ss;
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = int(threadIdx.x) < kNormGemvWarps * VPER ? sums[threadIdx.x] : 0.0f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) sums[0] = v;
-  }
-  __syncthreads();
-  const float inv = rsqrtf(sums[0] / float(cols) + nrm.eps);
-  // Each thread rewrites only the elements it reads. Q8_0: cols is a multiple of 256, so a
-  // warp's lanes hold one whole Q8 block at every step.
-  const auto put = [&](int i, float wi) {
-    const float v = xs[i] * inv * wi;  // rmsnorm_kernel's expression
-    if constexpr (T == DType::kQ8_0)
-      warp_quantize_q8(v, size_t(i), q);
-    else
-      xs[i] = v;
-    if (blockIdx.x == 0) nrm.xn[i] = v;
-  };
-#pragma unroll
-  for (int k = 0; k < kNormW; ++k) {
-    const int i = int(threadIdx.x) + B * k;
-    if (i < cols) put(i, wr[k]);
-  }
-  for (int i = int(threadIdx.x) + B * kNormW; i < cols; i += B) put(i, nrm.w[i]);
-  __syncthreads();
-  if (!has_row) return;
-  warp_copy_wait();
-  float v;
-  if constexpr (T == DType::kQ8_0) {
-    float acc[1] = {};
-    q8q8_tile_dot<1>(tile, 0, cols / 32, q.q, q.d, cols, 1, acc, lane);
-    v = warp_sum(acc[0]);
-  } else {
-    v = warp_sum(staged_row_dot<T>(tile, xs, cols, lane));
-  }
-  if (lane == 0) {
-    float* y = p.y[part] + size_t(r);
-    *y = p.accumulate ? *y + v : v;
-  }
 }
 
 constexpr int kRoutePer = kMaxExperts / 32;
@@ -876,32 +716,13 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeAr
   warp_copy_wait();
   if constexpr (T == DType::kQ8_0) {
     const int nb = a.d_expert / 32;
-    if (a.quantize_h) {
-      // h's block `lane` (nb <= 32: one per lane) quantized here, once for the warp's rows,
-      // instead of read as Q8 from a quantize_act launch: the same bytes, the same sums as
-      // q8q8_tile_dot.
-      int hq[8] = {};
-      float hd = 0.0f;
-      if (lane < nb) quantize_block_q8(a.h + size_t(s) * a.d_expert + lane * 32, hq, hd);
 #pragma unroll
-      for (int j = 0; j < kRankRows; ++j) {
-        float aj = 0.0f;
-        if (j < rows && lane < nb) {
-          const uint16_t* blk =
-              reinterpret_cast<const uint16_t*>(staged + size_t(j) * rb + size_t(lane) * 34);
-          aj += f16_bits(blk[0]) * hd * float(q8_block_idot(blk, hq));
-        }
-        acc[j] = aj;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kRankRows; ++j) {
-        float aj[1] = {};
-        if (j < rows)
-          q8q8_tile_dot<1>(staged + size_t(j) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
-                           a.hd + size_t(s) * nb, a.d_expert, 1, aj, lane);
-        acc[j] = aj[0];
-      }
+    for (int j = 0; j < kRankRows; ++j) {
+      float aj[1] = {};
+      if (j < rows)
+        q8q8_tile_dot<1>(staged + size_t(j) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                         a.hd + size_t(s) * nb, a.d_expert, 1, aj, lane);
+      acc[j] = aj[0];
     }
   } else {
     const float* h = a.h + size_t(s) * a.d_expert;
@@ -944,7 +765,7 @@ size_t moe_down_rank_smem(const MoeArgs& a) {
 bool moe_down_by_rank(const MoeArgs& a) {
   if (a.top_k < 1 || a.top_k > kMaxRankWarps || moe_down_rank_smem(a) > kRankMaxSmem) return false;
   if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16) return a.d_expert % 8 == 0;
-  return a.down_dtype == DType::kQ8_0 && (a.hq || a.quantize_h) && a.d_expert % 256 == 0 &&
+  return a.down_dtype == DType::kQ8_0 && a.hq && a.d_expert % 256 == 0 &&
          dtype_row_bytes(DType::kQ8_0, a.d_expert) <= size_t(kRankRowBytes);
 }
 
@@ -990,9 +811,8 @@ void gemv(const DevMatrix& w, const float* x, int n, float* y, bool accumulate, 
   gemv_parts(&w, &y, 1, {x}, n, accumulate, s);
 }
 
-namespace {
-GemvParams parts_params(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
-                        bool accumulate) {
+void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
+                bool accumulate, cudaStream_t s) {
   GemvParams p{};
   p.parts = parts;
   for (int i = 0; i < parts; ++i) {
@@ -1008,100 +828,8 @@ GemvParams parts_params(const DevMatrix* w, float* const* y, int parts, GemvInpu
   p.xd = in.q.d;
   p.n = n;
   p.accumulate = accumulate;
-  return p;
-}
-
-// rmsnorm_block(cols) / 256: the norm block's threads per thread of this one (1 or 4).
-template <DType T, int VPER>
-void launch_norm_gemv(const GemvParams& p, const NormIn& nrm, cudaStream_t s) {
-  const size_t smem = norm_gemv_smem(T, p.row_bytes, p.cols);
-  // Per device, so set at every launch (a host-side call); a failure shows at the launch.
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(norm_gemv_kernel<T, VPER>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         int(smem));
-  const unsigned grid = unsigned((p.total_rows + kNormGemvWarps - 1) / kNormGemvWarps);
-  launch_kernel(norm_gemv_kernel<T, VPER>, grid, kNormGemvThreads, smem, s, p, nrm);
-}
-
-template <DType T>
-void launch_norm_gemv(const GemvParams& p, const NormIn& nrm, cudaStream_t s) {
-  if (rmsnorm_block(p.cols) == 4 * kNormGemvThreads)
-    launch_norm_gemv<T, 4>(p, nrm, s);
-  else
-    launch_norm_gemv<T, 1>(p, nrm, s);
-}
-
-// Blocks of `kernel` (block threads, smem bytes) resident per SM, times the SMs.
-template <class K>
-int64_t resident_blocks(K kernel, int threads, size_t smem) {
-  int dev = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess)
-    return 0;
-  return int64_t(per_sm) * sms;
-}
-
-template <DType T>
-bool norm_gemv_fits(const GemvParams& p) {
-  const int64_t fused = resident_blocks(norm_gemv_kernel<T, 4>, kNormGemvThreads,
-                                        norm_gemv_smem(T, p.row_bytes, p.cols));
-  const int64_t plain =
-      resident_blocks(gemv_staged_kernel<T>, 32 * kWarps, size_t(kWarps) * p.row_bytes);
-  if (fused <= 0 || plain <= 0) return false;
-  const int64_t blocks_fused = (p.total_rows + kNormGemvWarps - 1) / kNormGemvWarps;
-  const int64_t blocks_plain = (p.total_rows + kWarps - 1) / kWarps;
-  return (blocks_fused + fused - 1) / fused <= (blocks_plain + plain - 1) / plain;
-}
-}  // namespace
-
-void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
-                bool accumulate, cudaStream_t s) {
-  const GemvParams p = parts_params(w, y, parts, in, n, accumulate);
   if (n == 1) launch_gemv<1>(w[0], p, s);
   else launch_gemv<4>(w[0], p, s);
-}
-
-bool norm_gemv_applies(const DevMatrix* w, int parts) {
-  for (int i = 1; i < parts; ++i)
-    if (w[i].dtype != w[0].dtype || w[i].cols != w[0].cols) return false;
-  const DType t = w[0].dtype;
-  const int64_t cols = w[0].cols;
-  // rmsnorm_block(cols) must be a multiple of the block (cols >= 256 gives 256 or 1,024).
-  if (cols < 256 || w[0].row_bytes() > size_t(kStagedBytes)) return false;
-  float* y[3] = {};
-  const GemvParams p = parts_params(w, y, parts, {}, 1, false);
-  switch (t) {
-    case DType::kQ8_0:
-      return cols % 256 == 0 && norm_gemv_fits<DType::kQ8_0>(p);
-    case DType::kBF16:
-      return cols % 8 == 0 && norm_gemv_fits<DType::kBF16>(p);
-    case DType::kF16:
-      return cols % 8 == 0 && norm_gemv_fits<DType::kF16>(p);
-    default:
-      return false;
-  }
-}
-
-void norm_gemv_parts(const DevMatrix* w, float* const* y, int parts, const NormGemvInput& in,
-                     cudaStream_t s) {
-  const GemvParams p = parts_params(w, y, parts, {}, 1, false);
-  const NormIn nrm{.x = in.x, .w = in.norm_w, .xn = in.xn, .eps = in.eps};
-  switch (w[0].dtype) {
-    case DType::kQ8_0:
-      launch_norm_gemv<DType::kQ8_0>(p, nrm, s);
-      break;
-    case DType::kBF16:
-      launch_norm_gemv<DType::kBF16>(p, nrm, s);
-      break;
-    case DType::kF16:
-      launch_norm_gemv<DType::kF16>(p, nrm, s);
-      break;
-    default:
-      break;  // norm_gemv_applies says no
-  }
 }
 
 void route(const RouteArgs& a, cudaStream_t s) {
@@ -1189,12 +917,6 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
       break;
     case DType::kQ4_K: launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
   }
-}
-
-bool moe_down_quantizes(const MoeArgs& a) {
-  MoeArgs q = a;
-  q.quantize_h = true;
-  return q.down_dtype == DType::kQ8_0 && moe_down_by_rank(q);
 }
 
 void moe_down_sum(const MoeArgs& a, cudaStream_t s) {

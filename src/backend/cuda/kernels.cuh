@@ -45,21 +45,6 @@ struct GemvInput {
 void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, int n,
                 bool accumulate, cudaStream_t s);
 
-// Decode's RMSNorm and the GEMV on its output in one launch (one token): y[i] = w[i] .
-// (x / rms(x) * norm_w), the same bits as rmsnorm() then gemv_parts() (Q8_0 weights: on the
-// Q8 copy rmsnorm() writes); xn also receives the normalized x. For the matrices
-// norm_gemv_applies() takes.
-struct NormGemvInput {
-  const float* x = nullptr;       // [cols] the residual stream
-  const float* norm_w = nullptr;  // [cols]
-  float eps = 0;
-  float* xn = nullptr;  // [cols]
-};
-// Q8_0 (cols a multiple of 256), BF16 or F16 rows of up to the staged GEMV's width, one
-// dtype and width, cols >= 256, and a grid of no more waves than the two launches'.
-bool norm_gemv_applies(const DevMatrix* w, int parts);
-void norm_gemv_parts(const DevMatrix* w, float* const* y, int parts, const NormGemvInput& in,
-                     cudaStream_t s);
 // x[t] = table[ids[t]] as F32. table: F32, F16 or BF16.
 void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStream_t s);
 
@@ -191,10 +176,6 @@ struct MoeArgs {
   // the GPU expert cache, the slots whose experts hit run while the misses are copied.
   const int* slot_mask = nullptr;
   int mask_value = 0;
-  // Q8_0 phase 2, where moe_down_quantizes(): h read as F32 and quantized by the kernel, each
-  // lane its own block (the bytes quantize_act writes), instead of hq / hd from a
-  // quantize_act launch before it.
-  bool quantize_h = false;
   // BF16 / F16 phase 1: -1 picks its kernel by the grid's waves (gemv.cu gate_up_wide);
   // tests force 1 (40 registers) or 0 (default) to compare the two.
   int force_wide = -1;
@@ -203,9 +184,6 @@ struct MoeArgs {
 void moe_gate_up(const MoeArgs& a, cudaStream_t s);
 // phase 2: out[t] (+)= sum over r = 0..k-1, in rank order, of weights[t, r] * (down_e . h[t, r])
 void moe_down_sum(const MoeArgs& a, cudaStream_t s);
-// Whether phase 2 can quantize h itself (MoeArgs::quantize_h): Q8_0 down rows of up to
-// 1,024 columns (a multiple of 256), top_k <= 8, through the kernel by rank.
-bool moe_down_quantizes(const MoeArgs& a);
 
 // Prefill helpers (expert-grouped GEMMs).
 // dst[i] = src[src_row[i]] (rows of d floats), converted to dst_type (F32, F16 or BF16).

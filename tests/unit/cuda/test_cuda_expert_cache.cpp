@@ -4,10 +4,9 @@
 // go through staging) to every expert, LRU and LFU, cold and warm, from pinned host memory
 // and from the files (the streamed ExpertStore); hit counters that add up; --cache-warm.
 // Skipped where no CUDA device is present (CI); run on the GPU machine by tests/gpu/run.sh.
-#include <cuda_runtime.h>
 #include <gtest/gtest.h>
+#include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,12 +14,12 @@
 
 #include "backend/cuda/cuda_session.h"
 #include "core/thread_pool.h"
-#include "cuda_test_util.h"
 #include "model/hparams.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/sampler.h"
 #include "runtime/session.h"
+#include "cuda_test_util.h"
 
 namespace {
 
@@ -284,103 +283,6 @@ TEST(CudaExpertCacheErrors, CacheSmallerThanOneExpertIsAClearError) {
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.error().message.find("--gpu-expert-cache-gb"), std::string::npos)
       << e.error().message;
-}
-
-// TURBOSPARK_CUDA_FUSE (the decode fusions not on by default): the attention's RMSNorm
-// inside the q|k|v GEMV and h quantized by phase 2 itself must give the same logits to
-// the byte, on BF16 and Q8_0 weights, resident and through the host cache, over a prefill
-// and token-by-token decode (graph replay, and without graphs under the profiler). The
-// profiler's counts show the fused launches replaced the separate ones.
-TEST(CudaDecodeFusions, SameBytesAsSeparateLaunches) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const std::string cfg = R"({"model_type": "qwen3_moe", "hidden_size": 512,
-    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
-    "vocab_size": 512, "num_experts": 16, "num_experts_per_tok": 4,
-    "moe_intermediate_size": 256, "intermediate_size": 512, "norm_topk_prob": true,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
-  auto hp = ts::model::parse_hparams(cfg, "test config");
-  ASSERT_TRUE(hp.ok()) << hp.error().message;
-  const std::vector<int> prompt = {5, 77, 301, 12, 9};
-  constexpr int kSteps = 6;
-  struct Run {
-    std::vector<float> logits;  // the prompt's rows, then each decode step's
-    int64_t rmsnorm_calls = 0, quantize_calls = 0;
-  };
-  const auto run = [&](ts::DType t, const char* fuse, bool profile,
-                       ts::runtime::GpuExpertOptions g) {
-    Run r;
-    if (fuse)
-      setenv("TURBOSPARK_CUDA_FUSE", fuse, 1);
-    else
-      unsetenv("TURBOSPARK_CUDA_FUSE");
-    ts::runtime::SessionOptions o{.n_ctx = 64};
-    o.gpu_experts = g;
-    auto e =
-        ts::cuda::make_synthetic_cuda_session(hp.value(), std::move(o), 0, {.dtype = t, .seed = 9});
-    unsetenv("TURBOSPARK_CUDA_FUSE");
-    EXPECT_TRUE(e.ok()) << e.error().message;
-    if (!e.ok()) return r;
-    ts::runtime::Engine& s = *e.value();
-    if (profile) ts::cuda::set_profiling(s, true);
-    std::vector<float> step;
-    EXPECT_TRUE(s.forward(prompt, &r.logits).ok());
-    int tok = 3;
-    for (int i = 0; i < kSteps; ++i) {
-      EXPECT_TRUE(s.forward(std::vector<int>{tok}, &step).ok());
-      r.logits.insert(r.logits.end(), step.begin(), step.end());
-      tok = (tok * 31 + 7) % 512;
-    }
-    for (const ts::cuda::KernelStat& k : ts::cuda::profile_table(s)) {
-      if (k.name == "rmsnorm") r.rmsnorm_calls = k.calls;
-      if (k.name == "quantize h") r.quantize_calls = k.calls;
-    }
-    return r;
-  };
-  const ts::runtime::GpuExpertOptions host{.residency = GpuResidency::kHost, .slots_per_layer = 4};
-  for (ts::DType t : {ts::DType::kBF16, ts::DType::kQ8_0}) {
-    const std::string name(ts::dtype_name(t));
-    const Run base = run(t, nullptr, true, {});
-    const Run fused = run(t, "all", true, {});
-    ASSERT_EQ(base.logits.size(), (prompt.size() + kSteps) * 512) << name;
-    ASSERT_EQ(fused.logits.size(), base.logits.size()) << name;
-    EXPECT_EQ(0, std::memcmp(fused.logits.data(), base.logits.data(), base.logits.size() * 4))
-        << name << ": fused, profiled";
-    // One attention RMSNorm launch fewer per layer and decode step.
-    EXPECT_EQ(base.rmsnorm_calls - fused.rmsnorm_calls, int64_t(kSteps) * 2) << name;
-    if (t == ts::DType::kQ8_0) {
-      // Every GEMV-sized chunk's phase 2 quantizes h itself: the prompt's (5 tokens) too.
-      EXPECT_EQ(base.quantize_calls, int64_t(kSteps + 1) * 2) << name;
-      EXPECT_EQ(fused.quantize_calls, 0) << name;
-    } else {
-      EXPECT_EQ(base.quantize_calls, 0) << name;
-    }
-    for (const auto& [fuse, g] : {std::pair<const char*, ts::runtime::GpuExpertOptions>{"all", {}},
-                                  {"norm-qkv", host},
-                                  {"quant-h,norm-qkv", host}}) {
-      const Run got = run(t, fuse, false, g);
-      ASSERT_EQ(got.logits.size(), base.logits.size()) << name << " " << fuse;
-      EXPECT_EQ(0, std::memcmp(got.logits.data(), base.logits.data(), base.logits.size() * 4))
-          << name << " " << fuse << (g.residency == GpuResidency::kHost ? ", host cache" : "");
-    }
-  }
-}
-
-// An unknown fusion name is a clear error, not silently ignored.
-TEST(CudaDecodeFusions, UnknownNameIsAnError) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  auto hp = ts::model::parse_hparams(R"({"model_type": "qwen3_moe", "hidden_size": 256,
-    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "vocab_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 256, "intermediate_size": 512, "norm_topk_prob": true,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})",
-                                     "test config");
-  ASSERT_TRUE(hp.ok()) << hp.error().message;
-  setenv("TURBOSPARK_CUDA_FUSE", "norm-qkv,rope", 1);
-  auto e = ts::cuda::make_synthetic_cuda_session(hp.value(), {.n_ctx = 16}, 0, {});
-  unsetenv("TURBOSPARK_CUDA_FUSE");
-  ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.error().message.find("TURBOSPARK_CUDA_FUSE"), std::string::npos) << e.error().message;
-  EXPECT_NE(e.error().message.find("'rope'"), std::string::npos) << e.error().message;
 }
 
 }  // namespace
