@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <queue>
 
+#include "tokenizer/json_util.h"
 #include "tokenizer/utf8.h"
 
 namespace ts::tokenizer {
@@ -112,9 +113,9 @@ Result<std::unique_ptr<BpeModel>> BpeModel::parse(TokenizerJson& file, const std
   // Like Hugging Face, an unk_token missing from the vocab only matters when it is needed;
   // here it then behaves as if there were none (unknown characters are dropped).
   if (!unk.empty()) m->unk_id_ = m->token_to_id(unk);
-  m->fuse_unk_ = j.value("fuse_unk", false);
-  m->byte_fallback_ = j.value("byte_fallback", false);
-  m->ignore_merges_ = j.value("ignore_merges", false);
+  TS_ASSIGN(m->fuse_unk_, json_bool_or(j, "fuse_unk", false, where));
+  TS_ASSIGN(m->byte_fallback_, json_bool_or(j, "byte_fallback", false, where));
+  TS_ASSIGN(m->ignore_merges_, json_bool_or(j, "ignore_merges", false, where));
   if (auto d = j.find("dropout"); d != j.end() && d->is_number() && d->get<double>() > 0.0)
     return make_error(where + ".dropout: BPE dropout (random merges) is not supported");
   for (int b = 0; b < 256; ++b) {

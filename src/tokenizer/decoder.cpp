@@ -161,13 +161,14 @@ Status Decoder::add(const nlohmann::json& j, const std::string& where) {
       return make_error(where + ".content: expected one character");
     i = 0;
     step.strip_char = next_code_point(content, i);
-    step.strip_start = j.value("start", 0);
-    step.strip_stop = j.value("stop", 0);
+    TS_ASSIGN(step.strip_start, json_count_or(j, "start", 0, 1 << 20, where));
+    TS_ASSIGN(step.strip_stop, json_count_or(j, "stop", 0, 1 << 20, where));
   } else if (type == "Metaspace") {
     step.kind = K::kMetaspace;
-    step.text = j.value("replacement", std::string("\u2581"));
-    std::string scheme = j.value("prepend_scheme", std::string("always"));
-    step.metaspace_strip_first = scheme != "never" && j.value("add_prefix_space", true);
+    TS_ASSIGN(step.text, json_string_or(j, "replacement", "\u2581", where));
+    TS_ASSIGN(std::string scheme, json_string_or(j, "prepend_scheme", "always", where));
+    TS_ASSIGN(bool prefix, json_bool_or(j, "add_prefix_space", true, where));
+    step.metaspace_strip_first = scheme != "never" && prefix;
   } else {
     return make_error(where + ".type: decoder '" + type +
                       "' is not supported (supported: ByteLevel, Replace, ByteFallback, Fuse, "

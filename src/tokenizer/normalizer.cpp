@@ -106,8 +106,8 @@ Status Normalizer::add(const nlohmann::json& j, const std::string& where) {
     TS_ASSIGN(step.regex, parse_pattern(j, where));
   } else if (type == "Strip") {
     step.kind = K::kStrip;
-    step.strip_left = j.value("strip_left", true);
-    step.strip_right = j.value("strip_right", true);
+    TS_ASSIGN(step.strip_left, json_bool_or(j, "strip_left", true, where));
+    TS_ASSIGN(step.strip_right, json_bool_or(j, "strip_right", true, where));
   } else {
     return make_error(where + ".type: normalizer '" + type +
                       "' is not supported (supported: NFC, NFD, NFKC, NFKD, Prepend, Replace, "

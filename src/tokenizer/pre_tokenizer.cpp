@@ -187,18 +187,18 @@ Status PreTokenizer::add(const nlohmann::json& j, const std::string& where) {
   } else if (type == "Split") {
     TS_ASSIGN(step.regex, parse_pattern(j, where));
     TS_ASSIGN(step.behavior, parse_behavior(j, where));
-    step.invert = j.value("invert", false);
+    TS_ASSIGN(step.invert, json_bool_or(j, "invert", false, where));
   } else if (type == "ByteLevel") {
     step.kind = K::kByteLevel;
-    step.add_prefix_space = j.value("add_prefix_space", true);
-    step.use_regex = j.value("use_regex", true);
+    TS_ASSIGN(step.add_prefix_space, json_bool_or(j, "add_prefix_space", true, where));
+    TS_ASSIGN(step.use_regex, json_bool_or(j, "use_regex", true, where));
     if (step.use_regex) {
       TS_ASSIGN(step.regex, Regex::compile(kGpt2Pattern, where));
     }
   } else if (type == "Digits") {
     step.match = M::kNumericChar;
-    step.behavior =
-        j.value("individual_digits", false) ? SplitBehavior::kIsolated : SplitBehavior::kContiguous;
+    TS_ASSIGN(bool individual, json_bool_or(j, "individual_digits", false, where));
+    step.behavior = individual ? SplitBehavior::kIsolated : SplitBehavior::kContiguous;
   } else if (type == "Whitespace") {
     TS_ASSIGN(step.regex, Regex::compile(R"(\w+|[^\w\s]+)", where));
     step.invert = true;
@@ -208,7 +208,7 @@ Status PreTokenizer::add(const nlohmann::json& j, const std::string& where) {
     step.behavior = SplitBehavior::kRemoved;
   } else if (type == "Metaspace") {
     step.kind = K::kMetaspace;
-    std::string rep = j.value("replacement", std::string("\u2581"));
+    TS_ASSIGN(std::string rep, json_string_or(j, "replacement", "\u2581", where));
     size_t i = 0;
     if (rep.empty() || !is_valid_utf8(rep) || (next_code_point(rep, i), i != rep.size()))
       return make_error(where + ".replacement: expected one character");
@@ -216,9 +216,9 @@ Status PreTokenizer::add(const nlohmann::json& j, const std::string& where) {
     step.one_char = next_code_point(rep, i);
     step.match = M::kOneChar;
     step.behavior = SplitBehavior::kMergedWithNext;
-    step.split = j.value("split", true);
-    if (j.contains("prepend_scheme") && j["prepend_scheme"].is_string()) {
-      std::string s = j["prepend_scheme"].get<std::string>();
+    TS_ASSIGN(step.split, json_bool_or(j, "split", true, where));
+    TS_ASSIGN(std::string s, json_string_or(j, "prepend_scheme", "", where));
+    if (!s.empty()) {
       if (s == "always") {
         step.prepend = PreTokStep::Prepend::kAlways;
       } else if (s == "first") {
@@ -229,8 +229,8 @@ Status PreTokenizer::add(const nlohmann::json& j, const std::string& where) {
         return make_error(where + ".prepend_scheme: unknown value '" + s + "'");
       }
     } else {
-      step.prepend = j.value("add_prefix_space", true) ? PreTokStep::Prepend::kAlways
-                                                       : PreTokStep::Prepend::kNever;
+      TS_ASSIGN(bool prefix, json_bool_or(j, "add_prefix_space", true, where));
+      step.prepend = prefix ? PreTokStep::Prepend::kAlways : PreTokStep::Prepend::kNever;
     }
   } else {
     return make_error(where + ".type: pre-tokenizer '" + type +

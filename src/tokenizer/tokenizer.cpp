@@ -50,6 +50,11 @@ std::string config_token(const json& cfg, const char* key) {
   return {};
 }
 
+// A token id as a file writes it: an integer in [0, 2^31).
+bool is_token_id(const json& v) {
+  return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= INT32_MAX;
+}
+
 struct PostProcess {
   std::vector<int> prefix, suffix;
 };
@@ -84,8 +89,9 @@ Status parse_post_processor(const json& j, const std::string& where, PostProcess
           !(*specials)[name]["ids"].is_array())
         return make_error(where + ".special_tokens: no ids for '" + name + "'");
       for (const json& id : (*specials)[name]["ids"]) {
-        if (!id.is_number_integer())
-          return make_error(where + ".special_tokens[\"" + name + "\"].ids: expected integers");
+        if (!is_token_id(id))
+          return make_error(where + ".special_tokens[\"" + name +
+                            "\"].ids: expected non-negative integers");
         (seen_sequence ? suffix : prefix).push_back(id.get<int>());
       }
     }
@@ -93,7 +99,7 @@ Status parse_post_processor(const json& j, const std::string& where, PostProcess
     // {"cls": ["[CLS]", 101], "sep": ["[SEP]", 102]}: cls A sep.
     for (const char* key : {"cls", "sep"}) {
       auto it = j.find(key);
-      if (it == j.end() || !it->is_array() || it->size() != 2 || !(*it)[1].is_number_integer())
+      if (it == j.end() || !it->is_array() || it->size() != 2 || !is_token_id((*it)[1]))
         return make_error(where + "." + key + ": expected [token, id]");
       (std::string(key) == "cls" ? prefix : suffix).push_back((*it)[1].get<int>());
     }
@@ -118,15 +124,15 @@ Status parse_added_tokens(const json& root, const std::string& where, const BpeM
     std::string at = where + "[" + std::to_string(i) + "]";
     AddedToken a;
     TS_ASSIGN(a.content, json_string(t, "content", at));
-    if (!t.contains("id") || !t["id"].is_number_integer() || t["id"].get<int64_t>() < 0)
+    if (!t.contains("id") || !is_token_id(t["id"]))
       return make_error(at + ".id: missing or not a non-negative integer");
     // Hugging Face gives a token that is also in the model's vocab the vocab's id.
     a.id = model.token_to_id(a.content).value_or(t["id"].get<int>());
-    a.single_word = t.value("single_word", false);
-    a.lstrip = t.value("lstrip", false);
-    a.rstrip = t.value("rstrip", false);
-    a.normalized = t.value("normalized", !t.value("special", false));
-    a.special = t.value("special", false);
+    TS_ASSIGN(a.single_word, json_bool_or(t, "single_word", false, at));
+    TS_ASSIGN(a.lstrip, json_bool_or(t, "lstrip", false, at));
+    TS_ASSIGN(a.rstrip, json_bool_or(t, "rstrip", false, at));
+    TS_ASSIGN(a.special, json_bool_or(t, "special", false, at));
+    TS_ASSIGN(a.normalized, json_bool_or(t, "normalized", !a.special, at));
     if (!a.content.empty()) out.push_back(std::move(a));
   }
   return {};

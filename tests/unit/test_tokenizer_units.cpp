@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -464,6 +465,60 @@ TEST_F(TokFiles, UnsupportedFilesAreNamedErrors) {
   fs::create_directories(tmp_ / "empty");
   err = load_error(tmp_ / "empty");
   EXPECT_NE(err.find("tokenizer.json: not found"), std::string::npos) << err;
+}
+
+// A field of the wrong type is an error naming the field, never an exception out of the loader.
+TEST_F(TokFiles, WronglyTypedFieldsAreNamedErrors) {
+  json j = byte_level({}, json::array());
+  struct Case {
+    std::string name;
+    std::function<void(json&)> edit;
+    std::string needle;
+  };
+  std::vector<Case> cases = {
+      {"fuse_unk", [](json& t) { t["model"]["fuse_unk"] = 7; }, "model.fuse_unk"},
+      {"byte_fallback", [](json& t) { t["model"]["byte_fallback"] = "yes"; },
+       "model.byte_fallback"},
+      {"ignore_merges", [](json& t) { t["model"]["ignore_merges"] = json::array(); },
+       "model.ignore_merges"},
+      {"invert", [](json& t) { t["pre_tokenizer"]["pretokenizers"][0]["invert"] = 1; },
+       "pretokenizers[0].invert"},
+      {"use_regex", [](json& t) { t["pre_tokenizer"]["pretokenizers"][1]["use_regex"] = 0.5; },
+       "pretokenizers[1].use_regex"},
+      {"metaspace",
+       [](json& t) {
+         t["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", 9}};
+       },
+       "pre_tokenizer.replacement"},
+      {"strip",
+       [](json& t) {
+         t["normalizer"] = {{"type", "Strip"}, {"strip_left", "no"}};
+       },
+       "normalizer.strip_left"},
+      {"decoder_strip",
+       [](json& t) {
+         t["decoder"] = {{"type", "Strip"}, {"content", " "}, {"start", -1}};
+       },
+       "decoder.start"},
+      {"added_special", [](json& t) { t["added_tokens"][0]["special"] = "true"; },
+       "added_tokens[0].special"},
+      {"added_id", [](json& t) { t["added_tokens"][1]["id"] = int64_t(1) << 40; },
+       "added_tokens[1].id"},
+      {"post_id", [](json& t) { t["post_processor"]["special_tokens"]["<|bos|>"]["ids"] = {-3}; },
+       "special_tokens"},
+  };
+  for (const Case& c : cases) {
+    json broken = j;
+    c.edit(broken);
+    std::string err = load_error(write(c.name, broken));
+    EXPECT_NE(err.find("tokenizer.json"), std::string::npos) << c.name << ": " << err;
+    EXPECT_NE(err.find(c.needle), std::string::npos) << c.name << ": " << err;
+  }
+  // null means "not given", as with Hugging Face's optional fields.
+  json with_nulls = j;
+  with_nulls["model"]["fuse_unk"] = nullptr;
+  with_nulls["pre_tokenizer"]["pretokenizers"][0]["invert"] = nullptr;
+  EXPECT_NE(load(write("nulls", with_nulls)), nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
