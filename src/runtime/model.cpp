@@ -48,6 +48,34 @@ experts::ExpertSource safetensors_source(const io::TensorSet& set,
   return src;
 }
 
+// A pack's expert layers must each name one MoE layer of its config, once, with one offset
+// per expert and tensor names of that layer: the streamed source places blobs by these fields,
+// so a manifest that disagrees with itself is refused rather than read into the wrong layer.
+Status check_pack_layers(const io::PackManifest& pack, const model::HParams& hp,
+                         const std::string& path) {
+  std::vector<bool> seen(size_t(hp.n_layers), false);
+  for (size_t i = 0; i < pack.expert_layers.size(); ++i) {
+    const io::PackExpertLayer& l = pack.expert_layers[i];
+    const std::string where = path + ": expert_layers[" + std::to_string(i) + "]";
+    if (l.layer < 0 || l.layer >= hp.n_layers || !hp.layer_is_moe[size_t(l.layer)])
+      return make_error(where + ".layer = " + std::to_string(l.layer) +
+                        " is not a MoE layer of the config (" + std::to_string(hp.n_layers) +
+                        " layers)");
+    if (seen[size_t(l.layer)])
+      return make_error(where + ".layer = " + std::to_string(l.layer) + " appears twice");
+    seen[size_t(l.layer)] = true;
+    if (l.offsets.size() != size_t(hp.n_experts))
+      return make_error(where + ".offsets has " + std::to_string(l.offsets.size()) +
+                        " entries, the config has " + std::to_string(hp.n_experts) + " experts");
+    const std::string tag = "layers." + std::to_string(l.layer) + ".";
+    for (const io::PackTensor* t : {&l.gate, &l.up, &l.down})
+      if (t->name.find(tag) == std::string::npos)
+        return make_error(where + ": tensor name '" + t->name + "' is not of layer " +
+                          std::to_string(l.layer));
+  }
+  return {};
+}
+
 // Streaming source for a pack: each expert is one 4096-aligned blob of `stride` bytes, so
 // one read fills a slot and O_DIRECT works.
 experts::ExpertSource pack_source(const std::string& dir, const io::PackManifest& pack,
@@ -87,6 +115,7 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
   if (io::is_pack_dir(dir)) {
     TS_ASSIGN(pack, io::read_pack_manifest(dir));
     TS_ASSIGN(m->hp_, model::parse_hparams(pack->config.dump(), dir + "/manifest.json (config)"));
+    TS_TRY(check_pack_layers(*pack, m->hp_, dir + "/manifest.json"));
     TS_ASSIGN(m->tensors_, io::open_pack_tensors(dir, *pack));
   } else {
     TS_ASSIGN(m->hp_, model::load_hparams(dir));

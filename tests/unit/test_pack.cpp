@@ -161,4 +161,35 @@ TEST_F(Pack, FutureFormatVersionIsRefused) {
   EXPECT_NE(r.err.find("format_version"), std::string::npos) << r.err;
 }
 
+// The streamed source places blobs by the manifest's layer and offsets fields: a manifest that
+// disagrees with its own tensor names or the config is refused, never read into the wrong layer.
+TEST_F(Pack, ManifestExpertLayersThatDisagreeAreRefused) {
+  fs::path mf = fs::path(pack_) / "manifest.json";
+  const nlohmann::json good = nlohmann::json::parse(std::ifstream(mf));
+  ASSERT_GE(good["expert_layers"].size(), 2u);
+  auto expect_refused = [&](const char* what, auto edit, std::vector<std::string> needles) {
+    nlohmann::json j = good;
+    edit(j["expert_layers"]);
+    std::ofstream(mf) << j.dump();
+    CmdResult r = run("logits --model " + pack_ + " --tokens 1,2 --out " +
+                      (tmp_ / "o.npy").string() + " --residency streamed --expert-cache-slots 2");
+    EXPECT_EQ(r.code, 2) << what << ": " << r.err;
+    for (const std::string& n : needles)
+      EXPECT_NE(r.err.find(n), std::string::npos) << what << ": " << r.err;
+  };
+  expect_refused("swapped", [](nlohmann::json& l) { std::swap(l[0]["layer"], l[1]["layer"]); },
+                 {"manifest.json", "expert_layers[0]", "is not of layer"});
+  expect_refused("out of range", [](nlohmann::json& l) { l[1]["layer"] = 4098; },
+                 {"expert_layers[1].layer = 4098"});
+  expect_refused("twice", [&](nlohmann::json& l) { l[1] = l[0]; }, {"expert_layers[1]", "twice"});
+  expect_refused("offsets",
+                 [](nlohmann::json& l) { l[0]["offsets"].erase(l[0]["offsets"].size() - 1); },
+                 {"expert_layers[0].offsets"});
+  std::ofstream(mf) << good.dump();
+  EXPECT_EQ(run("logits --model " + pack_ + " --tokens 1,2 --out " + (tmp_ / "o.npy").string() +
+                " --residency streamed --expert-cache-slots 2")
+                .code,
+            0);
+}
+
 }  // namespace
