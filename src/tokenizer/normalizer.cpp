@@ -3,7 +3,9 @@
 
 #include <utf8proc.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <iterator>
 
 #include "tokenizer/json_util.h"
 #include "tokenizer/utf8.h"
@@ -24,6 +26,40 @@ std::string utf8proc_normalize(const std::string& s, int options) {
   std::string out(reinterpret_cast<char*>(dst), size_t(n));
   std::free(dst);
   return out;
+}
+
+// Code points assigned after Unicode 9.0 (and by 16.0), sorted.
+struct CodeRange {
+  char32_t first, last;
+};
+constexpr CodeRange kSinceUnicode9[] = {
+#include "tokenizer/unicode_since9.inc"
+};
+
+bool new_since_unicode9(char32_t c) {
+  const CodeRange* end = std::end(kSinceUnicode9);
+  const CodeRange* r = std::upper_bound(std::begin(kSinceUnicode9), end, c,
+                                        [](char32_t x, const CodeRange& e) { return x < e.first; });
+  return r != std::begin(kSinceUnicode9) && c <= (r - 1)->last;
+}
+
+// The reference normalizes with Unicode 9.0's tables: to it a later character has no
+// decomposition and combining class 0, so nothing reorders or composes across it. Such a
+// character is kept as it is and the text between them is normalized by utf8proc (15.0),
+// which for characters of 9.0 gives what 9.0's tables give (decompositions and classes of
+// assigned characters are stable between versions).
+std::string normalize_as_unicode9(const std::string& s, int options) {
+  std::string out;
+  size_t segment = 0, i = 0;
+  while (i < s.size()) {
+    const size_t at = i;
+    if (!new_since_unicode9(next_code_point(s, i))) continue;
+    out += utf8proc_normalize(s.substr(segment, at - segment), options);
+    out.append(s, at, i - at);
+    segment = i;
+  }
+  if (segment == 0) return utf8proc_normalize(s, options);
+  return out + utf8proc_normalize(s.substr(segment), options);
 }
 
 std::string replace_all(const std::string& s, const NormalizerStep& step) {
@@ -122,16 +158,16 @@ std::string Normalizer::apply(std::string s) const {
   for (const NormalizerStep& step : steps_) {
     switch (step.kind) {
       case K::kNfc:
-        s = utf8proc_normalize(s, UTF8PROC_COMPOSE);
+        s = normalize_as_unicode9(s, UTF8PROC_COMPOSE);
         break;
       case K::kNfd:
-        s = utf8proc_normalize(s, UTF8PROC_DECOMPOSE);
+        s = normalize_as_unicode9(s, UTF8PROC_DECOMPOSE);
         break;
       case K::kNfkc:
-        s = utf8proc_normalize(s, UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
+        s = normalize_as_unicode9(s, UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
         break;
       case K::kNfkd:
-        s = utf8proc_normalize(s, UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT);
+        s = normalize_as_unicode9(s, UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT);
         break;
       case K::kPrepend:
         // Hugging Face prepends only to non-empty text.

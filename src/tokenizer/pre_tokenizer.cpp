@@ -26,6 +26,8 @@ struct Stretch {
 };
 
 bool is_numeric(char32_t c) {
+  // Unicode 16.0, as the reference's Rust char::is_numeric (utf8proc knows 15.0).
+  if (std::string_view added = unicode16_added_category(c); !added.empty()) return added[0] == 'N';
   auto cat = utf8proc_category(utf8proc_int32_t(c));
   return cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL || cat == UTF8PROC_CATEGORY_NO;
 }

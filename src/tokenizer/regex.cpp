@@ -3,7 +3,162 @@
 
 #include <pcre2.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+
 namespace ts::tokenizer {
+
+namespace {
+
+struct AddedRange {
+  char32_t first, last;
+  const char* category;  // two letters
+};
+
+constexpr AddedRange kUnicode16Added[] = {
+#include "tokenizer/unicode_delta.inc"
+};
+
+// The two-letter categories a property name stands for ("L" -> Lu Ll Lt Lm Lo), by PCRE2's
+// loose matching (case, spaces, '_' and '-' ignored); empty for scripts and other properties.
+std::vector<std::string> categories_of(std::string_view name) {
+  std::string n;
+  for (char c : name)
+    if (c != ' ' && c != '_' && c != '-') n += char(std::tolower((unsigned char)c));
+  static const std::pair<const char*, const char*> kLong[] = {
+      {"letter", "l"},           {"mark", "m"},
+      {"number", "n"},           {"punctuation", "p"},
+      {"symbol", "s"},           {"separator", "z"},
+      {"casedletter", "l&"},     {"lc", "l&"},
+      {"uppercaseletter", "lu"}, {"lowercaseletter", "ll"},
+      {"titlecaseletter", "lt"}, {"modifierletter", "lm"},
+      {"otherletter", "lo"},     {"nonspacingmark", "mn"},
+      {"spacingmark", "mc"},     {"enclosingmark", "me"},
+      {"decimalnumber", "nd"},   {"letternumber", "nl"},
+      {"othernumber", "no"},     {"otherpunctuation", "po"},
+      {"dashpunctuation", "pd"}, {"mathsymbol", "sm"},
+      {"othersymbol", "so"},     {"format", "cf"}};
+  for (auto [from, to] : kLong)
+    if (n == from) n = to;
+  std::vector<std::string> out;
+  if (n == "l&") return {"Lu", "Ll", "Lt"};
+  if (n.size() == 1 && std::string_view("lmnpsz").find(n[0]) != std::string_view::npos) {
+    for (const AddedRange& r : kUnicode16Added)
+      if (std::tolower((unsigned char)r.category[0]) == n[0] &&
+          std::find(out.begin(), out.end(), r.category) == out.end())
+        out.emplace_back(r.category);
+    return out;
+  }
+  // Two letters: one category (Cn, Co, Cs, Cc and C are left alone: new assignments leave Cn).
+  if (n.size() == 2 && n[0] != 'c') {
+    std::string cat = {char(std::toupper((unsigned char)n[0])), n[1]};
+    for (const AddedRange& r : kUnicode16Added)
+      if (cat == r.category) return {cat};
+  }
+  if (n == "cf") return {"Cf"};
+  return out;
+}
+
+// "\x{..}-\x{..}..." for the code points added to any of `cats`.
+std::string added_ranges(const std::vector<std::string>& cats) {
+  std::string out;
+  char buf[40];
+  for (const AddedRange& r : kUnicode16Added) {
+    if (std::find(cats.begin(), cats.end(), r.category) == cats.end()) continue;
+    if (r.first == r.last)
+      std::snprintf(buf, sizeof buf, "\\x{%X}", unsigned(r.first));
+    else
+      std::snprintf(buf, sizeof buf, "\\x{%X}-\\x{%X}", unsigned(r.first), unsigned(r.last));
+    out += buf;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string_view unicode16_added_category(char32_t c) {
+  for (const AddedRange& r : kUnicode16Added)
+    if (c >= r.first && c <= r.last) return r.category;
+  return {};
+}
+
+std::string widen_unicode_properties(std::string_view p) {
+  std::string out;
+  out.reserve(p.size());
+  bool in_class = false, class_start = false;
+  size_t i = 0;
+  while (i < p.size()) {
+    const char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      const char e = p[i + 1];
+      if (e == 'Q') {  // \Q...\E: literal text
+        size_t end = p.find("\\E", i + 2);
+        end = end == std::string_view::npos ? p.size() : end + 2;
+        out += p.substr(i, end - i);
+        i = end;
+        class_start = false;
+        continue;
+      }
+      if ((e == 'p' || e == 'P') && i + 2 < p.size()) {
+        size_t j = i + 3;
+        std::string_view name = p.substr(i + 2, 1);
+        if (p[i + 2] == '{') {
+          const size_t close = p.find('}', i + 3);
+          if (close == std::string_view::npos) {  // malformed: PCRE2 reports it
+            out += p.substr(i);
+            break;
+          }
+          name = p.substr(i + 3, close - i - 3);
+          j = close + 1;
+        }
+        bool negated = e == 'P';
+        if (!name.empty() && name[0] == '^') {
+          negated = !negated;
+          name.remove_prefix(1);
+        }
+        const std::string extra = added_ranges(categories_of(name));
+        const std::string_view original = p.substr(i, j - i);
+        const std::string positive = "\\p{" + std::string(name) + "}";
+        if (extra.empty() || (negated && in_class))
+          out += original;  // nothing to add, or no way to add it (a class can't subtract)
+        else if (in_class)
+          out += std::string(original) + extra;
+        else
+          out += (negated ? "[^" : "[") + positive + extra + "]";
+        i = j;
+        class_start = false;
+        continue;
+      }
+      out += p.substr(i, 2);
+      i += 2;
+      class_start = false;
+      continue;
+    }
+    if (in_class) {
+      if (c == '[' && i + 1 < p.size() && p[i + 1] == ':') {  // [:alpha:]
+        const size_t close = p.find(":]", i + 2);
+        const size_t end = close == std::string_view::npos ? i + 1 : close + 2;
+        out += p.substr(i, end - i);
+        i = end;
+        class_start = false;
+        continue;
+      }
+      if (c == ']' && !class_start) in_class = false;  // a ']' first in a class is literal
+      class_start = false;
+      out += c;
+      ++i;
+      continue;
+    }
+    out += c;
+    ++i;
+    if (c == '[') {
+      in_class = class_start = true;
+      if (i < p.size() && p[i] == '^') out += p[i++];
+    }
+  }
+  return out;
+}
 
 struct Regex::Code {
   pcre2_code* code = nullptr;
@@ -14,9 +169,19 @@ struct Regex::Code {
 Result<Regex> Regex::compile(std::string_view pattern, const std::string& where) {
   int err = 0;
   PCRE2_SIZE err_offset = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                                   PCRE2_UTF | PCRE2_UCP, &err, &err_offset, nullptr);
+  const auto compile_text = [](std::string_view text, int* e, PCRE2_SIZE* at) {
+    return pcre2_compile(reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(),
+                         PCRE2_UTF | PCRE2_UCP, e, at, nullptr);
+  };
+  pcre2_code* code = compile_text(widen_unicode_properties(pattern), &err, &err_offset);
   if (!code) {
+    // The error and its offset as the file wrote the pattern, where that fails too.
+    int plain_err = 0;
+    PCRE2_SIZE plain_offset = 0;
+    if (pcre2_code* plain = compile_text(pattern, &plain_err, &plain_offset))
+      pcre2_code_free(plain);
+    else
+      err = plain_err, err_offset = plain_offset;
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(err, msg, sizeof msg);
     return make_error(where + ": regex '" + std::string(pattern) + "' does not compile at offset " +

@@ -1,7 +1,11 @@
 // A compiled PCRE2 pattern (UTF + UCP, JIT when available) for the pre-tokenizer and
 // normalizer patterns of tokenizer.json. The Hugging Face files are written for Oniguruma;
 // the constructs they use (\p{L}, \p{N}, (?i:'s|...), \s+(?!\S), literal CR/LF in classes)
-// mean the same in PCRE2 with UCP. Known difference: \s in PCRE2 also matches U+180E.
+// mean the same in PCRE2 with UCP. The reference (tokenizers 0.23's Oniguruma) classifies by
+// Unicode 16.0 and Debian 12's PCRE2 by 14.0: compile() widens each \p{..} general-category
+// escape by the code points assigned since (widen_unicode_properties). Known differences: \s
+// in PCRE2 also matches U+180E; a \P{..} inside a character class and \p{C} / \p{Cn} are not
+// widened (no tokenizer we know writes them).
 // Thread safety: a Regex is immutable after compile(); find_all() allocates its own match
 // data, so one Regex serves many threads.
 #pragma once
@@ -30,6 +34,15 @@ class Regex {
   struct Code;
   std::shared_ptr<const Code> code_;
 };
+
+// `pattern` with each general-category escape (\p{L}, \p{N}, \pL, \p{Lu}, \P{L} outside a
+// class, ...) extended by the code points Unicode 16.0 put in that category after 14.0:
+// \p{L}+ becomes [\p{L}\x{1C89}...]+, and inside a class the ranges join it.
+std::string widen_unicode_properties(std::string_view pattern);
+
+// The Unicode 16.0 general category ("Lo", "Nd", ...) of a code point that Unicode 14.0 left
+// unassigned, else an empty view (then the libraries' tables are current for it).
+std::string_view unicode16_added_category(char32_t c);
 
 // The pattern string with every regex metacharacter escaped (for literal String patterns).
 std::string regex_escape(std::string_view literal);

@@ -1,12 +1,14 @@
 // Tokenizer pieces on small tokenizer.json files written by the tests (no fetched data
 // needed): BPE merge priority, merges as strings or arrays, ignore_merges, byte fallback and
 // unk fusing, added-token flags, pre-tokenizers, the lossy UTF-8 repair, BOS / EOS from the
-// config files, the stream decoder's hold-back, and the errors for files this implementation
+// config files, the stream decoder's hold-back, the Unicode versions the reference classifies
+// (\p{..}) and normalizes by, and the errors for files this implementation
 // does not read (through the library and through `turbospark tokenize`, exit code 2).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,7 +16,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tokenizer/normalizer.h"
 #include "tokenizer/pre_tokenizer.h"
+#include "tokenizer/regex.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 
@@ -341,6 +345,77 @@ TEST_F(TokFiles, NormalizerNfcComposesBeforeMerging) {
   ASSERT_TRUE(t);
   EXPECT_EQ(t->encode("e\u0301", false), std::vector<int>{id(*t, bl("\u00e9"))});
   EXPECT_EQ(t->decode(t->encode("e\u0301", false), false), "\u00e9");
+}
+
+// The reference classifies \p{..} by Unicode 16.0 (Oniguruma in tokenizers 0.23), PCRE2 here by
+// 14.0: compile() widens the escapes. Code points measured against the reference (npm
+// `tokenizers` 0.23.2): letters of 15.0 (U+11F04 Kawi), 15.1 (U+2EBF6 CJK Ext I) and 16.0
+// (U+14030 Egyptian Ext-A) are \p{L} to it, a letter of 17.0 (U+10940 Sidetic) is not.
+TEST(Regex, PropertiesFollowUnicode16AsTheReferenceDoes) {
+  using ts::tokenizer::Regex;
+  auto matches = [](const std::string& pattern, const std::string& text) {
+    auto re = Regex::compile(pattern, "test");
+    EXPECT_TRUE(re.ok()) << (re.ok() ? "" : re.error().message);
+    std::vector<std::pair<size_t, size_t>> m;
+    if (re.ok()) re.value().find_all(text, m);
+    std::vector<std::string> out;
+    for (auto [b, e] : m) out.push_back(text.substr(b, e - b));
+    return out;
+  };
+  const std::string kawi = "\U00011F04", cjk_i = "\U0002EBF6", egypt = "\U00014030",
+                    sidetic = "\U00010940", nag_digit = "\U0001E4F0";
+  EXPECT_EQ(matches(R"(\p{L}+)", kawi + cjk_i + egypt + "a"),
+            std::vector<std::string>{kawi + cjk_i + egypt + "a"});
+  EXPECT_EQ(matches(R"(\p{L}+)", sidetic), std::vector<std::string>{});
+  EXPECT_EQ(matches(R"(\pN)", nag_digit), std::vector<std::string>{nag_digit});
+  // Inside a negated class: the new letters are no longer "other".
+  EXPECT_EQ(matches(R"( ?[^\s\p{L}\p{N}]+)", "!" + egypt + "?"),
+            (std::vector<std::string>{"!", "?"}));
+  EXPECT_EQ(matches(R"(\P{L}+)", "a" + cjk_i + "!" + sidetic),
+            std::vector<std::string>{"!" + sidetic});
+  // The GPT-2 / Qwen contraction split that showed the difference: X'S is X, 'S.
+  EXPECT_EQ(
+      matches(
+          R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*)",
+          egypt + "'S"),
+      (std::vector<std::string>{egypt, "'S"}));
+}
+
+TEST(Regex, WideningRewritesOnlyGeneralCategoryEscapes) {
+  using ts::tokenizer::widen_unicode_properties;
+  const std::string letters = widen_unicode_properties(R"(\p{L})");
+  EXPECT_EQ(letters.rfind(R"([\p{L}\x{)", 0), 0u) << letters;
+  EXPECT_NE(letters.find(R"(\x{2EBF0}-\x{2EE5D})"), std::string::npos) << letters;
+  EXPECT_EQ(letters.back(), ']');
+  // Inside a class the ranges join it; the class stays one class.
+  const std::string cls = widen_unicode_properties(R"([^\s\p{L}\p{N}]+)");
+  EXPECT_EQ(cls.rfind(R"([^\s\p{L}\x{)", 0), 0u) << cls;
+  EXPECT_EQ(std::count(cls.begin(), cls.end(), '['), 1) << cls;
+  EXPECT_EQ(cls.substr(cls.size() - 2), "]+");
+  // Left alone: scripts, literal text, a negated property inside a class, \p{Cn}.
+  for (const char* p : {R"(\p{Han}+)", R"(\Q\p{L}\E)", R"([\P{L}x])", R"(\p{Cn})", R"(a[]\\p]b)"})
+    EXPECT_EQ(widen_unicode_properties(p), p);
+  // A ']' first in a class is literal: the \p{N} after it is still inside the class.
+  const std::string lit = widen_unicode_properties(R"([]\p{N}])");
+  EXPECT_EQ(std::count(lit.begin(), lit.end(), '['), 1) << lit;
+  // A pattern that does not compile names the pattern as written.
+  auto bad = ts::tokenizer::Regex::compile(R"(\p{L}(x)", "where");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find(R"('\p{L}(x')"), std::string::npos) << bad.error().message;
+}
+
+// The reference normalizes with Unicode 9.0's tables (crate unicode-normalization-alignments):
+// a mark of a later version has class 0 to it, so it blocks composition and reordering.
+// U+0D3B (Malayalam, 10.0, class 9) blocks a + U+0301; U+0CBC (Kannada, 4.0, class 7) does not.
+TEST_F(TokFiles, NormalizerUsesUnicode9ClassesAsTheReferenceDoes) {
+  json nfc = {{"type", "NFC"}};
+  auto n = ts::tokenizer::Normalizer::parse(nfc, "test");
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(n.value().apply("a\u0CBC\u0301"), "\u00E1\u0CBC");
+  EXPECT_EQ(n.value().apply("a\u0D3B\u0301"), "a\u0D3B\u0301");
+  EXPECT_EQ(n.value().apply("a\u0301\u0D3B e\u0301"), "\u00E1\u0D3B \u00E9");
+  EXPECT_EQ(n.value().apply("x\u089E\u0656"), "x\u089E\u0656");  // 14.0 mark: not reordered
+  EXPECT_EQ(n.value().apply("x\u0301\u0656"), "x\u0656\u0301");  // 6.0 marks: reordered
 }
 
 TEST(Utf8, LossyRepairReplacesMaximalSubparts) {
