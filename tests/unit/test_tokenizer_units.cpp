@@ -373,6 +373,13 @@ TEST(Regex, PropertiesFollowUnicode16AsTheReferenceDoes) {
             (std::vector<std::string>{"!", "?"}));
   EXPECT_EQ(matches(R"(\P{L}+)", "a" + cjk_i + "!" + sidetic),
             std::vector<std::string>{"!" + sidetic});
+  // \w and \s as Oniguruma's (measured on the reference's Whitespace pre-tokenizer, \w+|[^\w\s]+):
+  // \w takes letters, marks, Nd, Pc, Nl, circled letters and ZWJ, not U+00B2 (No); \s is
+  // White_Space: U+0085 yes, U+180E no.
+  EXPECT_EQ(matches(R"(\w+)", "a\u24D0\u0E31\u200D\u2160\u203F" + kawi + "\u00B2"),
+            std::vector<std::string>{"a\u24D0\u0E31\u200D\u2160\u203F" + kawi});
+  EXPECT_EQ(matches(R"(\s+)", "a\u0085\u3000b\u180Ec"), std::vector<std::string>{"\u0085\u3000"});
+  EXPECT_EQ(matches(R"(\W+)", "a\u00B2\u180E\u0E31"), std::vector<std::string>{"\u00B2\u180E"});
   // The GPT-2 / Qwen contraction split that showed the difference: X'S is X, 'S.
   EXPECT_EQ(
       matches(
@@ -381,7 +388,7 @@ TEST(Regex, PropertiesFollowUnicode16AsTheReferenceDoes) {
       (std::vector<std::string>{egypt, "'S"}));
 }
 
-TEST(Regex, WideningRewritesOnlyGeneralCategoryEscapes) {
+TEST(Regex, WideningRewritesOnlyCategoryEscapesAndShorthands) {
   using ts::tokenizer::widen_unicode_properties;
   const std::string letters = widen_unicode_properties(R"(\p{L})");
   EXPECT_EQ(letters.rfind(R"([\p{L}\x{)", 0), 0u) << letters;
@@ -389,11 +396,13 @@ TEST(Regex, WideningRewritesOnlyGeneralCategoryEscapes) {
   EXPECT_EQ(letters.back(), ']');
   // Inside a class the ranges join it; the class stays one class.
   const std::string cls = widen_unicode_properties(R"([^\s\p{L}\p{N}]+)");
-  EXPECT_EQ(cls.rfind(R"([^\s\p{L}\x{)", 0), 0u) << cls;
+  EXPECT_EQ(cls.rfind(R"([^\x{9}-\x{D}\x{20})", 0), 0u) << cls;  // \s spelled out
+  EXPECT_NE(cls.find(R"(\p{L}\x{)"), std::string::npos) << cls;
   EXPECT_EQ(std::count(cls.begin(), cls.end(), '['), 1) << cls;
   EXPECT_EQ(cls.substr(cls.size() - 2), "]+");
-  // Left alone: scripts, literal text, a negated property inside a class, \p{Cn}.
-  for (const char* p : {R"(\p{Han}+)", R"(\Q\p{L}\E)", R"([\P{L}x])", R"(\p{Cn})", R"(a[]\\p]b)"})
+  // Left alone: scripts, literal text, complements inside a class, \p{Cn}.
+  for (const char* p :
+       {R"(\p{Han}+)", R"(\Q\p{L}\w\E)", R"([\P{L}x])", R"([\W\S\D])", R"(\p{Cn})", R"(a[]\\p]b)"})
     EXPECT_EQ(widen_unicode_properties(p), p);
   // A ']' first in a class is literal: the \p{N} after it is still inside the class.
   const std::string lit = widen_unicode_properties(R"([]\p{N}])");
