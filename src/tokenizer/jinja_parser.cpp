@@ -19,6 +19,7 @@ class Parser {
     auto tmpl = std::make_unique<Template>();
     tmpl->body = subparse({});
     if (cur().type != TokenType::kEof) fail("unexpected " + describe(cur()));
+    check_names(tmpl->body, false);
     return tmpl;
   }
 
@@ -280,7 +281,6 @@ class Parser {
     f.line = cur().line;
     f.name = expect_name().text;
     while (skip_op(".")) f.name += "." + expect_name().text;
-    if (!find_filter(f.name)) fail("unknown filter '" + f.name + "'", f.line);
     if (is_op("(")) f.args = parse_call_args();
     return f;
   }
@@ -702,7 +702,6 @@ class Parser {
     bool negated = skip_name("not");
     std::string name = expect_name().text;
     while (skip_op(".")) name += "." + expect_name().text;
-    if (!find_test(name)) fail("unknown test '" + name + "'", line);
     auto e = std::make_unique<Expr>(Expr::Kind::kTest, line);
     e->object = std::move(node);
     e->name = name;
@@ -717,6 +716,49 @@ class Parser {
       e->args.positional.push_back(parse_postfix(parse_primary()));
     }
     return e;
+  }
+
+  // ---- filter and test names, after parsing ----
+  // Jinja2 (3.x) refuses an unknown filter or test when it compiles the template, except inside
+  // an if statement (its conditions and bodies) or a conditional expression, where the name
+  // fails only if it is evaluated; the body of a for, macro, call, filter, with or set block
+  // is checked strictly again (as are a for loop's if, a macro's defaults and a block's filters).
+  // The evaluator fails on an unknown name when it reaches one.
+  void check_names(const Body& body, bool soft) {
+    for (const NodePtr& n : body) check_names(*n, soft);
+  }
+  void check_names(const Node& n, bool soft) {
+    using K = Node::Kind;
+    const bool strict_body = n.kind == K::kFor || n.kind == K::kMacro || n.kind == K::kCallBlock ||
+                             n.kind == K::kFilterBlock || n.kind == K::kWith ||
+                             n.kind == K::kSetBlock || n.kind == K::kScope;
+    const bool inner_soft = n.kind == K::kIf ? true : strict_body ? false : soft;
+    for (const ExprPtr& c : n.conditions) check_names(c.get(), inner_soft);
+    check_names(n.expr.get(), soft);
+    check_names(n.filter.get(), false);
+    const bool filters_soft = strict_body ? false : soft;
+    for (const FilterCall& f : n.filters) {
+      if (!filters_soft && !find_filter(f.name)) fail("unknown filter '" + f.name + "'", f.line);
+      check_names(f.args, filters_soft);
+    }
+    for (const MacroParam& p : n.params) check_names(p.default_value.get(), false);
+    for (const auto& [target, value] : n.assignments) check_names(value.get(), soft);
+    for (const Body& b : n.bodies) check_names(b, inner_soft);
+  }
+  void check_names(const Arguments& a, bool soft) {
+    for (const ExprPtr& e : a.positional) check_names(e.get(), soft);
+    for (const auto& [key, e] : a.keyword) check_names(e.get(), soft);
+  }
+  void check_names(const Expr* e, bool soft) {
+    if (!e) return;
+    if (e->kind == Expr::Kind::kCondExpr) soft = true;
+    if (!soft && e->kind == Expr::Kind::kFilter && !find_filter(e->name))
+      fail("unknown filter '" + e->name + "'", e->line);
+    if (!soft && e->kind == Expr::Kind::kTest && !find_test(e->name))
+      fail("unknown test '" + e->name + "'", e->line);
+    check_names(e->object.get(), soft);
+    for (const ExprPtr& item : e->items) check_names(item.get(), soft);
+    check_names(e->args, soft);
   }
 
   std::vector<Token> t_;

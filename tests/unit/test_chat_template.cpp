@@ -349,6 +349,45 @@ TEST(JinjaInterpreter, TestsAndStringMethods) {
       "1 2 AB a+b");
 }
 
+// Jinja2 3.x refuses an unknown filter or test at compile time except inside an if statement or
+// a conditional expression, where it fails only when evaluated (templates guard filters they are
+// unsure of that way); a for, macro, call, filter, with or set block is strict again. Each
+// outcome below is what jinja2 3.1.6 (transformers' sandbox settings) gave for the template.
+TEST(JinjaInterpreter, UnknownFiltersFailWhereJinja2Fails) {
+  const std::vector<std::pair<std::string, std::string>> ok = {
+      {"{% if false %}{{ 1|nofilter }}{% endif %}ok", "ok"},
+      {"{% if false %}{{ 1 is notest }}{% endif %}ok", "ok"},
+      {"{% if false %}x{% elif false %}{{ 1|nofilter }}{% endif %}ok", "ok"},
+      {"{% macro m() %}{% if false %}{{ 1|nofilter }}{% endif %}{% endmacro %}ok", "ok"},
+      {"{% set x = 1|nofilter if false else 2 %}{{ x }}", "2"},
+      {"{% if false %}{% set x %}a{% endset %}{{ x|nofilter }}{% endif %}ok", "ok"},
+      {"{% if false %}{% for x in [1]|nofilter %}{% endfor %}{% endif %}ok", "ok"},
+      {"{% if false %}{% with a = 1|nofilter %}{% endwith %}{% endif %}ok", "ok"},
+      {"{% for x in [1] %}{{ 2 if x else 3|nofilter }}{% endfor %}", "2"},
+      {"{% if false %}{{ [1]|map('nofilter')|list }}{% endif %}ok", "ok"},
+  };
+  for (const auto& [source, want] : ok) EXPECT_EQ(render(source), want) << source;
+  const std::vector<std::string> fail = {
+      "{{ 1|nofilter }}",                                 // compile time
+      "{% for x in [] %}{{ x|nofilter }}{% endfor %}ok",  // never run, still
+      "{% if false %}{% for x in [] %}{{ x|nofilter }}{% endfor %}{% endif %}",
+      "{% if false %}{% filter nofilter %}x{% endfilter %}{% endif %}",
+      "{% if false %}{% set x | nofilter %}a{% endset %}{% endif %}",
+      "{% if false %}{% macro m(a=1|nofilter) %}{% endmacro %}{% endif %}",
+      "{% if false %}{% for x in [1] if x|nofilter %}{% endfor %}{% endif %}",
+      "{% if false %}{% with a = 1 %}{{ a|nofilter }}{% endwith %}{% endif %}",
+      "{% if true %}{{ 1|nofilter }}{% endif %}",  // run time
+      "{{ 1 if false else 2|nofilter }}",
+      "{% if (1|nofilter) %}{% endif %}",
+      "{% if true %}{{ 1 is notest }}{% endif %}",
+  };
+  for (const std::string& source : fail) {
+    std::string got = render(source);
+    EXPECT_EQ(got.rfind("ERROR: ", 0), 0u) << source << " -> " << got;
+    EXPECT_NE(got.find("unknown "), std::string::npos) << source << " -> " << got;
+  }
+}
+
 TEST(JinjaInterpreter, Globals) {
   EXPECT_EQ(render("{{ range(3)|list }} {{ dict(a=1) }} {{ namespace(x=1).x }}"),
             "[0, 1, 2] {'a': 1} 1");
