@@ -489,7 +489,8 @@ Value f_indent(Interpreter&, const Value& v, CallArgs& a) {
       width.is_string()
           ? width.as_string()
           : std::string(size_t(std::max<int64_t>(0, need_int(width, "indent width"))), ' ');
-  std::vector<std::string> lines = splitlines(to_str(v) + "\n", false);
+  // Jinja2's indent appends "\n" to its input: anything but a string is a TypeError there.
+  std::vector<std::string> lines = splitlines(need_string(v, "indent input") + "\n", false);
   std::string rv;
   if (blank) {
     for (size_t i = 0; i < lines.size(); ++i) rv += (i ? "\n" + ind : "") + lines[i];

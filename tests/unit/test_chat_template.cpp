@@ -388,6 +388,14 @@ TEST(JinjaInterpreter, UnknownFiltersFailWhereJinja2Fails) {
   }
 }
 
+// jinja2's indent appends "\n" to its input, so a number or a mapping is a TypeError there.
+TEST(JinjaInterpreter, IndentTakesOnlyStrings) {
+  EXPECT_EQ(render("{{ 'a\nb'|indent(2) }}|{{ 'a\n\nb'|indent(1, true, true) }}"),
+            "a\n  b| a\n \n b");
+  for (const char* source : {"{{ 5|indent }}", "{{ {'a': 1}|indent(2) }}", "{{ 2.5|indent }}"})
+    EXPECT_NE(render(source).find("indent input must be str"), std::string::npos) << source;
+}
+
 TEST(JinjaInterpreter, Globals) {
   EXPECT_EQ(render("{{ range(3)|list }} {{ dict(a=1) }} {{ namespace(x=1).x }}"),
             "[0, 1, 2] {'a': 1} 1");
