@@ -7,6 +7,14 @@
 namespace ts::server {
 namespace {
 
+// j[key] when it is a string, else "" (a missing or mistyped field then fails the caller's
+// check with a 400 naming it; nlohmann's value() would throw, a 500).
+std::string string_field(const json& j, const char* key) {
+  if (!j.is_object()) return "";
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
 ApiError bad(std::string param, std::string message) {
   return ApiError{.status = 400, .message = std::move(message), .param = std::move(param)};
 }
@@ -148,7 +156,7 @@ std::optional<ApiError> flatten_content(json& msg, const std::string& where) {
   for (size_t i = 0; i < it->size(); ++i) {
     const json& part = (*it)[i];
     const std::string at = where + ".content[" + std::to_string(i) + "]";
-    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+    if (!part.is_object() || string_field(part, "type") != "text" || !part.contains("text") ||
         !part["text"].is_string())
       return bad(
           at,
@@ -166,7 +174,7 @@ std::optional<ApiError> check_openai_tools(const json& tools) {
   for (size_t i = 0; i < tools.size(); ++i) {
     const json& t = tools[i];
     const std::string at = "tools[" + std::to_string(i) + "]";
-    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
+    if (!t.is_object() || string_field(t, "type") != "function" || !t.contains("function") ||
         !t["function"].is_object() || !t["function"].contains("name") ||
         !t["function"]["name"].is_string())
       return bad(
@@ -298,7 +306,7 @@ Parsed<std::string> anthropic_text(const json& v, const std::string& at) {
   std::string text;
   for (size_t i = 0; i < v.size(); ++i) {
     const json& b = v[i];
-    if (!b.is_object() || b.value("type", "") != "text" || !b.contains("text") ||
+    if (!b.is_object() || string_field(b, "type") != "text" || !b.contains("text") ||
         !b["text"].is_string())
       return bad(at, "'" + at + "[" + std::to_string(i) + "]' must be a text block");
     if (!text.empty()) text += "\n";
@@ -328,17 +336,21 @@ std::optional<ApiError> convert_anthropic_message(const json& m, const std::stri
   for (size_t i = 0; i < content.size(); ++i) {
     const json& b = content[i];
     const std::string bat = at + ".content[" + std::to_string(i) + "]";
-    const std::string type = b.is_object() ? b.value("type", "") : "";
+    const std::string type = string_field(b, "type");
     if (type == "text" && b.contains("text") && b["text"].is_string()) {
       if (!text.empty()) text += "\n";
       text += b["text"].get<std::string>();
     } else if (type == "thinking" && role == "assistant") {
-      thinking += b.value("thinking", "");
+      if (b.contains("thinking") && !b["thinking"].is_string())
+        return bad(bat, "'" + bat + ".thinking' must be a string");
+      thinking += string_field(b, "thinking");
     } else if (type == "tool_use" && role == "assistant") {
       if (!b.contains("name") || !b["name"].is_string() || !b.contains("input") ||
           !b["input"].is_object())
         return bad(bat, "'" + bat + "' (tool_use) needs a string name and an object input");
-      calls.push_back({{"id", b.value("id", "")},
+      if (b.contains("id") && !b["id"].is_string())
+        return bad(bat, "'" + bat + ".id' must be a string");
+      calls.push_back({{"id", string_field(b, "id")},
                        {"type", "function"},
                        {"function", {{"name", b["name"]}, {"arguments", b["input"].dump()}}}});
     } else if (type == "tool_result" && role == "user") {
@@ -348,8 +360,11 @@ std::optional<ApiError> convert_anthropic_message(const json& m, const std::stri
         if (auto* e = std::get_if<ApiError>(&r)) return *e;
         result = std::get<std::string>(r);
       }
-      out.push_back(
-          {{"role", "tool"}, {"tool_call_id", b.value("tool_use_id", "")}, {"content", result}});
+      if (b.contains("tool_use_id") && !b["tool_use_id"].is_string())
+        return bad(bat, "'" + bat + ".tool_use_id' must be a string");
+      out.push_back({{"role", "tool"},
+                     {"tool_call_id", string_field(b, "tool_use_id")},
+                     {"content", result}});
     } else {
       return bad(
           bat, "'" + bat + "' has an unsupported block type '" + type +
@@ -411,8 +426,7 @@ Parsed<GenRequest> parse_messages_request(const json& body, const tokenizer::Cha
     }
     if (tools.empty()) tools = nullptr;
   }
-  if (const json* choice = f.get("tool_choice");
-      choice && choice->is_object() && choice->value("type", "") == "none")
+  if (const json* choice = f.get("tool_choice"); choice && string_field(*choice, "type") == "none")
     tools = nullptr;
   r.parse_tools = !tools.is_null();
   auto text = render(tmpl, messages, tools, nullptr);

@@ -75,6 +75,15 @@ TEST(ServerApi, ChatErrorsNameTheField) {
        400,
        "messages[0].content[0]"},
       {{{"messages", kUser}, {"tools", json::array({{{"type", "function"}}})}}, 400, "tools[0]"},
+      // A field of the wrong type is a 400 too (nlohmann's value() threw: a 500).
+      {{{"messages", json::array({{{"role", "user"},
+                                   {"content", json::array({{{"type", 7}, {"text", "x"}}})}}})}},
+       400,
+       "messages[0].content[0]"},
+      {{{"messages", kUser},
+        {"tools", json::array({{{"type", true}, {"function", {{"name", "f"}}}}})}},
+       400,
+       "tools[0]"},
   };
   for (const Case& c : cases) {
     ApiError e = chat_error(c.body);
@@ -231,6 +240,32 @@ TEST(ServerApi, AnthropicConversion) {
     ASSERT_TRUE(std::holds_alternative<ApiError>(e)) << b.dump();
     EXPECT_EQ(std::get<ApiError>(e).param, param);
   }
+  // Mistyped block fields are 400s naming the block, never a 500 (they threw before).
+  const std::vector<std::pair<json, std::string>> blocks = {
+      {{{"role", "user"}, {"content", json::array({{{"type", true}, {"text", "hi"}}})}},
+       "messages[0].content[0]"},
+      {{{"role", "assistant"}, {"content", json::array({{{"type", "thinking"}, {"thinking", 3}}})}},
+       "messages[0].content[0]"},
+      {{{"role", "assistant"},
+        {"content",
+         json::array(
+             {{{"type", "tool_use"}, {"id", 5}, {"name", "f"}, {"input", json::object()}}})}},
+       "messages[0].content[0]"},
+      {{{"role", "user"},
+        {"content", json::array({{{"type", "tool_result"}, {"tool_use_id", json::array()}}})}},
+       "messages[0].content[0]"},
+  };
+  for (const auto& [message, param] : blocks) {
+    json b = {{"max_tokens", 4}, {"messages", json::array({message})}};
+    auto e = ts::server::parse_messages_request(b, echo_template(), "tiny");
+    ASSERT_TRUE(std::holds_alternative<ApiError>(e)) << b.dump();
+    EXPECT_EQ(std::get<ApiError>(e).status, 400) << b.dump();
+    EXPECT_EQ(std::get<ApiError>(e).param, param) << b.dump();
+  }
+  json b = body;
+  b["tool_choice"] = {{"type", 1}};
+  EXPECT_TRUE(std::holds_alternative<GenRequest>(
+      ts::server::parse_messages_request(b, echo_template(), "tiny")));
 }
 
 TEST(ServerApi, ErrorBodies) {
