@@ -512,6 +512,131 @@ Value f_center(Interpreter&, const Value& v, CallArgs& a) {
   return Value(std::string(size_t(left), ' ') + s + std::string(size_t(marg - left), ' '));
 }
 
+// slice(n, fill_with=None): n columns, the first len % n one item longer (jinja2's do_slice).
+Value f_slice(Interpreter& in, const Value& v, CallArgs& a) {
+  check_args(a, "slice", 2, {"slices", "fill_with"});
+  const int64_t slices = need_int(arg(a, 0, "slices"), "slice slices");
+  if (slices <= 0) throw TemplateError("slice slices must be positive");
+  Value fill = arg(a, 1, "fill_with", Value::none());
+  std::vector<Value> seq = in.iterate(v), out;
+  const int64_t length = int64_t(seq.size()), per = length / slices, extra = length % slices;
+  int64_t offset = 0;
+  for (int64_t n = 0; n < slices; ++n) {
+    const int64_t start = offset + n * per;
+    if (n < extra) ++offset;
+    const int64_t end = offset + (n + 1) * per;
+    std::vector<Value> col(seq.begin() + start, seq.begin() + end);
+    if (!fill.is_none() && n >= extra) col.push_back(fill);
+    out.push_back(Value::list(std::move(col)));
+  }
+  return Value::generator(std::move(out));
+}
+
+// truncate(length=255, killwords=False, end='...', leeway=5), in code points (jinja2's). A list
+// or mapping short enough comes back as it is (jinja2 only measures it); anything else that is
+// not a string is an error, as jinja2's TypeError.
+Value f_truncate(Interpreter&, const Value& v, CallArgs& a) {
+  check_args(a, "truncate", 4, {"length", "killwords", "end", "leeway"});
+  const int64_t length = need_int(arg(a, 0, "length", Value(255)), "truncate length");
+  const bool killwords = truthy(arg(a, 1, "killwords", Value(false)));
+  const std::string end = to_str(arg(a, 2, "end", Value("...")));
+  Value leeway_v = arg(a, 3, "leeway", Value::none());
+  const int64_t leeway = leeway_v.is_none() ? 5 : need_int(leeway_v, "truncate leeway");
+  const int64_t end_len = int64_t(utf8_length(end));
+  if (length < end_len)
+    throw TemplateError("expected length >= " + std::to_string(end_len) + ", got " +
+                        std::to_string(length));
+  if (leeway < 0) throw TemplateError("expected leeway >= 0, got " + std::to_string(leeway));
+  if (!v.is_string()) {
+    const int64_t n = v.is_list()   ? int64_t(v.as_list()->items.size())
+                      : v.is_dict() ? int64_t(v.as_dict()->items.size())
+                                    : -1;
+    if (n >= 0 && n <= length + leeway) return v;
+    throw TemplateError(std::string("truncate input must be str, not ") + v.type_name());
+  }
+  const std::vector<uint32_t> s = utf8_decode(v.as_string());
+  if (int64_t(s.size()) <= length + leeway) return v;
+  std::vector<uint32_t> head(s.begin(), s.begin() + (length - end_len));
+  if (!killwords) {  // s[:length - len(end)].rsplit(" ", 1)[0]
+    auto space = std::find(head.rbegin(), head.rend(), uint32_t(' '));
+    if (space != head.rend()) head.resize(size_t(head.rend() - space - 1));
+  }
+  return Value(utf8_encode(head) + end);
+}
+
+// urlencode: a string percent-encoded as UTF-8 ('/' kept); a mapping or a sequence of pairs
+// as a query string (keys and values with '/' encoded and spaces as '+'), as jinja2's.
+Value f_urlencode(Interpreter& in, const Value& v, CallArgs& a) {
+  check_args(a, "urlencode", 0, {});
+  auto quote = [](const std::string& text, bool for_qs) {
+    static const char* kHex = "0123456789ABCDEF";
+    std::string out;
+    for (unsigned char c : text) {
+      if (std::isalnum(c) || c == '_' || c == '.' || c == '-' || c == '~' ||
+          (c == '/' && !for_qs)) {
+        out += char(c);
+      } else if (c == ' ' && for_qs) {
+        out += '+';
+      } else {
+        out += '%';
+        out += kHex[c >> 4];
+        out += kHex[c & 15];
+      }
+    }
+    return out;
+  };
+  if (v.is_string()) return Value(quote(v.as_string(), false));
+  std::vector<Value> pairs;
+  if (v.is_dict()) {
+    for (const auto& [k, val] : v.as_dict()->items) pairs.push_back(Value::tuple({k, val}));
+  } else if (v.is_list() || v.is_generator()) {
+    pairs = in.iterate(v);
+  } else {
+    return Value(quote(to_str(v), false));
+  }
+  std::string out;
+  for (const Value& p : pairs) {
+    std::vector<Value> kv = in.iterate(p);
+    if (kv.size() != 2) throw TemplateError("urlencode expects pairs");
+    out += (out.empty() ? "" : "&") + quote(to_str(kv[0]), true) + "=" + quote(to_str(kv[1]), true);
+  }
+  return Value(out);
+}
+
+// filesizeformat(binary=False): "1 Byte", "12 Bytes", "1.5 kB" / "1.5 KiB", ...
+Value f_filesizeformat(Interpreter&, const Value& v, CallArgs& a) {
+  check_args(a, "filesizeformat", 1, {"binary"});
+  const bool binary = truthy(arg(a, 0, "binary", Value(false)));
+  double bytes = 0;
+  if (v.is_int() || v.is_bool())
+    bytes = double(v.is_int() ? v.as_int() : int64_t(v.as_bool()));
+  else if (v.is_float())
+    bytes = v.as_float();
+  else {  // float(value): a string must hold a number
+    const std::string& text = need_string(v, "filesizeformat input");
+    char* end = nullptr;
+    bytes = std::strtod(text.c_str(), &end);
+    while (end && std::isspace((unsigned char)*end)) ++end;
+    if (text.empty() || !end || *end)
+      throw TemplateError("could not convert string to float: '" + text + "'");
+  }
+  const double base = binary ? 1024 : 1000;
+  static const char* kDec[] = {"kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"};
+  static const char* kBin[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
+  if (bytes == 1) return Value("1 Byte");
+  if (bytes < base) return Value(std::to_string(int64_t(bytes)) + " Bytes");
+  char buf[64];
+  double unit = base;
+  for (int i = 0; i < 8; ++i) {
+    unit *= base;
+    if (bytes < unit || i == 7) {
+      std::snprintf(buf, sizeof buf, "%.1f %s", base * bytes / unit, binary ? kBin[i] : kDec[i]);
+      break;
+    }
+  }
+  return Value(buf);
+}
+
 Value f_wordcount(Interpreter&, const Value& v, CallArgs& a) {
   check_args(a, "wordcount", 0, {});
   int64_t n = 0;
@@ -615,6 +740,7 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       {"escape", f_escape},
       {"first", f_first},
       {"float", f_float},
+      {"filesizeformat", f_filesizeformat},
       {"forceescape", f_escape},
       {"format", f_format},
       {"indent", f_indent},
@@ -635,6 +761,7 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       {"round", f_round},
       {"safe", f_safe},
       {"select", f_select},
+      {"slice", f_slice},
       {"selectattr", f_selectattr},
       {"sort", f_sort},
       {"string", f_string},
@@ -642,8 +769,10 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       {"title", f_title},
       {"tojson", f_tojson},
       {"trim", f_trim},
+      {"truncate", f_truncate},
       {"unique", f_unique},
       {"upper", f_upper},
+      {"urlencode", f_urlencode},
       {"wordcount", f_wordcount},
   };
   return kFilters;

@@ -396,6 +396,29 @@ TEST(JinjaInterpreter, IndentTakesOnlyStrings) {
     EXPECT_NE(render(source).find("indent input must be str"), std::string::npos) << source;
 }
 
+// Filters added after random templates named them; each expected text is jinja2 3.1.6's render.
+TEST(JinjaInterpreter, TruncateSliceUrlencodeFilesizeformat) {
+  EXPECT_EQ(
+      render("{{ 'hello world foo bar baz'|truncate(12) }}|{{ 'hello world foo bar "
+             "baz'|truncate(12, true) }}|{{ 'h\u00e9llo w\u00f6rld \u00fcn\u00efcode'|truncate(9, "
+             "false, '~', 0) }}|{{ 'short'|truncate(3) }}|{{ [1, 2]|truncate(3) }}"),
+      "hello...|hello wor...|h\u00e9llo~|short|[1, 2]");
+  EXPECT_EQ(
+      render("{{ [1, 2, 3, 4, 5, 6, 7]|slice(3)|list }}|{{ [1, 2, 3, 4]|slice(3, 'F')|list }}"),
+      "[[1, 2, 3], [4, 5], [6, 7]]|[[1, 2], [3, 'F'], [4, 'F']]");
+  EXPECT_EQ(
+      render("{{ 'a b/c?d=\u00e9'|urlencode }}|{{ {'k': 'v w', 'x/y': 1}|urlencode }}|{{ [('a', "
+             "'&')]|urlencode }}"),
+      "a%20b/c%3Fd%3D%C3%A9|k=v+w&x%2Fy=1|a=%26");
+  EXPECT_EQ(
+      render("{{ 1|filesizeformat }}|{{ 999|filesizeformat }}|{{ 1500000|filesizeformat }}|{{ "
+             "1536|filesizeformat(true) }}|{{ '2048'|filesizeformat }}"),
+      "1 Byte|999 Bytes|1.5 MB|1.5 KiB|2.0 kB");
+  EXPECT_NE(render("{{ 5|truncate }}").find("truncate input must be str"), std::string::npos);
+  EXPECT_NE(render("{{ 'x'|filesizeformat }}").find("could not convert"), std::string::npos);
+  EXPECT_NE(render("{{ 'abc'|truncate(2) }}").find("expected length >= 3"), std::string::npos);
+}
+
 TEST(JinjaInterpreter, Globals) {
   EXPECT_EQ(render("{{ range(3)|list }} {{ dict(a=1) }} {{ namespace(x=1).x }}"),
             "[0, 1, 2] {'a': 1} 1");
