@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <iterator>
 
 namespace ts::tokenizer {
 
@@ -110,9 +111,14 @@ std::string shorthand_members(char e) {
 }  // namespace
 
 std::string_view unicode16_added_category(char32_t c) {
-  for (const AddedRange& r : kUnicode16Added)
-    if (c >= r.first && c <= r.last) return r.category;
-  return {};
+  // The table is sorted by code point (make_unicode_tables.mjs writes it so); the Digits
+  // pre-tokenizer asks for every character.
+  const AddedRange* end = std::end(kUnicode16Added);
+  const AddedRange* r =
+      std::upper_bound(std::begin(kUnicode16Added), end, c,
+                       [](char32_t x, const AddedRange& e) { return x < e.first; });
+  if (r == std::begin(kUnicode16Added) || c > (r - 1)->last) return {};
+  return (r - 1)->category;
 }
 
 std::string widen_unicode_properties(std::string_view p) {

@@ -380,6 +380,15 @@ TEST(Regex, PropertiesFollowUnicode16AsTheReferenceDoes) {
             std::vector<std::string>{"a\u24D0\u0E31\u200D\u2160\u203F" + kawi});
   EXPECT_EQ(matches(R"(\s+)", "a\u0085\u3000b\u180Ec"), std::vector<std::string>{"\u0085\u3000"});
   EXPECT_EQ(matches(R"(\W+)", "a\u00B2\u180E\u0E31"), std::vector<std::string>{"\u00B2\u180E"});
+  // The category table the Digits pre-tokenizer asks (binary search over sorted ranges).
+  using ts::tokenizer::unicode16_added_category;
+  EXPECT_EQ(unicode16_added_category(0x11F04), "Lo");
+  EXPECT_EQ(unicode16_added_category(0x2EE5D), "Lo");  // the last of CJK Extension I
+  EXPECT_EQ(unicode16_added_category(0x1E4F0), "Nd");
+  EXPECT_EQ(unicode16_added_category(0x1171E), "Mc");  // the one category change (Mn -> Mc)
+  EXPECT_EQ(unicode16_added_category(0x41), "");
+  EXPECT_EQ(unicode16_added_category(0x10940), "");  // Unicode 17.0
+  EXPECT_EQ(unicode16_added_category(0x10FFFF), "");
   // The GPT-2 / Qwen contraction split that showed the difference: X'S is X, 'S.
   EXPECT_EQ(
       matches(
