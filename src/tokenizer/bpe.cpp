@@ -13,14 +13,6 @@ namespace {
 
 uint64_t pair_key(int a, int b) { return (uint64_t(uint32_t(a)) << 32) | uint32_t(b); }
 
-Result<std::string> optional_string(const nlohmann::json& j, const char* key,
-                                    const std::string& where) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return std::string();
-  if (!it->is_string()) return make_error(where + "." + key + ": expected a string or null");
-  return it->get<std::string>();
-}
-
 }  // namespace
 
 void StringIndex::build(const std::vector<std::string>& keys) {
@@ -107,9 +99,10 @@ Result<std::unique_ptr<BpeModel>> BpeModel::parse(TokenizerJson& file, const std
   for (size_t e = 0; e < m->entry_ids_.size(); ++e)
     m->id_to_entry_[size_t(m->entry_ids_[e])] = int(e);
 
-  TS_ASSIGN(m->continuing_subword_prefix_, optional_string(j, "continuing_subword_prefix", where));
-  TS_ASSIGN(m->end_of_word_suffix_, optional_string(j, "end_of_word_suffix", where));
-  TS_ASSIGN(std::string unk, optional_string(j, "unk_token", where));
+  TS_ASSIGN(m->continuing_subword_prefix_,
+            json_string_or(j, "continuing_subword_prefix", "", where));
+  TS_ASSIGN(m->end_of_word_suffix_, json_string_or(j, "end_of_word_suffix", "", where));
+  TS_ASSIGN(std::string unk, json_string_or(j, "unk_token", "", where));
   // Like Hugging Face, an unk_token missing from the vocab only matters when it is needed;
   // here it then behaves as if there were none (unknown characters are dropped).
   if (!unk.empty()) m->unk_id_ = m->token_to_id(unk);

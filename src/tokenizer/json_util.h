@@ -39,7 +39,7 @@ inline Result<std::string> json_string_or(const nlohmann::json& j, const char* k
                                           const std::string& fallback, const std::string& where) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return fallback;
-  if (!it->is_string()) return make_error(where + "." + key + ": expected a string");
+  if (!it->is_string()) return make_error(where + "." + key + ": expected a string or null");
   return it->get<std::string>();
 }
 

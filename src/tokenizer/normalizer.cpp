@@ -3,11 +3,10 @@
 
 #include <utf8proc.h>
 
-#include <algorithm>
 #include <cstdlib>
-#include <iterator>
 
 #include "tokenizer/json_util.h"
+#include "tokenizer/unicode_ranges.h"
 #include "tokenizer/utf8.h"
 
 namespace ts::tokenizer {
@@ -29,19 +28,11 @@ std::string utf8proc_normalize(const std::string& s, int options) {
 }
 
 // Code points assigned after Unicode 9.0 (and by 16.0), sorted.
-struct CodeRange {
-  char32_t first, last;
-};
 constexpr CodeRange kSinceUnicode9[] = {
 #include "tokenizer/unicode_since9.inc"
 };
 
-bool new_since_unicode9(char32_t c) {
-  const CodeRange* end = std::end(kSinceUnicode9);
-  const CodeRange* r = std::upper_bound(std::begin(kSinceUnicode9), end, c,
-                                        [](char32_t x, const CodeRange& e) { return x < e.first; });
-  return r != std::begin(kSinceUnicode9) && c <= (r - 1)->last;
-}
+bool new_since_unicode9(char32_t c) { return find_code_range(kSinceUnicode9, c) != nullptr; }
 
 // The reference normalizes with Unicode 9.0's tables: to it a later character has no
 // decomposition and combining class 0, so nothing reorders or composes across it. Such a

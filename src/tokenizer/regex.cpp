@@ -6,7 +6,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
-#include <iterator>
+
+#include "tokenizer/unicode_ranges.h"
 
 namespace ts::tokenizer {
 
@@ -79,9 +80,6 @@ std::string added_ranges(const std::vector<std::string>& cats) {
   return out;
 }
 
-struct CodeRange {
-  char32_t first, last;
-};
 // Oniguruma's \w beyond \p{L}\p{M}\p{Nd}\p{Pc}\p{Nl}, and its \s (White_Space), Unicode 16.0.
 constexpr CodeRange kWordExtra[] = {
 #include "tokenizer/unicode_word.inc"
@@ -111,14 +109,8 @@ std::string shorthand_members(char e) {
 }  // namespace
 
 std::string_view unicode16_added_category(char32_t c) {
-  // The table is sorted by code point (make_unicode_tables.mjs writes it so); the Digits
-  // pre-tokenizer asks for every character.
-  const AddedRange* end = std::end(kUnicode16Added);
-  const AddedRange* r =
-      std::upper_bound(std::begin(kUnicode16Added), end, c,
-                       [](char32_t x, const AddedRange& e) { return x < e.first; });
-  if (r == std::begin(kUnicode16Added) || c > (r - 1)->last) return {};
-  return (r - 1)->category;
+  const AddedRange* r = find_code_range(kUnicode16Added, c);
+  return r ? r->category : std::string_view();
 }
 
 std::string widen_unicode_properties(std::string_view p) {
