@@ -196,6 +196,25 @@ TEST_F(Cli, TokenOutOfVocabulary) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+TEST_F(Cli, PositionsPastTheConfigAreRefusedByLogitsAndGenerate) {
+  fs::path d = copy_model();
+  std::string cfg = read_all(d / "config.json");
+  const size_t at = cfg.find("\"max_position_embeddings\"");
+  ASSERT_NE(at, std::string::npos);
+  cfg.replace(at, cfg.find(',', at) - at, "\"max_position_embeddings\": 4");
+  std::ofstream(d / "config.json") << cfg;
+  fs::path out = tmp_ / "x.npy";
+  expect_error(run("logits --model " + d.string() + " --tokens 1,2,3,4,5 --out " + out.string()),
+               "prompt = 5 tokens exceed max_position_embeddings = 4");
+  EXPECT_FALSE(fs::exists(out));
+  expect_error(run("generate --model " + d.string() + " --tokens 1,2,3 -n 2"),
+               "prompt + n = 5 tokens exceed max_position_embeddings = 4");
+  // At the limit both run.
+  EXPECT_EQ(run("logits --model " + d.string() + " --tokens 1,2,3,4 --out " + out.string()).code,
+            0);
+  EXPECT_EQ(run("generate --model " + d.string() + " --tokens 1,2 -n 2").code, 0);
+}
+
 TEST_F(Cli, EmptyAndMalformedTokenLists) {
   expect_error(run("generate --model " + model_ + " --tokens '' -n 2"), "empty");
   expect_error(run("generate --model " + model_ + " --tokens 1,x,3 -n 2"), "'x'");

@@ -8,6 +8,19 @@
 #include "runtime/session.h"
 
 namespace ts::cli {
+namespace {
+
+// Positions past the config's max_position_embeddings are refused by both commands (the
+// model was not trained there; the KV cache and RoPE tables are sized from it elsewhere).
+Status check_positions(int64_t n_tokens, const std::string& what, const Loaded& m) {
+  if (n_tokens > m.model->hp().max_positions)
+    return make_error(
+        what + " = " + std::to_string(n_tokens) +
+        " tokens exceed max_position_embeddings = " + std::to_string(m.model->hp().max_positions));
+  return {};
+}
+
+}  // namespace
 
 Status cmd_logits(const Args& args) {
   TS_ASSIGN(std::string tokens_arg, args.str("tokens"));
@@ -16,6 +29,7 @@ Status cmd_logits(const Args& args) {
   TS_ASSIGN(ModelFlags flags, read_model_flags(args));
   TS_TRY(args.check_all_used());
   TS_ASSIGN(Loaded m, load_model(flags));
+  TS_TRY(check_positions(int64_t(tokens.size()), "prompt", m));
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
   TS_ASSIGN(std::unique_ptr<runtime::Engine> engine,
             make_session(flags, m, {.n_ctx = int(tokens.size()), .interventions = std::move(iv)}));
@@ -43,14 +57,11 @@ Status cmd_generate(const Args& args) {
   TS_ASSIGN(ModelFlags flags, read_model_flags(args));
   TS_TRY(args.check_all_used());
   TS_ASSIGN(Loaded m, load_model(flags));
-  int n_ctx = int(tokens.size() + size_t(n));
-  if (n_ctx > m.model->hp().max_positions)
-    return make_error("prompt + n = " + std::to_string(n_ctx) +
-                      " tokens exceed max_position_embeddings = " +
-                      std::to_string(m.model->hp().max_positions));
+  const int64_t n_ctx = int64_t(tokens.size()) + n;
+  TS_TRY(check_positions(n_ctx, "prompt + n", m));
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
   TS_ASSIGN(std::unique_ptr<runtime::Engine> engine,
-            make_session(flags, m, {.n_ctx = n_ctx, .interventions = std::move(iv)}));
+            make_session(flags, m, {.n_ctx = int(n_ctx), .interventions = std::move(iv)}));
   runtime::Engine& session = *engine;
   runtime::Sampler sampler(so);
   std::string line;
