@@ -22,6 +22,15 @@ TEST(CudaBlas, LibraryWithoutTheFunctionsIsANamedError) {
   EXPECT_EQ(b.error().message, "libc.so.6 has no function cublasCreate_v2");
 }
 
+TEST(CudaBlas, ToolkitLibraryResolvesEveryFunction) {
+  // Needs the library, not a device: where the toolkit's cuBLAS is on the path (the build
+  // machine, CI, the GPU machine), all six names resolve.
+  auto b = ts::cuda::open_blas(ts::cuda::blas_soname());
+  if (!b) GTEST_SKIP() << b.error().message;
+  EXPECT_TRUE(b->create && b->destroy && b->set_stream && b->set_math_mode && b->sgemm &&
+              b->gemm_ex);
+}
+
 TEST(CudaBlas, ToolkitLibraryLoadsWhereAGpuIs) {
   if (!ts_test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   auto b = ts::cuda::load_blas();
