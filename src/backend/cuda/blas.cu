@@ -1,6 +1,7 @@
 #include <dlfcn.h>
 
 #include <mutex>
+#include <vector>
 
 #include "backend/cuda/blas.h"
 
@@ -18,10 +19,24 @@ void resolve(void* lib, const char* name, F& f, std::string& missing) {
 std::string blas_soname() { return "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR); }
 
 Result<Blas> open_blas(const std::string& soname) {
-  void* lib = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+  // The loader's search first (LD_LIBRARY_PATH, ld.so.cache), then the build's toolkit.
+  std::vector<std::string> tried = {soname};
+#ifdef TS_CUDA_LIB_DIR
+  if (soname.find('/') == std::string::npos)
+    tried.push_back(std::string(TS_CUDA_LIB_DIR) + "/" + soname);
+#endif
+  void* lib = nullptr;
+  std::string why;
+  for (const std::string& path : tried) {
+    lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (lib) break;
+    const char* e = dlerror();
+    if (why.empty()) why = e ? e : "unknown reason";
+  }
   if (!lib) {
-    const char* why = dlerror();
-    return make_error("cannot load " + soname + " (" + (why ? why : "unknown reason") +
+    std::string where;
+    for (size_t i = 1; i < tried.size(); ++i) where += ", nor " + tried[i];
+    return make_error("cannot load " + soname + " (" + why + where +
                       "): the CUDA backend needs cuBLAS " + std::to_string(CUBLAS_VER_MAJOR) +
                       " from the CUDA toolkit on the library path (e.g. " +
                       "LD_LIBRARY_PATH=/usr/local/cuda/lib64)");
