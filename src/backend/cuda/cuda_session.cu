@@ -146,7 +146,7 @@ CudaSession::~CudaSession() {
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (graph_) cudaGraphExecDestroy(graph_);
   for (cudaGraphExec_t g : segments_) cudaGraphExecDestroy(g);
-  if (blas_) cublasDestroy(blas_);
+  if (blas_) bl_->destroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
   for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_),
                   static_cast<void*>(h_ids_), static_cast<void*>(h_slot_hit_),
@@ -157,10 +157,11 @@ CudaSession::~CudaSession() {
 Status CudaSession::begin(int device) {
   CUDA_TRY(cudaSetDevice(device));
   CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  CUBLAS_TRY(cublasCreate(&blas_));
-  CUBLAS_TRY(cublasSetStream(blas_, stream_));
+  TS_ASSIGN(bl_, load_blas());
+  CUBLAS_TRY(bl_->create(&blas_));
+  CUBLAS_TRY(bl_->set_stream(blas_, stream_));
   // F32 GEMMs stay F32 (no TF32): the fixtures are checked against transformers in F32.
-  CUBLAS_TRY(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
+  CUBLAS_TRY(bl_->set_math_mode(blas_, CUBLAS_DEFAULT_MATH));
   const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
   use_graphs_ = !(env && std::string(env) == "0");
   cached_.resize(size_t(hp_.n_layers));
@@ -896,9 +897,9 @@ Status CudaSession::gemm(const DevMatrix& w, const void* x, int n, float* y, boo
   const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const int rows = int(w.rows), cols = int(w.cols);
   if (w.dtype == DType::kF32) {
-    CUBLAS_TRY(cublasSgemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one,
-                           static_cast<const float*>(w.data), cols, static_cast<const float*>(x),
-                           cols, &beta, y, rows));
+    CUBLAS_TRY(bl_->sgemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one,
+                          static_cast<const float*>(w.data), cols, static_cast<const float*>(x),
+                          cols, &beta, y, rows));
     return {};
   }
   const void* wd = w.data;
@@ -917,7 +918,7 @@ Status CudaSession::gemm(const DevMatrix& w, const void* x, int n, float* y, boo
     wd = wtmp_;
     t = CUDA_R_16BF;
   }
-  CUBLAS_TRY(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, wd, t, cols, x, t,
+  CUBLAS_TRY(bl_->gemm_ex(blas_, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, wd, t, cols, x, t,
                           cols, &beta, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F,
                           CUBLAS_GEMM_DEFAULT));
   return {};

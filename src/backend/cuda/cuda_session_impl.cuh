@@ -4,8 +4,6 @@
 // cuda_session_moe.cu (the routed-expert pass: decode steps and the expert-grouped prefill).
 #pragma once
 
-#include "backend/cuda/cuda_session.h"
-
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -18,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/blas.h"
+#include "backend/cuda/cuda_session.h"
 #include "backend/cuda/kernels.cuh"
 #include "experts/expert_store.h"
 #include "runtime/interventions.h"
@@ -292,6 +292,7 @@ class CudaSession final : public runtime::Engine {
   Arena arena_;
   DevWeights w_;
   cudaStream_t stream_ = nullptr;
+  const Blas* bl_ = nullptr;  // cuBLAS, loaded by begin()
   cublasHandle_t blas_ = nullptr;
   cudaGraphExec_t graph_ = nullptr;
   int graph_splits_ = 0;
