@@ -20,11 +20,15 @@ struct Blas {
   decltype(&cublasSetMathMode) set_math_mode = nullptr;
   decltype(&cublasSgemm_v2) sgemm = nullptr;
   // cublasGemmEx is overloaded in C++ (a wrapper taking a cudaDataType compute type).
-  cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
-                            const void*, const void*, cudaDataType, int, const void*, cudaDataType,
-                            int, const void*, void*, cudaDataType, int, cublasComputeType_t,
-                            cublasGemmAlgo_t) = nullptr;
+  using GemmEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int,
+                                    int, const void*, const void*, cudaDataType, int, const void*,
+                                    cudaDataType, int, const void*, void*, cudaDataType, int,
+                                    cublasComputeType_t, cublasGemmAlgo_t);
+  GemmEx gemm_ex = nullptr;
 };
+// The library's own overload has exactly this type: the cast compiles only if one does
+// (unevaluated, so the symbol itself is not referenced).
+static_assert(sizeof(static_cast<Blas::GemmEx>(&cublasGemmEx)) > 0);
 
 // The soname the code was compiled against: libcublas.so.<CUBLAS_VER_MAJOR>.
 std::string blas_soname();
