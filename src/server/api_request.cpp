@@ -19,6 +19,14 @@ ApiError bad(std::string param, std::string message) {
   return ApiError{.status = 400, .message = std::move(message), .param = std::move(param)};
 }
 
+// Block b's optional string field key ("" when absent), or a 400 naming at.key when it is
+// present with another type.
+Parsed<std::string> optional_string(const json& b, const char* key, const std::string& at) {
+  if (b.contains(key) && !b[key].is_string())
+    return bad(at, "'" + at + "." + key + "' must be a string");
+  return string_field(b, key);
+}
+
 // Reads optional fields of a JSON object; the first problem is kept and reported.
 class Fields {
  public:
@@ -319,8 +327,7 @@ Parsed<std::string> anthropic_text(const json& v, const std::string& at) {
 // messages, tool_use blocks the assistant's tool_calls, thinking blocks reasoning_content.
 std::optional<ApiError> convert_anthropic_message(const json& m, const std::string& at, json& out) {
   if (!m.is_object()) return bad(at, "'" + at + "' must be an object");
-  const std::string role =
-      m.contains("role") && m["role"].is_string() ? m["role"].get<std::string>() : "";
+  const std::string role = string_field(m, "role");
   if (role != "user" && role != "assistant")
     return bad(at + ".role", "'" + at + ".role' must be user or assistant");
   if (!m.contains("content")) return bad(at + ".content", "'" + at + ".content' is required");
@@ -341,16 +348,16 @@ std::optional<ApiError> convert_anthropic_message(const json& m, const std::stri
       if (!text.empty()) text += "\n";
       text += b["text"].get<std::string>();
     } else if (type == "thinking" && role == "assistant") {
-      if (b.contains("thinking") && !b["thinking"].is_string())
-        return bad(bat, "'" + bat + ".thinking' must be a string");
-      thinking += string_field(b, "thinking");
+      auto t = optional_string(b, "thinking", bat);
+      if (auto* e = std::get_if<ApiError>(&t)) return *e;
+      thinking += std::get<std::string>(t);
     } else if (type == "tool_use" && role == "assistant") {
       if (!b.contains("name") || !b["name"].is_string() || !b.contains("input") ||
           !b["input"].is_object())
         return bad(bat, "'" + bat + "' (tool_use) needs a string name and an object input");
-      if (b.contains("id") && !b["id"].is_string())
-        return bad(bat, "'" + bat + ".id' must be a string");
-      calls.push_back({{"id", string_field(b, "id")},
+      auto id = optional_string(b, "id", bat);
+      if (auto* e = std::get_if<ApiError>(&id)) return *e;
+      calls.push_back({{"id", std::get<std::string>(id)},
                        {"type", "function"},
                        {"function", {{"name", b["name"]}, {"arguments", b["input"].dump()}}}});
     } else if (type == "tool_result" && role == "user") {
@@ -360,11 +367,10 @@ std::optional<ApiError> convert_anthropic_message(const json& m, const std::stri
         if (auto* e = std::get_if<ApiError>(&r)) return *e;
         result = std::get<std::string>(r);
       }
-      if (b.contains("tool_use_id") && !b["tool_use_id"].is_string())
-        return bad(bat, "'" + bat + ".tool_use_id' must be a string");
-      out.push_back({{"role", "tool"},
-                     {"tool_call_id", string_field(b, "tool_use_id")},
-                     {"content", result}});
+      auto id = optional_string(b, "tool_use_id", bat);
+      if (auto* e = std::get_if<ApiError>(&id)) return *e;
+      out.push_back(
+          {{"role", "tool"}, {"tool_call_id", std::get<std::string>(id)}, {"content", result}});
     } else {
       return bad(
           bat, "'" + bat + "' has an unsupported block type '" + type +
