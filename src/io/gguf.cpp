@@ -18,6 +18,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 
 namespace ts::io {
 
@@ -26,7 +27,6 @@ static_assert(std::endian::native == std::endian::little,
 
 namespace {
 
-constexpr uint32_t kGgmlTypeF32 = 0;
 constexpr uint32_t kMaxDims = 4;            // GGML_MAX_DIMS
 constexpr size_t kMaxTensorName = 63;       // GGML_MAX_NAME - 1
 constexpr size_t kMaxKeyBytes = 65535;      // the spec's limit on keys
@@ -64,15 +64,6 @@ size_t fixed_size(GgufType t) {
 }
 
 bool known_type(uint32_t t) { return t <= uint32_t(GgufType::kF64); }
-
-std::string ggml_type_name(uint32_t t) {
-  static constexpr const char* kNames[] = {
-      "F32",     "F16",    "Q4_0",    "Q4_1",  "Q4_2",   "Q4_3",  "Q5_0",  "Q5_1",
-      "Q8_0",    "Q8_1",   "Q2_K",    "Q3_K",  "Q4_K",   "Q5_K",  "Q6_K",  "Q8_K",
-      "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS",
-      "I8",      "I16",    "I32",     "I64",   "F64",    "IQ1_M", "BF16"};
-  return t < std::size(kNames) ? std::string(kNames[t]) : "unknown";
-}
 
 // Bounds-checked little-endian cursor over the mapped file. Every read names what it reads.
 class Reader {
@@ -215,6 +206,7 @@ Result<GgufValue> read_value(Reader& r, GgufType t, const std::string& what) {
         return r.fail(what + ": unknown array element type " + std::to_string(et));
       TS_ASSIGN(v.array_len, r.pod<uint64_t>(what + " array count"));
       v.array_type = GgufType(et);
+      v.array_pos = r.pos();
       TS_TRY(skip_elements(r, v.array_type, v.array_len, what, 1));
       return v;
     }
@@ -251,14 +243,128 @@ int direction_layer(const std::string& name) {
 
 }  // namespace
 
+std::string ggml_type_name(uint32_t t) {
+  // ggml.h's enum ggml_type; ids 4 and 5 (Q4_2, Q4_3) were removed, 31-33 are gone too.
+  static constexpr const char* kNames[] = {
+      "F32",     "F16",     "Q4_0",    "Q4_1",  "Q4_2",    "Q4_3",    "Q5_0",    "Q5_1",
+      "Q8_0",    "Q8_1",    "Q2_K",    "Q3_K",  "Q4_K",    "Q5_K",    "Q6_K",    "Q8_K",
+      "IQ2_XXS", "IQ2_XS",  "IQ3_XXS", "IQ1_S", "IQ4_NL",  "IQ3_S",   "IQ2_S",   "IQ4_XS",
+      "I8",      "I16",     "I32",     "I64",   "F64",     "IQ1_M",   "BF16",    "type 31",
+      "type 32", "type 33", "TQ1_0",   "TQ2_0", "type 36", "type 37", "type 38", "MXFP4"};
+  return t < std::size(kNames) ? std::string(kNames[t]) : "type " + std::to_string(t);
+}
+
+bool ggml_type_block(uint32_t type, int64_t* block_elems, uint64_t* block_bytes) {
+  // ggml.c's type_traits (blck_size, type_size) for the layouts MoE files use.
+  struct Block {
+    uint32_t type;
+    int64_t elems;
+    uint64_t bytes;
+  };
+  static constexpr Block kBlocks[] = {
+      {0, 1, 4},      {1, 1, 2},     {2, 32, 18},    {3, 32, 20},    {6, 32, 22},    {7, 32, 24},
+      {8, 32, 34},    {10, 256, 84}, {11, 256, 110}, {12, 256, 144}, {13, 256, 176}, {14, 256, 210},
+      {15, 256, 292}, {16, 256, 66}, {17, 256, 74},  {18, 256, 98},  {19, 256, 50},  {20, 32, 18},
+      {21, 256, 110}, {22, 256, 82}, {23, 256, 136}, {24, 1, 1},     {25, 1, 2},     {26, 1, 4},
+      {27, 1, 8},     {28, 1, 8},    {29, 256, 56},  {30, 1, 2},     {34, 256, 54},  {35, 256, 66},
+      {39, 32, 17}};
+  for (const Block& b : kBlocks)
+    if (b.type == type) {
+      *block_elems = b.elems;
+      *block_bytes = b.bytes;
+      return true;
+    }
+  return false;
+}
+
+bool is_gguf_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  char magic[4] = {};
+  return f && f.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
+}
+
 const GgufValue* GgufFile::find(std::string_view key) const {
   for (const auto& [k, v] : kv)
     if (k == key) return &v;
   return nullptr;
 }
 
+const GgufTensorInfo* GgufFile::tensor(std::string_view name) const {
+  for (const GgufTensorInfo& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+Result<std::vector<std::string>> GgufFile::strings(std::string_view key) const {
+  const GgufValue* v = find(key);
+  const std::string what = file->path() + ": metadata '" + std::string(key) + "'";
+  if (!v) return make_error(what + " is missing");
+  if (v->type != GgufType::kArray || v->array_type != GgufType::kString)
+    return make_error(what + " is not an array of strings");
+  Reader r(file->data(), file->size(), file->path());
+  TS_TRY(r.skip(v->array_pos, what));
+  std::vector<std::string> out;
+  out.reserve(size_t(v->array_len));
+  for (uint64_t i = 0; i < v->array_len; ++i) {
+    TS_ASSIGN(std::string s, r.str(what));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+Result<std::vector<double>> GgufFile::numbers(std::string_view key) const {
+  const GgufValue* v = find(key);
+  const std::string what = file->path() + ": metadata '" + std::string(key) + "'";
+  if (!v) return make_error(what + " is missing");
+  const size_t sz = v->type == GgufType::kArray ? fixed_size(v->array_type) : 0;
+  if (sz == 0 || v->array_type == GgufType::kBool)
+    return make_error(what + " is not an array of numbers");
+  std::vector<double> out(size_t(v->array_len));
+  const uint8_t* p = file->data() + v->array_pos;
+  for (size_t i = 0; i < out.size(); ++i, p += sz) {
+    auto get = [&]<class T>(T) {
+      T x;
+      std::memcpy(&x, p, sizeof(T));
+      return double(x);
+    };
+    switch (v->array_type) {
+      case GgufType::kU8:
+        out[i] = get(uint8_t{});
+        break;
+      case GgufType::kI8:
+        out[i] = get(int8_t{});
+        break;
+      case GgufType::kU16:
+        out[i] = get(uint16_t{});
+        break;
+      case GgufType::kI16:
+        out[i] = get(int16_t{});
+        break;
+      case GgufType::kU32:
+        out[i] = get(uint32_t{});
+        break;
+      case GgufType::kI32:
+        out[i] = get(int32_t{});
+        break;
+      case GgufType::kF32:
+        out[i] = get(float{});
+        break;
+      case GgufType::kU64:
+        out[i] = get(uint64_t{});
+        break;
+      case GgufType::kI64:
+        out[i] = get(int64_t{});
+        break;
+      default:
+        out[i] = get(double{});
+        break;
+    }
+  }
+  return out;
+}
+
 std::vector<float> GgufFile::f32(const GgufTensorInfo& t) const {
-  TS_CHECK(t.ggml_type == kGgmlTypeF32, "GgufFile::f32 on a non-F32 tensor");
+  TS_CHECK(t.ggml_type == kGgmlF32, "GgufFile::f32 on a non-F32 tensor");
   std::vector<float> out(size_t(t.numel));
   std::memcpy(out.data(), file->data() + data_offset + t.offset, out.size() * sizeof(float));
   return out;
@@ -342,9 +448,18 @@ Result<GgufFile> read_gguf(const std::string& path) {
       t.dims.push_back(int64_t(d));
     }
     TS_ASSIGN(t.ggml_type, r.pod<uint32_t>(what + " type"));
-    if (t.ggml_type != kGgmlTypeF32)
+    int64_t block_elems = 0;
+    uint64_t block_bytes = 0;
+    if (!ggml_type_block(t.ggml_type, &block_elems, &block_bytes))
       return r.fail(what + " has ggml type " + std::to_string(t.ggml_type) + " (" +
-                    ggml_type_name(t.ggml_type) + "); only F32 (0) is supported");
+                    ggml_type_name(t.ggml_type) + "), whose layout this reader does not know");
+    const int64_t ne0 = t.dims.empty() ? 1 : t.dims[0];
+    if (ne0 % block_elems != 0)
+      return r.fail(what + " is " + ggml_type_name(t.ggml_type) +
+                    " with dim 0 = " + std::to_string(ne0) + ", not a whole number of " +
+                    std::to_string(block_elems) + "-element blocks");
+    if (__builtin_mul_overflow(uint64_t(t.numel / block_elems), block_bytes, &t.n_bytes))
+      return r.fail(what + " has a byte size that overflows");
     TS_ASSIGN(t.offset, r.pod<uint64_t>(what + " offset"));
     if (t.offset % g.alignment != 0)
       return r.fail(what + " offset " + std::to_string(t.offset) + " is not a multiple of the " +
@@ -368,14 +483,13 @@ Result<GgufFile> read_gguf(const std::string& path) {
   };
   std::vector<Span> spans;
   for (const GgufTensorInfo& t : g.tensors) {
-    const bool fits =
-        t.offset <= data_bytes && uint64_t(t.numel) <= (data_bytes - t.offset) / sizeof(float);
+    const bool fits = t.offset <= data_bytes && t.n_bytes <= data_bytes - t.offset;
     if (!fits)
-      return r.fail("truncated: tensor '" + t.name + "' (" + std::to_string(t.numel) +
-                    " F32 values at data offset " + std::to_string(t.offset) +
-                    ") runs past the end of the file (data section holds " +
-                    std::to_string(data_bytes) + " bytes)");
-    const uint64_t n_bytes = uint64_t(t.numel) * sizeof(float);
+      return r.fail("truncated: tensor '" + t.name + "' (" + std::to_string(t.n_bytes) +
+                    " bytes of " + ggml_type_name(t.ggml_type) + " at data offset " +
+                    std::to_string(t.offset) + ") runs past the end of the file (data " +
+                    "section holds " + std::to_string(data_bytes) + " bytes)");
+    const uint64_t n_bytes = t.n_bytes;
     if (n_bytes) spans.push_back({t.offset, t.offset + n_bytes, &t.name});
   }
   std::sort(spans.begin(), spans.end(),
@@ -413,6 +527,9 @@ Result<ControlVector> read_control_vector(const std::string& path, int64_t n_emb
     if (layer < 1)
       return fail("tensor '" + t.name + "' is not named direction.N with N >= 1 (llama.cpp " +
                   "control vectors hold only those; N is the layer, from 1)");
+    if (t.ggml_type != kGgmlF32)
+      return fail("tensor '" + t.name + "' is " + ggml_type_name(t.ggml_type) +
+                  "; control vector directions must be F32");
     bool flat = !t.dims.empty();
     for (size_t j = 1; j < t.dims.size(); ++j) flat = flat && t.dims[j] == 1;
     if (!flat || t.dims[0] != n_embd) {

@@ -1,7 +1,8 @@
 // GGUF (ggml's single-file container, versions 2 and 3, little-endian): a strict reader of the
-// header, the metadata and the tensor table, and llama.cpp control vectors on top of it.
-// Only F32 tensors are accepted: control vectors are F32, and a reader that cannot size a
-// quantized tensor cannot check that it lies inside the file. Layout in gguf.cpp.
+// header, the metadata and the tensor table; llama.cpp control vectors on top of it, and
+// models (model/gguf_model.h). Tensors of the ggml types whose block size this reader knows
+// (ggml_type_block) are accepted and bounds-checked; what a consumer can compute with is its
+// own check. Layout in gguf.cpp.
 #pragma once
 
 #include <cstdint>
@@ -41,14 +42,25 @@ struct GgufValue {
   std::variant<std::monostate, int64_t, uint64_t, double, bool, std::string> value;
   GgufType array_type = GgufType::kU8;
   uint64_t array_len = 0;
+  uint64_t array_pos = 0;  // file offset of the first element (validated by read_gguf)
 };
+
+// ggml tensor types by id (ggml.h's enum ggml_type; the ones MoE checkpoints use).
+constexpr uint32_t kGgmlF32 = 0, kGgmlF16 = 1, kGgmlQ4_0 = 2, kGgmlQ8_0 = 8, kGgmlQ4_K = 12,
+                   kGgmlQ5_K = 13, kGgmlQ6_K = 14, kGgmlBF16 = 30;
+// "Q6_K", "BF16", ...; "type N" for an id this reader does not name.
+std::string ggml_type_name(uint32_t type);
+// Elements and bytes per block (1 and the element size for float types); false for a type
+// whose layout this reader does not know.
+bool ggml_type_block(uint32_t type, int64_t* block_elems, uint64_t* block_bytes);
 
 struct GgufTensorInfo {
   std::string name;
   std::vector<int64_t> dims;  // ggml order: dims[0] is the contiguous (fastest) one
-  uint32_t ggml_type = 0;     // always 0 = GGML_TYPE_F32 after read_gguf
+  uint32_t ggml_type = 0;     // a type ggml_type_block knows
   uint64_t offset = 0;        // from the start of the data section, a multiple of alignment
   int64_t numel = 0;
+  uint64_t n_bytes = 0;  // dims[0] is a whole number of blocks
 };
 
 struct GgufFile {
@@ -60,14 +72,26 @@ struct GgufFile {
   std::vector<GgufTensorInfo> tensors;                // file order
 
   const GgufValue* find(std::string_view key) const;
-  // The tensor's values (bounds were checked by read_gguf).
+  const GgufTensorInfo* tensor(std::string_view name) const;
+  // The tensor's values (bounds were checked by read_gguf); the tensor must be F32.
   std::vector<float> f32(const GgufTensorInfo& t) const;
+  const uint8_t* tensor_data(const GgufTensorInfo& t) const {
+    return file->data() + data_offset + t.offset;
+  }
+  // The elements of an array value: strings; numbers of any integer or float type (as
+  // double). Error naming the key if `key` is absent or not such an array.
+  Result<std::vector<std::string>> strings(std::string_view key) const;
+  Result<std::vector<double>> numbers(std::string_view key) const;
 };
+
+// A regular file that starts with the GGUF magic (a model path may be a directory or this).
+bool is_gguf_file(const std::string& path);
 
 // Reads and validates everything but the tensor values: magic, version, counts against the
 // file size, every string and array length, value types, duplicate keys and tensor names,
-// general.alignment (u32, a power of two), dims, tensor type (F32 only), offsets (aligned,
-// inside the file, not overlapping). Errors name the path and the field, key or tensor.
+// general.alignment (u32, a power of two), dims, tensor type (known block layout, dims[0] a
+// whole number of blocks), offsets (aligned, inside the file, not overlapping). Errors name the
+// path and the field, key or tensor.
 Result<GgufFile> read_gguf(const std::string& path);
 
 // A llama.cpp control vector (what llama-cvector-generator writes, --control-vector reads):
