@@ -403,6 +403,17 @@ Status TensorSet::add_mapped(std::unique_ptr<MappedFile> file, std::vector<Tenso
   return {};
 }
 
+Status TensorSet::add_owned(std::unique_ptr<uint8_t[]> bytes, std::vector<TensorView> views) {
+  for (TensorView& v : views) {
+    if (tensors_.count(v.name))
+      return make_error("tensor " + v.name + " appears twice (" + v.file + ")");
+    std::string name = v.name;
+    tensors_.emplace(std::move(name), std::move(v));
+  }
+  owned_.push_back(std::move(bytes));
+  return {};
+}
+
 uint64_t TensorSet::file_bytes() const {
   uint64_t total = 0;
   for (const auto& f : files_) total += f->size();

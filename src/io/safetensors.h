@@ -61,10 +61,14 @@ class TensorSet {
   // of the mapping. The caller has checked each view lies inside the file. Error on a name
   // that is already present.
   Status add_mapped(std::unique_ptr<MappedFile> file, std::vector<TensorView> views);
+  // Adds tensors whose bytes live in `bytes` (a rearranged copy of a file's tensor), taking
+  // ownership. Their `file` names where the bytes came from; they are not streamable.
+  Status add_owned(std::unique_ptr<uint8_t[]> bytes, std::vector<TensorView> views);
 
  private:
   Status add_file(const std::string& path);
   std::vector<std::unique_ptr<MappedFile>> files_;
+  std::vector<std::unique_ptr<uint8_t[]>> owned_;
   std::map<std::string, TensorView> tensors_;
 };
 

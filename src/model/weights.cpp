@@ -63,13 +63,9 @@ Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensor
   const int64_t d = hp.d_model;
   BoundWeights out;
   DenseWeights& w = out.dense;
+  // A quantized embedding (GGUF files quantize token_embd) is dequantized row by row as the
+  // forward pass gathers it: exactly, into F32.
   TS_ASSIGN(w.embed, b.matrix("model.embed_tokens.weight", hp.vocab, d));
-  // The forward pass converts embedding rows one element at a time (Session), and packs
-  // never quantize them.
-  if (dtype_is_quantized(w.embed.dtype))
-    return make_error("tensor model.embed_tokens.weight is " +
-                      std::string(dtype_name(w.embed.dtype)) +
-                      "; embeddings must be F32, F16 or BF16");
   TS_ASSIGN(w.final_norm, b.vec("model.norm.weight", d));
   if (hp.tie_word_embeddings && !tensors.find("lm_head.weight")) {
     w.lm_head = w.embed;

@@ -2,12 +2,13 @@
 
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <unordered_map>
 
-#include <optional>
-
+#include "io/gguf.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
+#include "model/gguf_model.h"
 
 namespace ts::runtime {
 namespace {
@@ -107,12 +108,19 @@ LoadedModel::~LoadedModel() = default;
 Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
                                                        const LoadOptions& options) {
   std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec))
-    return make_error("model directory " + dir + " does not exist");
+  const bool gguf = io::is_gguf_file(dir);
+  if (!gguf && !std::filesystem::is_directory(dir, ec))
+    return make_error(std::filesystem::exists(dir, ec)
+                          ? dir + " is neither a model directory nor a GGUF file"
+                          : "model directory " + dir + " does not exist");
   std::unique_ptr<LoadedModel> m(new LoadedModel());
   m->dir_ = dir;
   std::optional<io::PackManifest> pack;
-  if (io::is_pack_dir(dir)) {
+  if (gguf) {
+    TS_ASSIGN(model::GgufModel g, model::open_gguf_model(dir));
+    TS_ASSIGN(m->hp_, model::parse_hparams(g.config_json, dir + " (its metadata as config.json)"));
+    m->tensors_ = std::move(g.tensors);
+  } else if (io::is_pack_dir(dir)) {
     TS_ASSIGN(pack, io::read_pack_manifest(dir));
     TS_ASSIGN(m->hp_, model::parse_hparams(pack->config.dump(), dir + "/manifest.json (config)"));
     TS_TRY(check_pack_layers(*pack, m->hp_, dir + "/manifest.json"));

@@ -24,8 +24,8 @@ struct LoadOptions {
 
 class LoadedModel {
  public:
-  // DIR holds config.json and the safetensors (single or sharded). Errors name the file,
-  // key or tensor.
+  // DIR holds config.json and the safetensors (single or sharded), or is a pack, or is a GGUF
+  // file (model/gguf_model.h). Errors name the file, key or tensor.
   static Result<std::unique_ptr<LoadedModel>> load(const std::string& dir,
                                                    const LoadOptions& options = {});
   ~LoadedModel();

@@ -8,6 +8,7 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/ops.h"
+#include "backend/cpu/quant.h"
 #include "core/thread_pool.h"
 #include "model/router.h"
 
@@ -131,13 +132,16 @@ Status Session::forward_chunk(const int* tokens, int n, float* logits_out, bool 
   const model::HParams& hp = model_.hp();
   const model::DenseWeights& w = model_.dense();
   const size_t d = size_t(hp.d_model);
-  // Embedding rows, converted to F32 (never quantized: bind_weights refuses that).
-  TS_CHECK(!dtype_is_quantized(w.embed.dtype), "quantized embeddings");
+  // Embedding rows, converted to F32 (a quantized table by its reference dequantization).
   for (int t = 0; t < n; ++t) {
     const model::Matrix& e = w.embed;
     const uint8_t* row = static_cast<const uint8_t*>(e.data) +
                          size_t(tokens[t]) * dtype_row_bytes(e.dtype, int64_t(d));
-    float_row_to_f32(row, e.dtype, x_.data() + size_t(t) * d, int64_t(d));
+    float* out = x_.data() + size_t(t) * d;
+    if (dtype_is_quantized(e.dtype))
+      cpu::dequantize_row(e.dtype, row, out, int64_t(d));
+    else
+      float_row_to_f32(row, e.dtype, out, int64_t(d));
   }
   layer_boundary(-1, n, last_chunk);
   for (int l = 0; l < hp.n_layers; ++l) {

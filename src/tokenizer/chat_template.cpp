@@ -5,6 +5,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "io/gguf.h"
+#include "tokenizer/gguf_vocab.h"
 #include "tokenizer/jinja_builtins.h"
 #include "tokenizer/jinja_eval.h"
 #include "tokenizer/jinja_parser.h"
@@ -50,16 +52,29 @@ Result<std::optional<std::string>> special_token(const ojson& config, const char
 }  // namespace
 
 Result<ChatTemplate> ChatTemplate::load(const std::string& dir) {
-  const fs::path config_path = fs::path(dir) / "tokenizer_config.json";
-  const std::string cp = config_path.string();
-  if (!fs::exists(config_path))
-    return make_error("missing " + cp + " (the chat template and special tokens are read from it)");
-  TS_ASSIGN(std::string text, read_file(config_path));
   ojson config;
-  try {
-    config = ojson::parse(text);
-  } catch (const std::exception& e) {
-    return make_error(cp + ": invalid JSON: " + e.what());
+  std::string cp;
+  if (io::is_gguf_file(dir)) {
+    // The template and the special tokens' texts from the file's metadata.
+    TS_ASSIGN(GgufVocab vocab, read_gguf_vocab(dir));
+    config = ojson::parse(vocab.tokenizer_config.dump());
+    cp = dir + " (metadata tokenizer.chat_template)";
+    if (!config.contains("chat_template"))
+      return make_error(dir +
+                        ": metadata 'tokenizer.chat_template' is missing (the file has no "
+                        "chat template)");
+  } else {
+    const fs::path config_path = fs::path(dir) / "tokenizer_config.json";
+    cp = config_path.string();
+    if (!fs::exists(config_path))
+      return make_error("missing " + cp +
+                        " (the chat template and special tokens are read from it)");
+    TS_ASSIGN(std::string text, read_file(config_path));
+    try {
+      config = ojson::parse(text);
+    } catch (const std::exception& e) {
+      return make_error(cp + ": invalid JSON: " + e.what());
+    }
   }
   if (!config.is_object()) return make_error(cp + ": expected a JSON object");
 

@@ -5,9 +5,11 @@
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
+#include "io/gguf.h"
 #include "tokenizer/added_vocab.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/decoder.h"
+#include "tokenizer/gguf_vocab.h"
 #include "tokenizer/json_util.h"
 #include "tokenizer/normalizer.h"
 #include "tokenizer/pre_tokenizer.h"
@@ -143,11 +145,26 @@ Status parse_added_tokens(const json& root, const std::string& where, const BpeM
 Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Tokenizer::~Tokenizer() = default;
 
-Result<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
-  const fs::path root(dir);
+// Everything load() does once the files (or a GGUF's metadata) are read; the names are for
+// errors.
+struct TokenizerBuilder {
+  static Result<std::unique_ptr<Tokenizer>> build(TokenizerJson file, const std::string& tok_name,
+                                                  json tcfg, const std::string& tcfg_name,
+                                                  json gcfg, const std::string& gcfg_name);
+};
+
+Result<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& path) {
+  if (io::is_gguf_file(path)) {
+    TS_ASSIGN(GgufVocab v, read_gguf_vocab(path));
+    return TokenizerBuilder::build(
+        std::move(v.tokenizer), path + " (tokenizer.json from its metadata)",
+        std::move(v.tokenizer_config), path + " (tokenizer_config.json from its metadata)",
+        std::move(v.generation_config), path + " (generation_config.json from its metadata)");
+  }
+  const fs::path root(path);
   const fs::path tok_path = root / "tokenizer.json";
   std::error_code ec;
-  if (!fs::is_directory(root, ec)) return make_error(dir + ": not a directory");
+  if (!fs::is_directory(root, ec)) return make_error(path + ": not a directory");
   if (!fs::exists(tok_path, ec)) {
     std::string hint = fs::exists(root / "tokenizer.model", ec)
                            ? " (only tokenizer.model is there; SentencePiece .model files are "
@@ -156,12 +173,29 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
     return make_error(tok_path.string() + ": not found" + hint);
   }
   TS_ASSIGN(TokenizerJson file, read_tokenizer_json(tok_path.string()));
+  // BOS / EOS from the two optional config files.
+  json tcfg = json::object(), gcfg = json::object();
+  if (fs::exists(root / "tokenizer_config.json", ec)) {
+    TS_ASSIGN(tcfg, read_json(root / "tokenizer_config.json"));
+  }
+  if (fs::exists(root / "generation_config.json", ec)) {
+    TS_ASSIGN(gcfg, read_json(root / "generation_config.json"));
+  }
+  return TokenizerBuilder::build(std::move(file), tok_path.string(), std::move(tcfg),
+                                 (root / "tokenizer_config.json").string(), std::move(gcfg),
+                                 (root / "generation_config.json").string());
+}
+
+Result<std::unique_ptr<Tokenizer>> TokenizerBuilder::build(TokenizerJson file,
+                                                           const std::string& tok_name, json tcfg,
+                                                           const std::string& tcfg_name, json gcfg,
+                                                           const std::string& gcfg_name) {
   const json& j = file.root;
-  const std::string where = tok_path.string() + ": ";
+  const std::string where = tok_name + ": ";
   if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
     return make_error(where + "model: missing (is this a Hugging Face tokenizer.json?)");
 
-  auto impl = std::make_unique<Impl>();
+  auto impl = std::make_unique<Tokenizer::Impl>();
   const json& model = j["model"];
   // Files from old `tokenizers` versions leave out model.type; merges then mean BPE.
   std::string type = model.contains("type") && model["type"].is_string()
@@ -209,24 +243,15 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
   tok->vocab_size_ = max_id + 1;
   for (int id : tok->impl_->post_prefix) tok->vocab_size_ = std::max(tok->vocab_size_, id + 1);
 
-  // BOS / EOS from the two optional config files.
-  json tcfg = json::object(), gcfg = json::object();
-  if (fs::exists(root / "tokenizer_config.json", ec)) {
-    TS_ASSIGN(tcfg, read_json(root / "tokenizer_config.json"));
-  }
-  if (fs::exists(root / "generation_config.json", ec)) {
-    TS_ASSIGN(gcfg, read_json(root / "generation_config.json"));
-  }
   auto id_of = [&](const std::string& file, const char* key, const std::string& t) -> Result<int> {
     const std::string& token = t;
     auto id = tok->token_to_id(token);
     if (!id)
-      return make_error((root / file).string() + ": " + key + " '" + token +
-                        "' is not a token of tokenizer.json");
+      return make_error(file + ": " + key + " '" + token + "' is not a token of tokenizer.json");
     return *id;
   };
   if (std::string bos = config_token(tcfg, "bos_token"); !bos.empty()) {
-    TS_ASSIGN(tok->bos_id_, id_of("tokenizer_config.json", "bos_token", bos));
+    TS_ASSIGN(tok->bos_id_, id_of(tcfg_name, "bos_token", bos));
   } else if (gcfg.contains("bos_token_id") && gcfg["bos_token_id"].is_number_integer()) {
     tok->bos_id_ = gcfg["bos_token_id"].get<int>();
   }
@@ -236,17 +261,16 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
     } else if (e->is_array()) {
       for (const json& v : *e) {
         if (!v.is_number_integer())
-          return make_error((root / "generation_config.json").string() +
+          return make_error(gcfg_name +
                             ": eos_token_id: expected an integer or a list of integers");
         tok->eos_ids_.push_back(v.get<int>());
       }
     } else if (!e->is_null()) {
-      return make_error((root / "generation_config.json").string() +
-                        ": eos_token_id: expected an integer or a list of integers");
+      return make_error(gcfg_name + ": eos_token_id: expected an integer or a list of integers");
     }
   }
   if (std::string eos = config_token(tcfg, "eos_token"); !eos.empty()) {
-    TS_ASSIGN(int id, id_of("tokenizer_config.json", "eos_token", eos));
+    TS_ASSIGN(int id, id_of(tcfg_name, "eos_token", eos));
     if (std::find(tok->eos_ids_.begin(), tok->eos_ids_.end(), id) == tok->eos_ids_.end())
       tok->eos_ids_.push_back(id);
   }

@@ -31,10 +31,11 @@ namespace ts::tokenizer {
 
 class Tokenizer {
  public:
-  // Reads DIR/tokenizer.json (+ tokenizer_config.json, generation_config.json if present).
+  // Reads DIR/tokenizer.json (+ tokenizer_config.json, generation_config.json if present), or
+  // the vocabulary in a GGUF file's metadata (tokenizer/gguf_vocab.h) when PATH is one.
   // Errors name the file and the key: a missing file, bad JSON, or a model / normalizer /
   // pre-tokenizer / post-processor / decoder type this implementation does not support.
-  static Result<std::unique_ptr<Tokenizer>> load(const std::string& dir);
+  static Result<std::unique_ptr<Tokenizer>> load(const std::string& path);
 
   ~Tokenizer();
   Tokenizer(const Tokenizer&) = delete;
@@ -61,6 +62,7 @@ class Tokenizer {
   struct Impl;
 
  private:
+  friend struct TokenizerBuilder;
   explicit Tokenizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
   int bos_id_ = -1;

@@ -1,3 +1,4 @@
+#include "backend/cpu/quant.h"
 #include "backend/cuda/cuda_session_impl.cuh"
 
 namespace ts::cuda {
@@ -171,10 +172,22 @@ Status CudaSession::begin(int device) {
 Status CudaSession::upload(const runtime::LoadedModel& model) {
   const model::DenseWeights& d = model.dense();
   Uploader up(arena_, stream_, opt_.quantize_q8_0);
-  // The embedding is only gathered row by row: it stays in its float type.
+  // The embedding is only gathered row by row: it stays in its float type. A quantized one
+  // (GGUF files) is dequantized to F32 here, as the CPU dequantizes the rows it gathers.
   Uploader keep(arena_, stream_, false);
-  TS_ASSIGN(w_.embed, keep.matrix(d.embed));
-  if (d.lm_head.data == d.embed.data && !opt_.quantize_q8_0) {
+  if (dtype_is_quantized(d.embed.dtype)) {
+    std::vector<float> table(size_t(d.embed.rows * d.embed.cols));
+    const size_t row_bytes = dtype_row_bytes(d.embed.dtype, d.embed.cols);
+    for (int64_t r = 0; r < d.embed.rows; ++r)
+      cpu::dequantize_row(d.embed.dtype, static_cast<const uint8_t*>(d.embed.data) + r * row_bytes,
+                          table.data() + r * d.embed.cols, d.embed.cols);
+    TS_ASSIGN(w_.embed,
+              keep.matrix(model::Matrix{table.data(), DType::kF32, d.embed.rows, d.embed.cols}));
+    CUDA_TRY(cudaStreamSynchronize(stream_));  // the copy has read `table`
+  } else {
+    TS_ASSIGN(w_.embed, keep.matrix(d.embed));
+  }
+  if (d.lm_head.data == d.embed.data && !opt_.quantize_q8_0 && !dtype_is_quantized(d.embed.dtype)) {
     w_.lm_head = w_.embed;
   } else {
     TS_ASSIGN(w_.lm_head, up.matrix(d.lm_head));

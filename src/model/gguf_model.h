@@ -1,0 +1,38 @@
+// A GGUF model file (llama.cpp's convert_hf_to_gguf / llama-quantize output) seen as what the
+// rest of the engine loads from a Hugging Face directory: a config.json equivalent and the
+// tensors under their Hub names, each a view into the mapped file.
+//
+// Architectures (general.architecture -> family): qwen3moe -> qwen3_moe, qwen2moe ->
+// qwen2_moe, olmoe -> olmoe, llama with {arch}.expert_count > 0 -> mixtral. Hyper-parameters
+// come from the {arch}.* keys; sizes the tensors fix (vocab, expert / shared / dense hidden
+// sizes, which layers have a router) from the tensors' shapes. Stacked expert tensors
+// (blk.N.ffn_{gate,up,down}_exps, ggml dims [in, out, n_expert]) become one [out, in] view
+// per expert; the older per-expert names (blk.N.ffn_gate.E.weight) are read too. llama.cpp's
+// converter permutes the rows of a llama-arch attn_q / attn_k for its interleaved RoPE; those
+// two are un-permuted into owned copies (a row permutation, so quantized rows move whole).
+//
+// Tensor types: F32, F16, BF16, Q8_0 and Q4_K (the GGUF block layouts the kernels read as
+// they are); any other type is an error naming the tensor and its type.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/status.h"
+
+namespace ts::io {
+class TensorSet;
+struct GgufFile;
+}  // namespace ts::io
+
+namespace ts::model {
+
+struct GgufModel {
+  std::string config_json;                 // what config.json would hold (parse_hparams input)
+  std::unique_ptr<io::TensorSet> tensors;  // Hub names
+};
+
+// Errors name the file and the key or tensor.
+Result<GgufModel> open_gguf_model(const std::string& path);
+
+}  // namespace ts::model

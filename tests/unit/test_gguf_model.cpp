@@ -1,0 +1,374 @@
+// GGUF model files (src/model/gguf_model.*, src/tokenizer/gguf_vocab.*): every fixture written
+// as llama.cpp's converter writes it (tests/unit/gguf_convert.h) must load to the same
+// hyper-parameters and the same logits, byte for byte, as its Hugging Face directory; the
+// logits themselves are checked against transformers by test_models.cpp. The tokenizer
+// rebuilt from a GGUF's metadata must encode and decode like the tokenizer.json it came from.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/thread_pool.h"
+#include "gguf_convert.h"
+#include "io/gguf.h"
+#include "io/npy.h"
+#include "runtime/model.h"
+#include "runtime/session.h"
+#include "test_data.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using ts::runtime::LoadedModel;
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/ts_gguf_XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string file(const std::string& name) const { return (fs::path(path_) / name).string(); }
+
+ private:
+  std::string path_;
+};
+
+std::vector<int> prompt_of(const std::string& dir) {
+  std::ifstream f(dir + "/ref.json");
+  return nlohmann::json::parse(f)["prompt_ids"].get<std::vector<int>>();
+}
+
+std::vector<float> prefill(const LoadedModel& m, const std::vector<int>& prompt) {
+  ts::ThreadPool pool(2);
+  ts::runtime::Session s(m, pool, {.n_ctx = int(prompt.size())});
+  std::vector<float> logits;
+  EXPECT_TRUE(s.forward(prompt, &logits).ok());
+  return logits;
+}
+
+std::unique_ptr<LoadedModel> load(const std::string& path, ts::runtime::LoadOptions opt = {}) {
+  auto m = LoadedModel::load(path, opt);
+  EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message);
+  return m.ok() ? std::move(m.value()) : nullptr;
+}
+
+std::string model_dir(const std::string& name) {
+  return (ts_test::data_dir() / "models" / name).string();
+}
+
+double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, double(std::fabs(a[i] - b[i])));
+    den = std::max(den, double(std::fabs(b[i])));
+  }
+  return num / den;
+}
+
+class GgufFixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
+  const std::string dir = model_dir(GetParam());
+  TempDir tmp;
+  const std::string gguf = tmp.file("model.gguf");
+  ts_test::convert_hf_dir(dir, gguf);
+  auto a = load(dir);
+  auto b = load(gguf);
+  ASSERT_TRUE(a && b);
+  const auto &ha = a->hp(), &hb = b->hp();
+  EXPECT_EQ(ha.family, hb.family);
+  EXPECT_EQ(ha.d_model, hb.d_model);
+  EXPECT_EQ(ha.n_layers, hb.n_layers);
+  EXPECT_EQ(ha.n_heads, hb.n_heads);
+  EXPECT_EQ(ha.n_kv_heads, hb.n_kv_heads);
+  EXPECT_EQ(ha.head_dim, hb.head_dim);
+  EXPECT_EQ(ha.vocab, hb.vocab);
+  EXPECT_EQ(ha.n_experts, hb.n_experts);
+  EXPECT_EQ(ha.top_k, hb.top_k);
+  EXPECT_EQ(ha.d_expert, hb.d_expert);
+  EXPECT_EQ(ha.d_ff, hb.d_ff);
+  EXPECT_EQ(ha.d_shared, hb.d_shared);
+  EXPECT_EQ(ha.qkv_bias, hb.qkv_bias);
+  EXPECT_EQ(ha.qk_norm, hb.qk_norm);
+  EXPECT_EQ(ha.moe.renormalize, hb.moe.renormalize);
+  EXPECT_EQ(ha.rms_eps, hb.rms_eps);
+  EXPECT_EQ(ha.rope_theta, hb.rope_theta);
+  EXPECT_EQ(ha.max_positions, hb.max_positions);
+  EXPECT_EQ(ha.tie_word_embeddings, hb.tie_word_embeddings);
+  EXPECT_EQ(ha.layer_is_moe, hb.layer_is_moe);
+  const std::vector<int> prompt = prompt_of(dir);
+  const std::vector<float> la = prefill(*a, prompt), lb = prefill(*b, prompt);
+  ASSERT_EQ(la.size(), lb.size());
+  EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), la.size() * 4)) << "max rel " << max_rel(lb, la);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GgufFixture, ::testing::ValuesIn(ts_test::fixture_names()));
+
+// Mixtral is stored as arch llama, whose q/k rows the converter permutes: the loader must
+// undo exactly that (a file written without the permutation then gives other logits).
+TEST(GgufModel, LlamaQkPermutationIsUndone) {
+  const std::string dir = model_dir("mixtral_gqa");
+  TempDir tmp;
+  ts_test::convert_hf_dir(dir, tmp.file("p.gguf"));
+  ts_test::convert_hf_dir(dir, tmp.file("raw.gguf"), {.permute_qk = false});
+  ts_test::convert_hf_dir(dir, tmp.file("legacy.gguf"), {.legacy_expert_names = true});
+  auto ref = load(dir), p = load(tmp.file("p.gguf")), raw = load(tmp.file("raw.gguf")),
+       legacy = load(tmp.file("legacy.gguf"));
+  ASSERT_TRUE(ref && p && raw && legacy);
+  const std::vector<int> prompt = prompt_of(dir);
+  const std::vector<float> lr = prefill(*ref, prompt), lp = prefill(*p, prompt),
+                           lraw = prefill(*raw, prompt), ll = prefill(*legacy, prompt);
+  EXPECT_EQ(0, std::memcmp(lr.data(), lp.data(), lr.size() * 4));
+  EXPECT_EQ(0, std::memcmp(lr.data(), ll.data(), lr.size() * 4)) << "per-expert tensor names";
+  EXPECT_GT(max_rel(lraw, lr), 1e-3) << "an unpermuted file must not give the same logits";
+}
+
+// A Q8_0 file (token_embd included, as llama-quantize writes it): the quantized embedding is
+// dequantized as it is gathered, experts stream from the file's offsets, and every residency
+// gives the same bytes.
+TEST(GgufModel, Q8_0FileRunsTheSameInEveryResidency) {
+  const std::string dir = model_dir("qwen3_moe");
+  TempDir tmp;
+  const std::string gguf = tmp.file("q8.gguf");
+  ts_test::convert_hf_dir(dir, gguf, {.q8_0 = true});
+  auto g = ts::io::read_gguf(gguf);
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->tensor("token_embd.weight")->ggml_type, ts::io::kGgmlQ8_0);
+  EXPECT_EQ(g->tensor("blk.0.ffn_gate_exps.weight")->ggml_type, ts::io::kGgmlQ8_0);
+  EXPECT_EQ(g->tensor("blk.0.ffn_gate_inp.weight")->ggml_type, ts::io::kGgmlF32);
+  const std::vector<int> prompt = prompt_of(dir);
+  auto f32 = load(dir);
+  auto base = load(gguf);
+  ASSERT_TRUE(f32 && base);
+  const std::vector<float> want = prefill(*base, prompt);
+  const double err = max_rel(want, prefill(*f32, prompt));
+  EXPECT_LT(err, 0.1) << "Q8_0 weights stay close to F32";
+  EXPECT_GT(err, 0.0) << "the weights were quantized";
+  using ts::experts::Residency;
+  for (auto [res, slots] : {std::pair{Residency::kResident, 0}, std::pair{Residency::kStreamed, 1},
+                            std::pair{Residency::kStreamed, 3}}) {
+    ts::runtime::LoadOptions opt;
+    opt.residency = res;
+    opt.streamed.slots_per_layer = std::max(1, slots);
+    auto m = load(gguf, opt);
+    ASSERT_TRUE(m);
+    const std::vector<float> got = prefill(*m, prompt);
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4))
+        << ts::experts::residency_name(res) << " slots " << slots;
+  }
+}
+
+// Bad files: the error names the file and the key or tensor.
+TEST(GgufModel, BadFilesAreNamedErrors) {
+  const std::string dir = model_dir("qwen3_moe");
+  TempDir tmp;
+  struct Case {
+    const char* what;
+    std::function<void(ts_test::GgufWriter&)> extra;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"unknown tensor",
+       [](ts_test::GgufWriter& w) {
+         w.tensor("blk.0.attn_sinks.weight", {4}, 0, std::string(16, 0));
+       },
+       "tensor 'blk.0.attn_sinks.weight' is not one turbospark knows for architecture 'qwen3moe'"},
+      {"Q6_K tensor",
+       [](ts_test::GgufWriter& w) {
+         w.tensor("blk.9.ffn_up.weight", {256, 1}, 14, std::string(210, 0));
+       },
+       "names a block past qwen3moe.block_count"},
+      {"Q6_K type",
+       [](ts_test::GgufWriter& w) {
+         w.tensor("blk.0.ffn_gate.weight", {256, 2}, 14, std::string(420, 0));
+       },
+       "tensor 'blk.0.ffn_gate.weight' is Q6_K (ggml type 14); turbospark computes with"},
+      {"duplicate key", [](ts_test::GgufWriter& w) { w.u32("qwen3moe.block_count", 2); },
+       "duplicate metadata 'qwen3moe.block_count'"},
+  };
+  for (const Case& c : cases) {
+    const std::string path = tmp.file(std::string(c.what) + ".gguf");
+    ts_test::convert_hf_dir(dir, path, {.extra = c.extra});
+    auto m = LoadedModel::load(path);
+    ASSERT_FALSE(m.ok()) << c.what;
+    EXPECT_NE(m.error().message.find(c.needle), std::string::npos) << m.error().message;
+    EXPECT_NE(m.error().message.find(path), std::string::npos) << m.error().message;
+  }
+  // Architectures and keys.
+  auto write = [&](const std::string& name, const std::function<void(ts_test::GgufWriter&)>& f) {
+    ts_test::GgufWriter w;
+    f(w);
+    w.write(tmp.file(name));
+    auto m = LoadedModel::load(tmp.file(name));
+    return m.ok() ? std::string("loaded") : m.error().message;
+  };
+  EXPECT_NE(write("gemma.gguf", [](auto& w) { w.str("general.architecture", "gemma3"); })
+                .find("general.architecture' = 'gemma3' is not supported"),
+            std::string::npos);
+  EXPECT_NE(write("dense.gguf", [](auto& w) { w.str("general.architecture", "llama"); })
+                .find("a dense model"),
+            std::string::npos);
+  EXPECT_NE(write("nokey.gguf",
+                  [](auto& w) {
+                    w.str("general.architecture", "qwen3moe");
+                    w.u32("qwen3moe.block_count", 2);
+                  })
+                .find("metadata 'qwen3moe.embedding_length' is missing"),
+            std::string::npos);
+  EXPECT_NE(
+      write("yarn.gguf",
+            [](auto& w) {
+              w.str("general.architecture", "qwen3moe");
+              for (const char* k : {"embedding_length", "block_count", "attention.head_count"})
+                w.u32(std::string("qwen3moe.") + k, 64);
+              w.str("qwen3moe.rope.scaling.type", "yarn");
+            })
+          .find("rope.scaling.type' = 'yarn' is not supported"),
+      std::string::npos);
+}
+
+std::string read_all(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> corpus() {
+  std::vector<std::string> out;
+  std::stringstream ss(read_all(ts_test::data_dir() / "tokenizer" / "corpus.jsonl"));
+  for (std::string line; std::getline(ss, line);)
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line).get<std::string>());
+  return out;
+}
+
+fs::path tokenizer_data() {
+  if (const char* env = std::getenv("TS_TOKENIZER_DATA")) return env;
+  return ts_test::data_dir().parent_path() / "build-data" / "tokenizers";
+}
+
+// The tokenizer rebuilt from GGUF metadata (byte-level BPE with merges, or SentencePiece with
+// scores) encodes the whole corpus, with and without special tokens, and decodes, as the
+// tokenizer.json it was written from (itself checked against Hugging Face in test_tokenizer).
+class GgufTokenizer : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GgufTokenizer, MatchesItsTokenizerJson) {
+  const fs::path src = tokenizer_data() / GetParam();
+  ASSERT_TRUE(fs::exists(src / "tokenizer.json")) << "run scripts/fetch_tokenizer_data.sh";
+  TempDir tmp;
+  const std::string path = tmp.file("tok.gguf");
+  ts_test::GgufWriter w;
+  w.str("general.architecture", "qwen3moe");
+  ts_test::gguf_detail::add_tokenizer(w, src, "qwen2");
+  w.write(path);
+  auto a = ts::tokenizer::Tokenizer::load(src.string());
+  auto b = ts::tokenizer::Tokenizer::load(path);
+  ASSERT_TRUE(a.ok()) << a.error().message;
+  ASSERT_TRUE(b.ok()) << b.error().message;
+  EXPECT_EQ((*a)->vocab_size(), (*b)->vocab_size());
+  EXPECT_EQ((*a)->bos_id(), (*b)->bos_id());
+  int mismatches = 0;
+  for (const std::string& s : corpus())
+    for (bool special : {false, true}) {
+      const std::vector<int> ia = (*a)->encode(s, special), ib = (*b)->encode(s, special);
+      if (ia != ib && ++mismatches <= 5) ADD_FAILURE() << "add_special=" << special << ": " << s;
+      if (ia == ib) {
+        EXPECT_EQ((*a)->decode(ia, false), (*b)->decode(ib, false)) << s;
+      }
+    }
+  EXPECT_EQ(mismatches, 0);
+  // The chat template comes along when the tokenizer_config.json had one.
+  if (read_all(src / "tokenizer_config.json").find("\"chat_template\"") != std::string::npos) {
+    auto ta = ts::tokenizer::ChatTemplate::load(src.string());
+    auto tb = ts::tokenizer::ChatTemplate::load(path);
+    ASSERT_TRUE(ta.ok()) << ta.error().message;
+    ASSERT_TRUE(tb.ok()) << tb.error().message;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tokenizers, GgufTokenizer, ::testing::Values("qwen3", "llama2"));
+
+TEST(GgufTokenizerErrors, MissingOrUnsupportedVocabularyIsNamed) {
+  TempDir tmp;
+  auto msg = [&](const std::string& name, const std::function<void(ts_test::GgufWriter&)>& f) {
+    ts_test::GgufWriter w;
+    w.str("general.architecture", "qwen3moe");
+    f(w);
+    w.write(tmp.file(name));
+    auto t = ts::tokenizer::Tokenizer::load(tmp.file(name));
+    return t.ok() ? std::string("loaded") : t.error().message;
+  };
+  EXPECT_NE(msg("none.gguf", [](auto&) {}).find("metadata 'tokenizer.ggml.model' is missing"),
+            std::string::npos);
+  EXPECT_NE(msg("bert.gguf", [](auto& w) { w.str("tokenizer.ggml.model", "bert"); })
+                .find("'tokenizer.ggml.model' = 'bert' is not supported"),
+            std::string::npos);
+  EXPECT_NE(msg("pre.gguf",
+                [](auto& w) {
+                  w.str("tokenizer.ggml.model", "gpt2");
+                  w.str("tokenizer.ggml.pre", "chatglm-bpe");
+                  w.strs("tokenizer.ggml.tokens", {"a", "b", "ab"});
+                  w.strs("tokenizer.ggml.merges", {"a b"});
+                })
+                .find("'tokenizer.ggml.pre' = 'chatglm-bpe' is not supported"),
+            std::string::npos);
+  EXPECT_NE(msg("merge.gguf",
+                [](auto& w) {
+                  w.str("tokenizer.ggml.model", "gpt2");
+                  w.strs("tokenizer.ggml.tokens", {"a", "b", "ab"});
+                  w.strs("tokenizer.ggml.merges", {"ab"});
+                })
+                .find("'tokenizer.ggml.merges' entry 0 'ab' is not \"left right\""),
+            std::string::npos);
+  EXPECT_NE(msg("eos.gguf",
+                [](auto& w) {
+                  w.str("tokenizer.ggml.model", "gpt2");
+                  w.strs("tokenizer.ggml.tokens", {"a", "b", "ab"});
+                  w.strs("tokenizer.ggml.merges", {"a b"});
+                  w.u32("tokenizer.ggml.eos_token_id", 7);
+                })
+                .find("'tokenizer.ggml.eos_token_id' = 7 is not a token id (the vocabulary has 3)"),
+            std::string::npos);
+}
+
+// The CLI takes a .gguf wherever it takes a model directory: same generated ids, and text in
+// and out through the file's own tokenizer.
+TEST(GgufCli, GenerateAndRunFromAGgufFile) {
+  const std::string dir = model_dir("qwen3_moe");
+  TempDir tmp;
+  const std::string gguf = tmp.file("m.gguf");
+  ts_test::convert_hf_dir(dir, gguf);
+  auto run = [&](const std::string& args) {
+    const std::string out = tmp.file("out"), err = tmp.file("err");
+    const int st =
+        std::system((std::string(TS_BINARY) + " " + args + " >" + out + " 2>" + err).c_str());
+    return std::tuple{WIFEXITED(st) ? WEXITSTATUS(st) : -1, read_all(out), read_all(err)};
+  };
+  auto [c1, o1, e1] = run("generate --model " + dir + " --tokens 1,2,3,4,5 -n 12");
+  auto [c2, o2, e2] = run("generate --model " + gguf + " --tokens 1,2,3,4,5 -n 12");
+  ASSERT_EQ(c1, 0) << e1;
+  ASSERT_EQ(c2, 0) << e2;
+  EXPECT_EQ(o1, o2);
+  auto [c3, o3, e3] = run("run --model " + dir + " --prompt 'the cat is on the mat' -n 8");
+  auto [c4, o4, e4] = run("run --model " + gguf + " --prompt 'the cat is on the mat' -n 8");
+  ASSERT_EQ(c3, 0) << e3;
+  ASSERT_EQ(c4, 0) << e4;
+  EXPECT_EQ(o3, o4);
+  EXPECT_FALSE(o4.empty());
+  auto [c5, o5, e5] = run("inspect --model " + gguf);
+  EXPECT_EQ(c5, 0) << e5;
+  EXPECT_NE(o5.find("qwen3_moe"), std::string::npos) << o5;
+  auto [c6, o6, e6] = run("generate --model " + tmp.file("missing.gguf") + " --tokens 1 -n 1");
+  EXPECT_EQ(c6, 2);
+  EXPECT_NE(e6.find("missing.gguf"), std::string::npos) << e6;
+}
+
+}  // namespace
