@@ -366,6 +366,29 @@ TEST(GgufCli, GenerateAndRunFromAGgufFile) {
   auto [c5, o5, e5] = run("inspect --model " + gguf);
   EXPECT_EQ(c5, 0) << e5;
   EXPECT_NE(o5.find("qwen3_moe"), std::string::npos) << o5;
+  // A pack made from the GGUF (its experts re-laid in 4096-byte blobs) generates the same.
+  const std::string q8 = tmp.file("q8.gguf");
+  ts_test::convert_hf_dir(dir, q8, {.q8_0 = true});
+  auto [p1, po1, pe1] = run("pack --model " + q8 + " --out " + tmp.file("pack"));
+  ASSERT_EQ(p1, 0) << pe1;
+  auto [p2, po2, pe2] = run("generate --model " + q8 + " --tokens 1,2,3,4,5 -n 12");
+  auto [p3, po3, pe3] =
+      run("generate --model " + tmp.file("pack") +
+          " --tokens 1,2,3,4,5 -n 12 --residency streamed --expert-cache-slots 2");
+  ASSERT_EQ(p2, 0) << pe2;
+  ASSERT_EQ(p3, 0) << pe3;
+  EXPECT_EQ(po2, po3);
+  // Streamed straight from the GGUF file's tensor offsets; O_DIRECT needs a pack's 4096-byte
+  // aligned blobs (GGUF aligns to 32), which the error says.
+  auto [p4, po4, pe4] =
+      run("generate --model " + q8 +
+          " --tokens 1,2,3,4,5 -n 12 --residency streamed --expert-cache-slots 1");
+  ASSERT_EQ(p4, 0) << pe4;
+  EXPECT_EQ(po2, po4);
+  auto [p5, po5, pe5] =
+      run("generate --model " + q8 + " --tokens 1,2,3,4,5 -n 12 --residency streamed --direct-io");
+  EXPECT_EQ(p5, 2);
+  EXPECT_NE(pe5.find("q8.gguf is not aligned; make a pack"), std::string::npos) << pe5;
   auto [c6, o6, e6] = run("generate --model " + tmp.file("missing.gguf") + " --tokens 1 -n 1");
   EXPECT_EQ(c6, 2);
   EXPECT_NE(e6.find("missing.gguf"), std::string::npos) << e6;

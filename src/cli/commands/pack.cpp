@@ -10,6 +10,8 @@
 // (experts) or in dense.safetensors' header. Embeddings, norms, biases, routers and the
 // shared-expert gate stay as they are: they are small, and the forward pass reads them as
 // floats.
+#include "io/pack.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,8 +28,9 @@
 #include "cli/commands/commands.h"
 #include "core/sha256.h"
 #include "core/thread_pool.h"
+#include "io/gguf.h"
 #include "io/mapped_file.h"
-#include "io/pack.h"
+#include "model/gguf_model.h"
 #include "model/hparams.h"
 #include "model/weights.h"
 
@@ -124,10 +127,23 @@ Status cmd_pack(const Args& args) {
   TS_ASSIGN(std::optional<DType> dense_q, parse_quant("dense-quant", dense_quant));
   if (io::is_pack_dir(src)) return make_error(src + " is already a pack");
   std::error_code ec;
-  if (!std::filesystem::is_directory(src, ec))
+  const bool gguf = io::is_gguf_file(src);
+  if (!gguf && !std::filesystem::is_directory(src, ec))
     return make_error("model directory " + src + " does not exist");
-  TS_ASSIGN(model::HParams hp, model::load_hparams(src));
-  TS_ASSIGN(std::unique_ptr<io::TensorSet> set, io::TensorSet::open_dir(src));
+  model::HParams hp;
+  std::unique_ptr<io::TensorSet> set;
+  nlohmann::json config;
+  if (gguf) {
+    TS_ASSIGN(model::GgufModel g, model::open_gguf_model(src));
+    TS_ASSIGN(hp, model::parse_hparams(g.config_json, src + " (its metadata as config.json)"));
+    set = std::move(g.tensors);
+    config = nlohmann::json::parse(g.config_json);
+  } else {
+    TS_ASSIGN(hp, model::load_hparams(src));
+    TS_ASSIGN(set, io::TensorSet::open_dir(src));
+    std::ifstream cf(src + "/config.json");
+    config = nlohmann::json::parse(cf, nullptr, false);
+  }
   TS_ASSIGN(model::BoundWeights w, model::bind_weights(hp, *set));
   std::filesystem::create_directories(out, ec);
   if (ec) return make_error("cannot create " + out + ": " + ec.message());
@@ -137,10 +153,7 @@ Status cmd_pack(const Args& args) {
   m.family = std::string(model::family_name(hp.family));
   m.experts_quant = experts_quant;
   m.dense_quant = dense_quant;
-  {
-    std::ifstream cf(src + "/config.json");
-    m.config = nlohmann::json::parse(cf, nullptr, false);
-  }
+  m.config = std::move(config);
   // Expert layout per MoE layer, and the set of expert tensor names (left out of dense).
   const model::FamilyNames& names = model::family_names(hp.family);
   std::set<const void*> expert_data;

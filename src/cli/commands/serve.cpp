@@ -23,6 +23,8 @@ std::string default_model_id(const std::string& dir) {
   std::filesystem::path p(dir);
   if (!p.has_filename()) p = p.parent_path();
   std::string name = p.filename().string();
+  if (name.size() > 5 && name.compare(name.size() - 5, 5, ".gguf") == 0)
+    name.resize(name.size() - 5);
   return name.empty() || name == "." ? "turbospark" : name;
 }
 
