@@ -32,4 +32,21 @@ PY
   cmp "$tmp/cuda.npy" "$tmp/streamed.npy"
   echo "cli $m: host and streamed GPU expert cache logits byte-identical to resident"
 done
+# GGUF files (each fixture as F32 and Q8_0, written by the test binary as llama.cpp's
+# converter lays them out): CUDA against the CPU on the same file.
+TS_GGUF_OUT="$tmp/gguf" "$bin/ts_unit_tests" --gtest_also_run_disabled_tests \
+  --gtest_filter='*WriteFixtureGgufs' --gtest_brief=1 >/dev/null
+for g in "$tmp"/gguf/*.gguf; do
+  name=$(basename "$g" .gguf)
+  ids=$(python3 -c "import json,sys; print(','.join(map(str, json.load(open('tests/models/${name%.q8_0}/ref.json'))['prompt_ids'])))")
+  "$bin/turbospark" logits --model "$g" --tokens "$ids" --out "$tmp/cpu.npy"
+  "$bin/turbospark" logits --model "$g" --tokens "$ids" --out "$tmp/cuda.npy" --device cuda
+  python3 - "$tmp/cpu.npy" "$tmp/cuda.npy" "$name" <<'PY'
+import sys, numpy as np
+a, b = np.load(sys.argv[1]), np.load(sys.argv[2])
+rel = np.abs(a - b).max() / np.abs(a).max()
+print(f"gguf {sys.argv[3]}: cuda vs cpu logits max rel {rel:.3g}")
+assert rel <= (1e-2 if sys.argv[3].endswith("q8_0") else 1e-3), rel
+PY
+done
 echo "gpu tests: all passed"

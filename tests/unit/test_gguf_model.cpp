@@ -395,3 +395,21 @@ TEST(GgufCli, GenerateAndRunFromAGgufFile) {
 }
 
 }  // namespace
+
+namespace {
+
+// Not a check: writes every fixture as F32 and Q8_0 GGUF files into $TS_GGUF_OUT, for runs
+// elsewhere (tests/gpu/run.sh compares CUDA against the CPU on them; a transformers script
+// can load them). Run with --gtest_also_run_disabled_tests --gtest_filter='*WriteFixtureGgufs'.
+TEST(GgufFiles, DISABLED_WriteFixtureGgufs) {
+  const char* out = std::getenv("TS_GGUF_OUT");
+  ASSERT_TRUE(out && *out) << "set TS_GGUF_OUT to a directory";
+  fs::create_directories(out);
+  for (const std::string& name : ts_test::fixture_names()) {
+    const std::string dir = model_dir(name);
+    ts_test::convert_hf_dir(dir, (fs::path(out) / (name + ".gguf")).string());
+    ts_test::convert_hf_dir(dir, (fs::path(out) / (name + ".q8_0.gguf")).string(), {.q8_0 = true});
+  }
+}
+
+}  // namespace
