@@ -405,6 +405,7 @@ Status TensorSet::add_mapped(std::unique_ptr<MappedFile> file, std::vector<Tenso
 
 Status TensorSet::add_owned(std::unique_ptr<uint8_t[]> bytes, std::vector<TensorView> views) {
   for (TensorView& v : views) {
+    v.owned = true;
     if (tensors_.count(v.name))
       return make_error("tensor " + v.name + " appears twice (" + v.file + ")");
     std::string name = v.name;

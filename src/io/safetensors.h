@@ -35,6 +35,7 @@ struct TensorView {
   size_t n_bytes = 0;
   std::string file;  // path of the file holding it
   uint64_t file_offset = 0;  // byte offset of data in that file (for pread-based streaming)
+  bool owned = false;        // data is a rearranged or converted copy in memory, not in `file`
   int64_t numel() const {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;

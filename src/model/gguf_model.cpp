@@ -1,12 +1,18 @@
 #include "model/gguf_model.h"
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 
+#include "backend/cpu/quant.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
+#include "model/ggml_dequant.h"
 #include "model/hparams.h"
 #include "model/weights.h"
 
@@ -62,8 +68,9 @@ struct Meta {
   }
 };
 
-Result<DType> tensor_dtype(const io::GgufTensorInfo& t, const std::string& path) {
-  switch (t.ggml_type) {
+// The dtype the kernels read a ggml type as; nullopt for a type converted at load.
+std::optional<DType> native_dtype(uint32_t ggml_type) {
+  switch (ggml_type) {
     case io::kGgmlF32:
       return DType::kF32;
     case io::kGgmlF16:
@@ -75,11 +82,55 @@ Result<DType> tensor_dtype(const io::GgufTensorInfo& t, const std::string& path)
     case io::kGgmlQ4_K:
       return DType::kQ4_K;
     default:
-      return make_error(path + ": tensor '" + t.name + "' is " + io::ggml_type_name(t.ggml_type) +
-                        " (ggml type " + std::to_string(t.ggml_type) +
-                        "); turbospark computes with F32, F16, BF16, Q8_0 and Q4_K tensors " +
-                        "(a Q8_0 file, or the Hugging Face checkpoint, loads)");
+      return std::nullopt;
   }
+}
+
+// A tensor of a block type the kernels do not read (Q6_K, Q5_K, ...: a Q4_K_M file has some)
+// requantized to Q8_0 row by row: ggml's reference dequantization, then Q8_0's (the rows
+// must be finite; a non-finite value means a corrupt file). Rows split across threads.
+Result<std::unique_ptr<uint8_t[]>> convert_to_q8_0(const io::GgufTensorInfo& t, const uint8_t* src,
+                                                   const std::string& path, size_t* n_bytes) {
+  const std::string what =
+      path + ": tensor '" + t.name + "' (" + io::ggml_type_name(t.ggml_type) + ")";
+  const int64_t cols = t.dims.empty() ? 1 : t.dims[0];
+  if (!ggml_can_dequantize(t.ggml_type))
+    return make_error(what + " is a type turbospark neither computes with nor converts " +
+                      "(F32, F16, BF16, Q8_0, Q4_K natively; Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, " +
+                      "Q3_K, Q5_K, Q6_K converted to Q8_0 at load)");
+  if (!dtype_row_ok(DType::kQ8_0, cols))
+    return make_error(what + ": rows of " + std::to_string(cols) +
+                      " values are not whole Q8_0 blocks of 32");
+  int64_t block_elems = 0;
+  uint64_t block_bytes = 0;
+  io::ggml_type_block(t.ggml_type, &block_elems, &block_bytes);
+  const int64_t rows = t.numel / cols;
+  const size_t src_row = size_t(cols / block_elems) * block_bytes;
+  const size_t dst_row = dtype_row_bytes(DType::kQ8_0, cols);
+  *n_bytes = size_t(rows) * dst_row;
+  auto out = std::make_unique<uint8_t[]>(*n_bytes);
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int n_threads = int(std::clamp<int64_t>(rows / 64, 1, cores));
+  std::atomic<int64_t> bad_row{-1};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n_threads; ++i)
+    threads.emplace_back([&, i] {
+      std::vector<float> row(static_cast<size_t>(cols));
+      for (int64_t r = rows * i / n_threads; r < rows * (i + 1) / n_threads; ++r) {
+        ggml_dequantize_row(t.ggml_type, src + size_t(r) * src_row, row.data(), cols);
+        for (float v : row)
+          if (!std::isfinite(v)) {
+            bad_row = r;
+            return;
+          }
+        cpu::quantize_row(DType::kQ8_0, row.data(), out.get() + size_t(r) * dst_row, cols);
+      }
+    });
+  for (std::thread& th : threads) th.join();
+  if (bad_row >= 0)
+    return make_error(what + ": row " + std::to_string(bad_row.load()) +
+                      " holds a non-finite value (a corrupt file?)");
+  return out;
 }
 
 // ggml dims with trailing 1s dropped (a writer may keep them).
@@ -232,8 +283,10 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
   std::vector<io::TensorView> views;
   struct Owned {
     std::unique_ptr<uint8_t[]> bytes;
-    io::TensorView view;
+    std::vector<io::TensorView> views;
   };
+  uint64_t converted_bytes = 0;
+  std::map<std::string, int> converted_types;
   std::vector<Owned> owned;
   std::vector<bool> has_router(size_t(n_layers), false);
   int64_t vocab = 0, d_expert = 0, d_shared = 0, d_ff = 0;
@@ -246,10 +299,19 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
     if (mp->layer >= n_layers)
       return make_error(path + ": tensor '" + t.name + "' names a block past " +
                         m.k("block_count") + " = " + std::to_string(n_layers));
-    TS_ASSIGN(DType dt, tensor_dtype(t, path));
     const std::vector<int64_t> d = dims_of(t);
     const uint8_t* data = g.tensor_data(t);
     const uint64_t file_offset = g.data_offset + t.offset;
+    size_t n_bytes = t.n_bytes;
+    const std::optional<DType> native = native_dtype(t.ggml_type);
+    const DType dt = native.value_or(DType::kQ8_0);
+    std::unique_ptr<uint8_t[]> converted;
+    if (!native) {
+      TS_ASSIGN(converted, convert_to_q8_0(t, data, path, &n_bytes));
+      data = converted.get();
+      converted_bytes += n_bytes;
+      ++converted_types[io::ggml_type_name(t.ggml_type)];
+    }
     auto view = [&](std::string hub, std::vector<int64_t> shape, const uint8_t* p, size_t n,
                     uint64_t off) {
       return io::TensorView{.name = std::move(hub),
@@ -261,18 +323,28 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
                             .file_offset = off};
     };
     const bool is_vector = d.size() == 1 && !dtype_is_quantized(dt);
+    // Views into the file, or into the converted copy (owned by the set).
+    std::vector<io::TensorView> out;
+    auto finish = [&] {
+      if (converted) {
+        owned.push_back({std::move(converted), std::move(out)});
+      } else {
+        for (io::TensorView& v : out) views.push_back(std::move(v));
+      }
+    };
     if (mp->stacked) {
       if (d.size() != 3 || d[2] != n_experts)
         return make_error(path + ": tensor '" + t.name + "' has dims " + dims_str(d) +
                           "; expected [in, out, " + std::to_string(n_experts) + "]");
       const size_t bytes = size_t(d[1]) * dtype_row_bytes(dt, d[0]);
       for (int64_t e = 0; e < n_experts; ++e)
-        views.push_back(view("model.layers." + std::to_string(mp->layer) + "." + fam.moe_block +
-                                 ".experts." + std::to_string(e) + "." + mp->hub,
-                             {d[1], d[0]}, data + size_t(e) * bytes, bytes,
-                             file_offset + uint64_t(e) * bytes));
+        out.push_back(view("model.layers." + std::to_string(mp->layer) + "." + fam.moe_block +
+                               ".experts." + std::to_string(e) + "." + mp->hub,
+                           {d[1], d[0]}, data + size_t(e) * bytes, bytes,
+                           file_offset + uint64_t(e) * bytes));
       const bool down = t.name.find("ffn_down_exps") != std::string::npos;
       d_expert = down ? d[0] : d[1];
+      finish();
       continue;
     }
     if (mp->expert >= n_experts)
@@ -308,17 +380,19 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
                           std::to_string(heads) + ")");
       const int64_t hd = rows / heads;
       const size_t row_bytes = shape.size() == 2 ? dtype_row_bytes(dt, shape[1]) : dtype_size(dt);
-      auto bytes = std::make_unique<uint8_t[]>(t.n_bytes);
+      auto bytes = std::make_unique<uint8_t[]>(n_bytes);
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t s = 0; s < 2; ++s)
           for (int64_t j = 0; j < hd / 2; ++j)
             std::memcpy(bytes.get() + size_t(h * hd + s * hd / 2 + j) * row_bytes,
                         data + size_t(h * hd + 2 * j + s) * row_bytes, row_bytes);
-      io::TensorView v = view(hub, shape, bytes.get(), t.n_bytes, 0);
-      owned.push_back({std::move(bytes), std::move(v)});
+      out.push_back(view(hub, shape, bytes.get(), n_bytes, 0));
+      converted = std::move(bytes);
+      finish();
       continue;
     }
-    views.push_back(view(hub, shape, data, t.n_bytes, file_offset));
+    out.push_back(view(hub, shape, data, n_bytes, file_offset));
+    finish();
   }
   if (vocab == 0) return make_error(path + ": tensor 'token_embd.weight' is missing");
 
@@ -363,12 +437,15 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
   }
 
   TS_TRY(set->add_mapped(std::move(g.file), std::move(views)));
-  for (Owned& o : owned) {
-    std::vector<io::TensorView> one;
-    one.push_back(std::move(o.view));
-    TS_TRY(set->add_owned(std::move(o.bytes), std::move(one)));
+  for (Owned& o : owned) TS_TRY(set->add_owned(std::move(o.bytes), std::move(o.views)));
+  std::string note;
+  if (converted_bytes > 0) {
+    for (const auto& [type, n] : converted_types)
+      note += (note.empty() ? "" : ", ") + std::to_string(n) + " " + type;
+    note = "converted " + note + " tensor(s) to Q8_0 at load (" +
+           std::to_string((converted_bytes + 500000) / 1000000) + " MB in memory)";
   }
-  return GgufModel{.config_json = cfg.dump(), .tensors = std::move(set)};
+  return GgufModel{.config_json = cfg.dump(), .tensors = std::move(set), .note = note};
 }
 
 }  // namespace ts::model

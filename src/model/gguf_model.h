@@ -11,8 +11,12 @@
 // converter permutes the rows of a llama-arch attn_q / attn_k for its interleaved RoPE; those
 // two are un-permuted into owned copies (a row permutation, so quantized rows move whole).
 //
-// Tensor types: F32, F16, BF16, Q8_0 and Q4_K (the GGUF block layouts the kernels read as
-// they are); any other type is an error naming the tensor and its type.
+// Tensor types: F32, F16, BF16, Q8_0 and Q4_K are read in place (the GGUF block layouts the
+// kernels read as they are). Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K and Q6_K (K-quant
+// mixes like Q4_K_M hold some) are requantized to Q8_0 at load into memory the set owns
+// (model/ggml_dequant.h: ggml's reference dequantization, then Q8_0's quantization); such
+// tensors are not in the file, so they cannot be streamed (a pack made from the file can).
+// Any other type is an error naming the tensor and its type.
 #pragma once
 
 #include <memory>
@@ -30,6 +34,7 @@ namespace ts::model {
 struct GgufModel {
   std::string config_json;                 // what config.json would hold (parse_hparams input)
   std::unique_ptr<io::TensorSet> tensors;  // Hub names
+  std::string note;  // what was converted at load, for the user ("" when nothing was)
 };
 
 // Errors name the file and the key or tensor.

@@ -120,6 +120,7 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
     TS_ASSIGN(model::GgufModel g, model::open_gguf_model(dir));
     TS_ASSIGN(m->hp_, model::parse_hparams(g.config_json, dir + " (its metadata as config.json)"));
     m->tensors_ = std::move(g.tensors);
+    m->note_ = std::move(g.note);
   } else if (io::is_pack_dir(dir)) {
     TS_ASSIGN(pack, io::read_pack_manifest(dir));
     TS_ASSIGN(m->hp_, model::parse_hparams(pack->config.dump(), dir + "/manifest.json (config)"));
@@ -139,6 +140,14 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
       m->store_ = experts::TableStore::resident(m->weights_.experts);
       break;
     case experts::Residency::kStreamed: {
+      // Streaming reads experts from their file: a converted copy has no place there.
+      if (!pack)
+        for (const auto& [name, view] : m->tensors_->tensors())
+          if (view.owned && name.find(".experts.") != std::string::npos)
+            return make_error(dir + ": tensor " + name + " was converted at load (" + m->note_ +
+                              "), so it cannot be streamed from the file; use " +
+                              "--residency mapped or resident, or make a pack (turbospark " +
+                              "pack --model " + dir + ") and stream that");
       experts::StreamedOptions so = options.streamed;
       if (options.expert_cache_mb > 0) {
         int n_moe = 0;

@@ -37,6 +37,9 @@ class LoadedModel {
   const std::string& dir() const { return dir_; }
   // Slot count per layer in streamed mode (0 otherwise) and bytes of one slot (largest expert).
   int slots_per_layer() const { return slots_per_layer_; }
+  // What loading changed that a user should know ("" when nothing): a GGUF file's tensors
+  // converted to Q8_0.
+  const std::string& load_note() const { return note_; }
 
  private:
   LoadedModel() = default;
@@ -47,6 +50,7 @@ class LoadedModel {
   std::unique_ptr<experts::ExpertStore> store_;
   model::WeightCounts counts_;
   int slots_per_layer_ = 0;
+  std::string note_;
 };
 
 }  // namespace ts::runtime

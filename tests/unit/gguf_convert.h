@@ -6,6 +6,8 @@
 // here independently of the reader under test (src/model/gguf_model.cpp).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -116,6 +118,7 @@ class GgufWriter {
 
 struct ConvertOptions {
   bool q8_0 = false;                 // 2-D weights but routers as Q8_0 (llama-quantize's rules)
+  bool q6_k_experts = false;         // routed experts whose rows are 256-multiples as Q6_K
   bool permute_qk = true;            // llama arch: convert_hf_to_gguf's q/k row permutation
   bool legacy_expert_names = false;  // blk.N.ffn_gate.E.weight instead of stacked *_exps
   bool write_weights_norm = true;    // expert_weights_norm where the config differs from
@@ -139,6 +142,38 @@ inline std::string q8_0_bytes(const std::string& f32, int64_t rows, int64_t cols
   for (int64_t r = 0; r < rows; ++r)
     ts::cpu::quantize_row(ts::DType::kQ8_0, reinterpret_cast<const float*>(f32.data()) + r * cols,
                           out.data() + size_t(r) * rb, cols);
+  return out;
+}
+
+// A valid Q6_K encoding (not llama.cpp's optimized one): per 256-weight block an f16 d from
+// the block's largest magnitude, per 16-weight sub-block an int8 scale, 6-bit quants; laid
+// out as ggml's block_q6_K {ql[128], qh[64], scales[16], d}.
+inline std::string q6_k_bytes(const std::string& f32, int64_t rows, int64_t cols) {
+  const float* x = reinterpret_cast<const float*>(f32.data());
+  std::string out(size_t(rows * cols / 256) * 210, '\0');
+  for (int64_t blk = 0; blk < rows * cols / 256; ++blk) {
+    const float* v = x + blk * 256;
+    uint8_t* b = reinterpret_cast<uint8_t*>(out.data()) + blk * 210;
+    float amax = 0;
+    for (int e = 0; e < 256; ++e) amax = std::max(amax, std::fabs(v[e]));
+    const uint16_t dh = ts::f32_to_f16(amax / (31.0f * 127.0f));
+    std::memcpy(b + 208, &dh, 2);
+    const float d = ts::f16_to_f32(dh);
+    for (int s = 0; s < 16; ++s) {
+      float sub = 0;
+      for (int e = 16 * s; e < 16 * s + 16; ++e) sub = std::max(sub, std::fabs(v[e]));
+      const int sc = d > 0 ? std::clamp(int(std::lround(sub / (31.0f * d))), 1, 127) : 1;
+      b[192 + s] = uint8_t(int8_t(sc));
+    }
+    for (int e = 0; e < 256; ++e) {
+      const float step = d * float(int8_t(b[192 + e / 16]));
+      const int q = step > 0 ? std::clamp(int(std::lround(v[e] / step)), -32, 31) + 32 : 32;
+      const int hh = e / 128, g = (e % 128) / 32, l = e % 32;
+      uint8_t& lo = b[64 * hh + l + 32 * (g & 1)];
+      lo = uint8_t(g < 2 ? (lo & 0xF0) | (q & 0xF) : (lo & 0x0F) | ((q & 0xF) << 4));
+      b[128 + 32 * hh + l] = uint8_t(b[128 + 32 * hh + l] | (((q >> 4) & 3) << (2 * g)));
+    }
+  }
   return out;
 }
 
@@ -348,7 +383,10 @@ inline void convert_hf_dir(const std::string& dir, const std::string& out,
       }
       const std::vector<uint64_t> ne = {uint64_t(shape[1]), uint64_t(shape[0]),
                                         uint64_t(hp.n_experts)};
-      if (opt.q8_0 && shape[1] % 32 == 0)
+      if (opt.q6_k_experts && shape[1] % 256 == 0)
+        w.tensor(b + "ffn_" + gg + "_exps.weight", ne, 14,
+                 q6_k_bytes(f32, shape[0] * hp.n_experts, shape[1]));
+      else if (opt.q8_0 && shape[1] % 32 == 0)
         w.tensor(b + "ffn_" + gg + "_exps.weight", ne, 8,
                  q8_0_bytes(f32, shape[0] * hp.n_experts, shape[1]));
       else

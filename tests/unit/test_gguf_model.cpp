@@ -166,6 +166,51 @@ TEST(GgufModel, Q8_0FileRunsTheSameInEveryResidency) {
   }
 }
 
+// A K-quant mix (Q6_K experts, as a Q4_K_M / Q6_K file holds): converted to Q8_0 at load and
+// said so; close to the F32 model it was quantized from; not streamable from the file, but a
+// pack made from it streams the same bytes.
+TEST(GgufModel, Q6_KTensorsAreConvertedToQ8_0AtLoad) {
+  TempDir tmp;
+  const std::string cfg = tmp.file("config.json"), dir = tmp.file("f32");
+  std::ofstream(cfg) << R"({"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 300,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+    "norm_topk_prob": true, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+    "max_position_embeddings": 128, "tie_word_embeddings": false})";
+  ASSERT_EQ(0, std::system((std::string(TS_BINARY) + " synth --config " + cfg + " --out " + dir +
+                            " --dtype f32 --seed 3 >/dev/null")
+                               .c_str()));
+  const std::string q6 = tmp.file("q6.gguf");
+  ts_test::convert_hf_dir(dir, q6, {.q6_k_experts = true});
+  auto g = ts::io::read_gguf(q6);
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->tensor("blk.1.ffn_down_exps.weight")->ggml_type, ts::io::kGgmlQ6_K);
+  auto f32 = load(dir);
+  auto m = load(q6);
+  ASSERT_TRUE(f32 && m);
+  EXPECT_NE(m->load_note().find("converted 6 Q6_K tensor(s) to Q8_0 at load"), std::string::npos)
+      << m->load_note();
+  const std::vector<int> prompt = {1, 7, 42, 99, 150, 299, 3, 64};
+  const std::vector<float> want = prefill(*m, prompt);
+  const double err = max_rel(want, prefill(*f32, prompt));
+  EXPECT_LT(err, 0.05) << "6-bit experts stay close to F32";
+  EXPECT_GT(err, 0.0);
+  ts::runtime::LoadOptions streamed;
+  streamed.residency = ts::experts::Residency::kStreamed;
+  streamed.streamed.slots_per_layer = 2;
+  auto s = LoadedModel::load(q6, streamed);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("was converted at load"), std::string::npos)
+      << s.error().message;
+  ASSERT_EQ(0, std::system((std::string(TS_BINARY) + " pack --model " + q6 + " --out " +
+                            tmp.file("pack") + " >/dev/null 2>&1")
+                               .c_str()));
+  auto p = load(tmp.file("pack"), streamed);
+  ASSERT_TRUE(p);
+  const std::vector<float> got = prefill(*p, prompt);
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4));
+}
+
 // Bad files: the error names the file and the key or tensor.
 TEST(GgufModel, BadFilesAreNamedErrors) {
   const std::string dir = model_dir("qwen3_moe");
@@ -186,11 +231,12 @@ TEST(GgufModel, BadFilesAreNamedErrors) {
          w.tensor("blk.9.ffn_up.weight", {256, 1}, 14, std::string(210, 0));
        },
        "names a block past qwen3moe.block_count"},
-      {"Q6_K type",
+      {"MXFP4 type",
        [](ts_test::GgufWriter& w) {
-         w.tensor("blk.0.ffn_gate.weight", {256, 2}, 14, std::string(420, 0));
+         w.tensor("blk.0.ffn_gate.weight", {32, 2}, 39, std::string(34, 0));
        },
-       "tensor 'blk.0.ffn_gate.weight' is Q6_K (ggml type 14); turbospark computes with"},
+       "tensor 'blk.0.ffn_gate.weight' (MXFP4) is a type turbospark neither computes with nor "
+       "converts"},
       {"duplicate key", [](ts_test::GgufWriter& w) { w.u32("qwen3moe.block_count", 2); },
        "duplicate metadata 'qwen3moe.block_count'"},
   };

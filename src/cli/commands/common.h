@@ -1,16 +1,16 @@
 // Pieces shared by the subcommands: loading the model named by --model with a thread pool.
 #pragma once
 
-#include <memory>
+#include <cstdio>
 #include <cstdlib>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "cli/args.h"
 #include "core/thread_pool.h"
-#include <nlohmann/json.hpp>
-
-#include "runtime/model.h"
 #include "runtime/engine.h"
+#include "runtime/model.h"
 #include "runtime/session.h"
 
 namespace ts::cli {
@@ -131,6 +131,8 @@ Result<runtime::Interventions> build_interventions(const ModelFlags& flags,
 inline Result<Loaded> load_model(const ModelFlags& flags) {
   Loaded out;
   TS_ASSIGN(out.model, runtime::LoadedModel::load(flags.dir, flags.load));
+  if (!out.model->load_note().empty())
+    std::fprintf(stderr, "turbospark: %s: %s\n", flags.dir.c_str(), out.model->load_note().c_str());
   out.pool = std::make_unique<ThreadPool>(flags.threads);
   return out;
 }

@@ -138,6 +138,8 @@ Status cmd_pack(const Args& args) {
     TS_ASSIGN(hp, model::parse_hparams(g.config_json, src + " (its metadata as config.json)"));
     set = std::move(g.tensors);
     config = nlohmann::json::parse(g.config_json);
+    if (!g.note.empty())
+      std::fprintf(stderr, "turbospark pack: %s: %s\n", src.c_str(), g.note.c_str());
   } else {
     TS_ASSIGN(hp, model::load_hparams(src));
     TS_ASSIGN(set, io::TensorSet::open_dir(src));
