@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 
@@ -175,6 +177,31 @@ TEST(GgmlDequant, EveryTypeMatchesItsLayoutElementByElement) {
   }
   EXPECT_FALSE(ts::model::ggml_can_dequantize(8)) << "Q8_0 is read in place";
   EXPECT_FALSE(ts::model::ggml_can_dequantize(39)) << "MXFP4 is not handled";
+}
+
+}  // namespace
+
+namespace {
+
+// Not a check: writes random blocks of every type and their dequantization into
+// $TS_GGUF_OUT (blocks_<id>.bin, dequant_<id>.f32) for comparison with gguf-py's
+// gguf.quants.dequantize where that package exists (tests/gpu/ggml_dequant_check.py).
+TEST(GgmlDequantFiles, DISABLED_WriteRandomBlocks) {
+  const char* out = std::getenv("TS_GGUF_OUT");
+  ASSERT_TRUE(out && *out) << "set TS_GGUF_OUT to a directory";
+  std::filesystem::create_directories(out);
+  std::mt19937 rng(11);
+  for (const Type& t : types()) {
+    const int n_blocks = 64;
+    const std::vector<uint8_t> b = random_blocks(rng, t.bytes, n_blocks, t.halves);
+    std::vector<float> y(size_t(t.elems * n_blocks));
+    ggml_dequantize_row(t.id, b.data(), y.data(), t.elems * n_blocks);
+    const std::string base = std::string(out) + "/";
+    std::ofstream(base + "blocks_" + std::to_string(t.id) + ".bin", std::ios::binary)
+        .write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+    std::ofstream(base + "dequant_" + std::to_string(t.id) + ".f32", std::ios::binary)
+        .write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
+  }
 }
 
 }  // namespace
