@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -216,10 +218,50 @@ std::optional<Mapped> map_name(const std::string& name, const FamilyNames& fam) 
   return std::nullopt;
 }
 
+// The file, or every shard of a split model (llama.cpp's gguf-split: PREFIX-00001-of-0000N.gguf
+// holds the metadata, each shard split.no / split.count and some of the tensors), in order.
+Result<std::vector<io::GgufFile>> read_shards(const std::string& path) {
+  std::vector<io::GgufFile> shards;
+  TS_ASSIGN(io::GgufFile first, io::read_gguf(path));
+  int64_t count = 1;
+  if (const io::GgufValue* v = first.find("split.count")) {
+    const auto* u = std::get_if<uint64_t>(&v->value);
+    const auto* i = std::get_if<int64_t>(&v->value);
+    count = u ? int64_t(std::min<uint64_t>(*u, 100000)) : i ? *i : -1;
+    if (count < 1 || count > 99999)
+      return make_error(path + ": metadata 'split.count' must be an integer in [1, 99999]");
+  }
+  shards.push_back(std::move(first));
+  if (count == 1) return shards;
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, "-00001-of-%05d.gguf", int(count));
+  if (path.size() < std::strlen(suffix) ||
+      path.compare(path.size() - std::strlen(suffix), std::string::npos, suffix) != 0)
+    return make_error(path + ": a split model of " + std::to_string(count) +
+                      " files; give its first file (PREFIX" + suffix + ")");
+  const std::string prefix = path.substr(0, path.size() - std::strlen(suffix));
+  for (int64_t i = 2; i <= count; ++i) {
+    std::snprintf(suffix, sizeof suffix, "-%05d-of-%05d.gguf", int(i), int(count));
+    const std::string shard = prefix + suffix;
+    std::error_code ec;
+    if (!std::filesystem::exists(shard, ec))
+      return make_error(path + ": split shard " + shard + " is missing (" + std::to_string(count) +
+                        " files)");
+    TS_ASSIGN(io::GgufFile g, io::read_gguf(shard));
+    const io::GgufValue* no = g.find("split.no");
+    const auto* n = no ? std::get_if<uint64_t>(&no->value) : nullptr;
+    if (!n || int64_t(*n) != i - 1)
+      return make_error(shard + ": metadata 'split.no' is not " + std::to_string(i - 1));
+    shards.push_back(std::move(g));
+  }
+  return shards;
+}
+
 }  // namespace
 
 Result<GgufModel> open_gguf_model(const std::string& path) {
-  TS_ASSIGN(io::GgufFile g, io::read_gguf(path));
+  TS_ASSIGN(std::vector<io::GgufFile> shards, read_shards(path));
+  const io::GgufFile& g = shards[0];
   Meta m{g, path, ""};
   TS_ASSIGN(std::optional<std::string> arch, m.string_opt("general.architecture"));
   if (!arch) return m.err("general.architecture", "is missing (is this a model file?)");
@@ -280,7 +322,6 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
 
   // Tensors under their Hub names.
   auto set = std::make_unique<io::TensorSet>();
-  std::vector<io::TensorView> views;
   struct Owned {
     std::unique_ptr<uint8_t[]> bytes;
     std::vector<io::TensorView> views;
@@ -291,109 +332,117 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
   std::vector<bool> has_router(size_t(n_layers), false);
   int64_t vocab = 0, d_expert = 0, d_shared = 0, d_ff = 0;
   bool has_output = false, qkv_bias = false;
-  for (const io::GgufTensorInfo& t : g.tensors) {
-    std::optional<Mapped> mp = map_name(t.name, fam);
-    if (!mp)
-      return make_error(path + ": tensor '" + t.name + "' is not one turbospark knows for " +
-                        "architecture '" + m.arch + "'");
-    if (mp->layer >= n_layers)
-      return make_error(path + ": tensor '" + t.name + "' names a block past " +
-                        m.k("block_count") + " = " + std::to_string(n_layers));
-    const std::vector<int64_t> d = dims_of(t);
-    const uint8_t* data = g.tensor_data(t);
-    const uint64_t file_offset = g.data_offset + t.offset;
-    size_t n_bytes = t.n_bytes;
-    const std::optional<DType> native = native_dtype(t.ggml_type);
-    const DType dt = native.value_or(DType::kQ8_0);
-    std::unique_ptr<uint8_t[]> converted;
-    if (!native) {
-      TS_ASSIGN(converted, convert_to_q8_0(t, data, path, &n_bytes));
-      data = converted.get();
-      converted_bytes += n_bytes;
-      ++converted_types[io::ggml_type_name(t.ggml_type)];
-    }
-    auto view = [&](std::string hub, std::vector<int64_t> shape, const uint8_t* p, size_t n,
-                    uint64_t off) {
-      return io::TensorView{.name = std::move(hub),
-                            .dtype = dt,
-                            .shape = std::move(shape),
-                            .data = p,
-                            .n_bytes = n,
-                            .file = path,
-                            .file_offset = off};
-    };
-    const bool is_vector = d.size() == 1 && !dtype_is_quantized(dt);
-    // Views into the file, or into the converted copy (owned by the set).
-    std::vector<io::TensorView> out;
-    auto finish = [&] {
-      if (converted) {
-        owned.push_back({std::move(converted), std::move(out)});
-      } else {
-        for (io::TensorView& v : out) views.push_back(std::move(v));
+  std::vector<std::vector<io::TensorView>> shard_views(shards.size());
+  for (size_t si = 0; si < shards.size(); ++si) {
+    const io::GgufFile& sg = shards[si];
+    const std::string& spath = sg.file->path();
+    std::vector<io::TensorView>& views = shard_views[si];
+    for (const io::GgufTensorInfo& t : sg.tensors) {
+      std::optional<Mapped> mp = map_name(t.name, fam);
+      if (!mp)
+        return make_error(spath + ": tensor '" + t.name + "' is not one turbospark knows for " +
+                          "architecture '" + m.arch + "'");
+      if (mp->layer >= n_layers)
+        return make_error(spath + ": tensor '" + t.name + "' names a block past " +
+                          m.k("block_count") + " = " + std::to_string(n_layers));
+      const std::vector<int64_t> d = dims_of(t);
+      const uint8_t* data = sg.tensor_data(t);
+      const uint64_t file_offset = sg.data_offset + t.offset;
+      size_t n_bytes = t.n_bytes;
+      const std::optional<DType> native = native_dtype(t.ggml_type);
+      const DType dt = native.value_or(DType::kQ8_0);
+      std::unique_ptr<uint8_t[]> converted;
+      if (!native) {
+        TS_ASSIGN(converted, convert_to_q8_0(t, data, spath, &n_bytes));
+        data = converted.get();
+        converted_bytes += n_bytes;
+        ++converted_types[io::ggml_type_name(t.ggml_type)];
       }
-    };
-    if (mp->stacked) {
-      if (d.size() != 3 || d[2] != n_experts)
-        return make_error(path + ": tensor '" + t.name + "' has dims " + dims_str(d) +
-                          "; expected [in, out, " + std::to_string(n_experts) + "]");
-      const size_t bytes = size_t(d[1]) * dtype_row_bytes(dt, d[0]);
-      for (int64_t e = 0; e < n_experts; ++e)
-        out.push_back(view("model.layers." + std::to_string(mp->layer) + "." + fam.moe_block +
-                               ".experts." + std::to_string(e) + "." + mp->hub,
-                           {d[1], d[0]}, data + size_t(e) * bytes, bytes,
-                           file_offset + uint64_t(e) * bytes));
-      const bool down = t.name.find("ffn_down_exps") != std::string::npos;
-      d_expert = down ? d[0] : d[1];
+      auto view = [&](std::string hub, std::vector<int64_t> shape, const uint8_t* p, size_t n,
+                      uint64_t off) {
+        return io::TensorView{.name = std::move(hub),
+                              .dtype = dt,
+                              .shape = std::move(shape),
+                              .data = p,
+                              .n_bytes = n,
+                              .file = spath,
+                              .file_offset = off};
+      };
+      const bool is_vector = d.size() == 1 && !dtype_is_quantized(dt);
+      // Views into the file, or into the converted copy (owned by the set).
+      std::vector<io::TensorView> out;
+      auto finish = [&] {
+        if (converted) {
+          owned.push_back({std::move(converted), std::move(out)});
+        } else {
+          for (io::TensorView& v : out) views.push_back(std::move(v));
+        }
+      };
+      if (mp->stacked) {
+        if (d.size() != 3 || d[2] != n_experts)
+          return make_error(spath + ": tensor '" + t.name + "' has dims " + dims_str(d) +
+                            "; expected [in, out, " + std::to_string(n_experts) + "]");
+        const size_t bytes = size_t(d[1]) * dtype_row_bytes(dt, d[0]);
+        for (int64_t e = 0; e < n_experts; ++e)
+          out.push_back(view("model.layers." + std::to_string(mp->layer) + "." + fam.moe_block +
+                                 ".experts." + std::to_string(e) + "." + mp->hub,
+                             {d[1], d[0]}, data + size_t(e) * bytes, bytes,
+                             file_offset + uint64_t(e) * bytes));
+        const bool down = t.name.find("ffn_down_exps") != std::string::npos;
+        d_expert = down ? d[0] : d[1];
+        finish();
+        continue;
+      }
+      if (mp->expert >= n_experts)
+        return make_error(spath + ": tensor '" + t.name + "' names expert " +
+                          std::to_string(mp->expert) + " of " + std::to_string(n_experts));
+      if (d.size() > 2 || (d.size() == 1 && !is_vector))
+        return make_error(spath + ": tensor '" + t.name + "' has dims " + dims_str(d) +
+                          "; expected a matrix or a float vector");
+      std::vector<int64_t> shape = d.size() == 2 ? std::vector<int64_t>{d[1], d[0]} : d;
+      const std::string& hub = mp->hub;
+      auto ends_with = [&](std::string_view s) {
+        return hub.size() >= s.size() && hub.compare(hub.size() - s.size(), s.size(), s) == 0;
+      };
+      if (hub == "model.embed_tokens.weight") vocab = shape[0];
+      if (hub == "lm_head.weight") has_output = true;
+      if (ends_with("mlp.shared_expert_gate.weight") && d.size() == 1) shape = {1, d[0]};
+      if (ends_with("shared_expert.gate_proj.weight")) d_shared = shape[0];
+      if (ends_with(".mlp.gate_proj.weight") && !ends_with("shared_expert.gate_proj.weight"))
+        d_ff = shape[0];
+      if (mp->expert >= 0 && ends_with(std::string(fam.expert_gate) + ".weight"))
+        d_expert = shape[0];
+      if (ends_with("." + std::string(fam.moe_block) + ".gate.weight"))
+        has_router[size_t(mp->layer)] = true;
+      if (ends_with("q_proj.bias")) qkv_bias = true;
+      if (mp->qk && family == Family::kMixtral) {
+        // convert_hf_to_gguf (LlamaModel.permute) stores head h's rows as
+        // w.reshape(heads, 2, hd / 2, ...).swapaxes(1, 2): GGUF row h*hd + 2j + s holds Hub row
+        // h*hd + s*hd/2 + j. Undo it row by row.
+        const int64_t rows = shape[0];
+        const int64_t heads = mp->qk == 'q' ? n_heads : (n_kv ? *n_kv : n_heads);
+        if (heads <= 0 || rows % heads != 0 || (rows / heads) % 2 != 0)
+          return make_error(spath + ": tensor '" + t.name + "' has " + std::to_string(rows) +
+                            " rows, not a whole number of even-sized heads (" +
+                            std::to_string(heads) + ")");
+        const int64_t hd = rows / heads;
+        const size_t row_bytes = shape.size() == 2 ? dtype_row_bytes(dt, shape[1]) : dtype_size(dt);
+        auto bytes = std::make_unique<uint8_t[]>(n_bytes);
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t s = 0; s < 2; ++s)
+            for (int64_t j = 0; j < hd / 2; ++j)
+              std::memcpy(bytes.get() + size_t(h * hd + s * hd / 2 + j) * row_bytes,
+                          data + size_t(h * hd + 2 * j + s) * row_bytes, row_bytes);
+        out.push_back(view(hub, shape, bytes.get(), n_bytes, 0));
+        converted = std::move(bytes);
+        finish();
+        continue;
+      }
+      out.push_back(view(hub, shape, data, n_bytes, file_offset));
       finish();
-      continue;
     }
-    if (mp->expert >= n_experts)
-      return make_error(path + ": tensor '" + t.name + "' names expert " +
-                        std::to_string(mp->expert) + " of " + std::to_string(n_experts));
-    if (d.size() > 2 || (d.size() == 1 && !is_vector))
-      return make_error(path + ": tensor '" + t.name + "' has dims " + dims_str(d) +
-                        "; expected a matrix or a float vector");
-    std::vector<int64_t> shape = d.size() == 2 ? std::vector<int64_t>{d[1], d[0]} : d;
-    const std::string& hub = mp->hub;
-    auto ends_with = [&](std::string_view s) {
-      return hub.size() >= s.size() && hub.compare(hub.size() - s.size(), s.size(), s) == 0;
-    };
-    if (hub == "model.embed_tokens.weight") vocab = shape[0];
-    if (hub == "lm_head.weight") has_output = true;
-    if (ends_with("mlp.shared_expert_gate.weight") && d.size() == 1) shape = {1, d[0]};
-    if (ends_with("shared_expert.gate_proj.weight")) d_shared = shape[0];
-    if (ends_with(".mlp.gate_proj.weight") && !ends_with("shared_expert.gate_proj.weight"))
-      d_ff = shape[0];
-    if (mp->expert >= 0 && ends_with(std::string(fam.expert_gate) + ".weight")) d_expert = shape[0];
-    if (ends_with("." + std::string(fam.moe_block) + ".gate.weight"))
-      has_router[size_t(mp->layer)] = true;
-    if (ends_with("q_proj.bias")) qkv_bias = true;
-    if (mp->qk && family == Family::kMixtral) {
-      // convert_hf_to_gguf (LlamaModel.permute) stores head h's rows as
-      // w.reshape(heads, 2, hd / 2, ...).swapaxes(1, 2): GGUF row h*hd + 2j + s holds Hub row
-      // h*hd + s*hd/2 + j. Undo it row by row.
-      const int64_t rows = shape[0];
-      const int64_t heads = mp->qk == 'q' ? n_heads : (n_kv ? *n_kv : n_heads);
-      if (heads <= 0 || rows % heads != 0 || (rows / heads) % 2 != 0)
-        return make_error(path + ": tensor '" + t.name + "' has " + std::to_string(rows) +
-                          " rows, not a whole number of even-sized heads (" +
-                          std::to_string(heads) + ")");
-      const int64_t hd = rows / heads;
-      const size_t row_bytes = shape.size() == 2 ? dtype_row_bytes(dt, shape[1]) : dtype_size(dt);
-      auto bytes = std::make_unique<uint8_t[]>(n_bytes);
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t s = 0; s < 2; ++s)
-          for (int64_t j = 0; j < hd / 2; ++j)
-            std::memcpy(bytes.get() + size_t(h * hd + s * hd / 2 + j) * row_bytes,
-                        data + size_t(h * hd + 2 * j + s) * row_bytes, row_bytes);
-      out.push_back(view(hub, shape, bytes.get(), n_bytes, 0));
-      converted = std::move(bytes);
-      finish();
-      continue;
-    }
-    out.push_back(view(hub, shape, data, n_bytes, file_offset));
-    finish();
   }
+
   if (vocab == 0) return make_error(path + ": tensor 'token_embd.weight' is missing");
 
   cfg["hidden_size"] = d_model;
@@ -436,7 +485,8 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
     cfg["attention_bias"] = qkv_bias;
   }
 
-  TS_TRY(set->add_mapped(std::move(g.file), std::move(views)));
+  for (size_t si = 0; si < shards.size(); ++si)
+    TS_TRY(set->add_mapped(std::move(shards[si].file), std::move(shard_views[si])));
   for (Owned& o : owned) TS_TRY(set->add_owned(std::move(o.bytes), std::move(o.views)));
   std::string note;
   if (converted_bytes > 0) {

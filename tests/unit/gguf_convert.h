@@ -15,6 +15,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cpu/quant.h"
@@ -63,24 +64,29 @@ class GgufWriter {
   void tensor(const std::string& name, std::vector<uint64_t> ne, uint32_t type, std::string bytes) {
     tensors_.push_back({name, std::move(ne), type, std::move(bytes)});
   }
-  void write(const std::string& path) const {
-    Out o;
-    o.b = "GGUF";
-    o.pod(uint32_t(3)).pod(uint64_t(tensors_.size())).pod(uint64_t(kvs_.size()));
-    for (const std::string& k : kvs_) o.b += k;
-    uint64_t off = 0;
-    for (const T& t : tensors_) {
-      o.s(t.name).pod(uint32_t(t.ne.size()));
-      for (uint64_t d : t.ne) o.pod(d);
-      o.pod(t.type).pod(off);
-      off += (t.bytes.size() + 31) / 32 * 32;
+  void write(const std::string& path) const { write_file(path, kvs_, tensors_); }
+
+  // As llama.cpp's gguf-split: PREFIX-0000i-of-0000N.gguf, tensors dealt round-robin, the
+  // metadata in the first file, split.no / split.count (u16) and split.tensors.count (i32)
+  // in every file.
+  void write_split(const std::string& prefix, int n) const {
+    for (int i = 0; i < n; ++i) {
+      std::vector<std::string> kvs = i == 0 ? kvs_ : std::vector<std::string>{};
+      for (auto [key, type, v] :
+           {std::tuple{"split.no", 2u, i}, std::tuple{"split.count", 2u, n}}) {
+        Out o;
+        o.s(key).pod(uint32_t(type)).pod(uint16_t(v));
+        kvs.push_back(o.b);
+      }
+      Out c;
+      c.s("split.tensors.count").pod(uint32_t(kI32)).pod(int32_t(tensors_.size()));
+      kvs.push_back(c.b);
+      std::vector<T> part;
+      for (size_t t = size_t(i); t < tensors_.size(); t += size_t(n)) part.push_back(tensors_[t]);
+      char name[64];
+      std::snprintf(name, sizeof name, "-%05d-of-%05d.gguf", i + 1, n);
+      write_file(prefix + name, kvs, part);
     }
-    o.pad();
-    for (const T& t : tensors_) {
-      o.b += t.bytes;
-      o.pad();
-    }
-    std::ofstream(path, std::ios::binary).write(o.b.data(), std::streamsize(o.b.size()));
   }
 
  private:
@@ -106,6 +112,26 @@ class GgufWriter {
     uint32_t type;
     std::string bytes;
   };
+  static void write_file(const std::string& path, const std::vector<std::string>& kvs,
+                         const std::vector<T>& tensors) {
+    Out o;
+    o.b = "GGUF";
+    o.pod(uint32_t(3)).pod(uint64_t(tensors.size())).pod(uint64_t(kvs.size()));
+    for (const std::string& k : kvs) o.b += k;
+    uint64_t off = 0;
+    for (const T& t : tensors) {
+      o.s(t.name).pod(uint32_t(t.ne.size()));
+      for (uint64_t d : t.ne) o.pod(d);
+      o.pod(t.type).pod(off);
+      off += (t.bytes.size() + 31) / 32 * 32;
+    }
+    o.pad();
+    for (const T& t : tensors) {
+      o.b += t.bytes;
+      o.pad();
+    }
+    std::ofstream(path, std::ios::binary).write(o.b.data(), std::streamsize(o.b.size()));
+  }
   void add(const std::string& k, uint32_t type, const std::function<void(Out&)>& value) {
     Out o;
     o.s(k).pod(type);
@@ -126,6 +152,7 @@ struct ConvertOptions {
   std::string tokenizer_dir;         // a directory whose tokenizer.json to embed ("" = the model's)
   std::string pre = "qwen2";         // tokenizer.ggml.pre for byte-level BPE tokenizers
   std::function<void(GgufWriter&)> extra;  // more keys / tensors, before writing
+  int split = 0;                           // > 1: write OUT as gguf-split shards, OUT the prefix
 };
 
 namespace gguf_detail {
@@ -403,7 +430,10 @@ inline void convert_hf_dir(const std::string& dir, const std::string& out,
   const std::filesystem::path tok = opt.tokenizer_dir.empty() ? dir : opt.tokenizer_dir;
   if (std::filesystem::exists(tok / "tokenizer.json")) add_tokenizer(w, tok, opt.pre);
   if (opt.extra) opt.extra(w);
-  w.write(out);
+  if (opt.split > 1)
+    w.write_split(out, opt.split);
+  else
+    w.write(out);
 }
 
 }  // namespace ts_test

@@ -166,6 +166,38 @@ TEST(GgufModel, Q8_0FileRunsTheSameInEveryResidency) {
   }
 }
 
+// A model split by gguf-split loads from its first file, as one file does; a missing shard
+// is named.
+TEST(GgufModel, SplitFilesLoadAsOne) {
+  const std::string dir = model_dir("qwen2_moe_dense");
+  TempDir tmp;
+  ts_test::convert_hf_dir(dir, tmp.file("whole.gguf"));
+  ts_test::convert_hf_dir(dir, tmp.file("m"), {.split = 3});
+  auto a = load(tmp.file("whole.gguf"));
+  auto b = load(tmp.file("m-00001-of-00003.gguf"));
+  ASSERT_TRUE(a && b);
+  const std::vector<int> prompt = prompt_of(dir);
+  const std::vector<float> la = prefill(*a, prompt), lb = prefill(*b, prompt);
+  EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), la.size() * 4));
+  ts::runtime::LoadOptions streamed;
+  streamed.residency = ts::experts::Residency::kStreamed;
+  streamed.streamed.slots_per_layer = 2;
+  auto c = load(tmp.file("m-00001-of-00003.gguf"), streamed);
+  ASSERT_TRUE(c);
+  const std::vector<float> lc = prefill(*c, prompt);
+  EXPECT_EQ(0, std::memcmp(la.data(), lc.data(), la.size() * 4)) << "experts streamed from shards";
+  fs::remove(tmp.file("m-00003-of-00003.gguf"));
+  auto d = LoadedModel::load(tmp.file("m-00001-of-00003.gguf"));
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.error().message.find("m-00003-of-00003.gguf is missing"), std::string::npos)
+      << d.error().message;
+  auto e = LoadedModel::load(tmp.file("m-00002-of-00003.gguf"));
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.error().message.find("a split model of 3 files; give its first file"),
+            std::string::npos)
+      << e.error().message;
+}
+
 // A K-quant mix (Q6_K experts, as a Q4_K_M / Q6_K file holds): converted to Q8_0 at load and
 // said so; close to the F32 model it was quantized from; not streamable from the file, but a
 // pack made from it streams the same bytes.
