@@ -236,8 +236,20 @@ Result<GgufVocab> read_gguf_vocab(const std::string& path) {
   if (unk >= 0) tcfg["unk_token"] = tokens[size_t(unk)];
   TS_ASSIGN(std::optional<std::string> tmpl, str("tokenizer.chat_template"));
   if (tmpl) tcfg["chat_template"] = *tmpl;
+  // End of generation: the file's eos / eot / eom ids, and (as llama.cpp does) control tokens
+  // whose text marks the end of a turn or of a text, which Hugging Face lists in
+  // generation_config.json but GGUF metadata has no key for (Qwen's <|endoftext|> beside
+  // <|im_end|>).
+  std::vector<int> stop_ids = {eos, eot, eom};
+  static const char* const kEndTexts[] = {"<|im_end|>",      "<|endoftext|>", "<|eot_id|>",
+                                          "<|end_of_text|>", "<|end|>",       "<end_of_turn>",
+                                          "<|eom_id|>",      "<EOT>"};
+  for (int i = 0; i < n; ++i)
+    if (int(types[size_t(i)]) == kControl)
+      for (const char* t : kEndTexts)
+        if (tokens[size_t(i)] == t) stop_ids.push_back(i);
   json stop = json::array();
-  for (int id : {eos, eot, eom})
+  for (int id : stop_ids)
     if (id >= 0 && std::find(stop.begin(), stop.end(), json(id)) == stop.end()) stop.push_back(id);
   if (!stop.empty()) out.generation_config["eos_token_id"] = stop;
   return out;

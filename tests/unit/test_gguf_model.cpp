@@ -353,6 +353,14 @@ TEST_P(GgufTokenizer, MatchesItsTokenizerJson) {
   ASSERT_TRUE(b.ok()) << b.error().message;
   EXPECT_EQ((*a)->vocab_size(), (*b)->vocab_size());
   EXPECT_EQ((*a)->bos_id(), (*b)->bos_id());
+  for (int id : (*a)->eos_ids())
+    EXPECT_NE(std::find((*b)->eos_ids().begin(), (*b)->eos_ids().end(), id), (*b)->eos_ids().end())
+        << "end-of-generation id " << id;
+  if (auto end = (*b)->token_to_id("<|endoftext|>"); end && (*b)->is_special(*end)) {
+    EXPECT_NE(std::find((*b)->eos_ids().begin(), (*b)->eos_ids().end(), *end),
+              (*b)->eos_ids().end())
+        << "a control <|endoftext|> ends generation, as llama.cpp takes it";
+  }
   int mismatches = 0;
   for (const std::string& s : corpus())
     for (bool special : {false, true}) {
