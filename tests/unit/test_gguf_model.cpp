@@ -377,6 +377,16 @@ TEST_P(GgufTokenizer, MatchesItsTokenizerJson) {
     auto tb = ts::tokenizer::ChatTemplate::load(path);
     ASSERT_TRUE(ta.ok()) << ta.error().message;
     ASSERT_TRUE(tb.ok()) << tb.error().message;
+    EXPECT_EQ(ta->source(), tb->source());
+    EXPECT_EQ(ta->special_tokens().eos, tb->special_tokens().eos);
+    const auto messages = nlohmann::ordered_json::parse(
+        R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}])");
+    auto ra = ta->render(messages, nullptr, true);
+    auto rb = tb->render(messages, nullptr, true);
+    ASSERT_TRUE(ra.ok()) << ra.error().message;
+    ASSERT_TRUE(rb.ok()) << rb.error().message;
+    EXPECT_EQ(*ra, *rb);
   }
 }
 
