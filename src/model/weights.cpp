@@ -21,8 +21,8 @@ struct Binder {
     const io::TensorView* t = tensors.find(name);
     if (!t) return make_error("tensor " + name + " is missing from the checkpoint");
     if (t->shape != shape)
-      return make_error("tensor " + name + " in " + t->file + " has shape " +
-                        shape_str(t->shape) + ", config.json implies " + shape_str(shape));
+      return make_error("tensor " + name + " in " + t->file + " has shape " + shape_str(t->shape) +
+                        ", the config (config.json or GGUF metadata) implies " + shape_str(shape));
     return t;
   }
   Result<Matrix> matrix(const std::string& name, int64_t rows, int64_t cols) const {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "core/thread_pool.h"
@@ -241,6 +242,44 @@ TEST(GgufModel, Q6_KTensorsAreConvertedToQ8_0AtLoad) {
   ASSERT_TRUE(p);
   const std::vector<float> got = prefill(*p, prompt);
   EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4));
+}
+
+// Damaged headers (bytes changed in the metadata and tensor table of a model with its
+// tokenizer) load or fail with an error; they never crash or hang the loader.
+TEST(GgufModel, DamagedHeadersAreErrorsNotCrashes) {
+  const std::string dir = model_dir("qwen3_moe");
+  TempDir tmp;
+  const std::string good = tmp.file("good.gguf");
+  ts_test::convert_hf_dir(dir, good);
+  std::string bytes;
+  {
+    std::ifstream f(good, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    bytes = ss.str();
+  }
+  auto g = ts::io::read_gguf(good);
+  ASSERT_TRUE(g.ok());
+  const size_t header_end = size_t(g->data_offset);
+  std::mt19937 rng(5);
+  int errors = 0;
+  const std::string bad = tmp.file("bad.gguf");
+  for (int trial = 0; trial < 150; ++trial) {
+    std::string b = bytes;
+    for (int k = 0; k < 1 + trial % 4; ++k) {
+      const size_t at = rng() % header_end;
+      b[at] = char(trial % 3 == 0 ? 0xFF : rng());
+    }
+    std::ofstream(bad, std::ios::binary).write(b.data(), std::streamsize(b.size()));
+    auto m = LoadedModel::load(bad);
+    auto t = ts::tokenizer::Tokenizer::load(bad);
+    if (!m.ok()) {
+      ++errors;
+      EXPECT_NE(m.error().message.find(bad), std::string::npos) << m.error().message;
+    }
+    (void)t;
+  }
+  EXPECT_GT(errors, 20) << "most damaged headers must be refused";
 }
 
 // Bad files: the error names the file and the key or tensor.
