@@ -295,6 +295,46 @@ const GgufTensorInfo* GgufFile::tensor(std::string_view name) const {
   return nullptr;
 }
 
+namespace {
+Error wrong_type(const GgufFile& g, std::string_view key, const char* what) {
+  return make_error(g.file->path() + ": metadata '" + std::string(key) + "' must be " + what);
+}
+}  // namespace
+
+Result<std::optional<int64_t>> GgufFile::integer(std::string_view key) const {
+  const GgufValue* v = find(key);
+  if (!v) return std::optional<int64_t>{};
+  if (const auto* i = std::get_if<int64_t>(&v->value)) return std::optional<int64_t>{*i};
+  if (const auto* u = std::get_if<uint64_t>(&v->value))
+    return std::optional<int64_t>{int64_t(std::min<uint64_t>(*u, uint64_t(INT64_MAX)))};
+  return wrong_type(*this, key, "an integer");
+}
+
+Result<std::optional<double>> GgufFile::number(std::string_view key) const {
+  const GgufValue* v = find(key);
+  if (!v) return std::optional<double>{};
+  if (const auto* d = std::get_if<double>(&v->value)) return std::optional<double>{*d};
+  if (std::holds_alternative<int64_t>(v->value) || std::holds_alternative<uint64_t>(v->value)) {
+    TS_ASSIGN(std::optional<int64_t> i, integer(key));
+    return std::optional<double>{double(*i)};
+  }
+  return wrong_type(*this, key, "a number");
+}
+
+Result<std::optional<std::string>> GgufFile::string(std::string_view key) const {
+  const GgufValue* v = find(key);
+  if (!v) return std::optional<std::string>{};
+  if (const auto* s = std::get_if<std::string>(&v->value)) return std::optional<std::string>{*s};
+  return wrong_type(*this, key, "a string");
+}
+
+Result<std::optional<bool>> GgufFile::boolean(std::string_view key) const {
+  const GgufValue* v = find(key);
+  if (!v) return std::optional<bool>{};
+  if (const auto* b = std::get_if<bool>(&v->value)) return std::optional<bool>{*b};
+  return wrong_type(*this, key, "a boolean");
+}
+
 Result<std::vector<std::string>> GgufFile::strings(std::string_view key) const {
   const GgufValue* v = find(key);
   const std::string what = file->path() + ": metadata '" + std::string(key) + "'";

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -78,6 +79,13 @@ struct GgufFile {
   const uint8_t* tensor_data(const GgufTensorInfo& t) const {
     return file->data() + data_offset + t.offset;
   }
+  // A scalar value of the key, nullopt when the key is absent; an error naming the file and
+  // the key when it has another type. Integers of any width (a u64 above INT64_MAX saturates);
+  // numbers are integers or floats.
+  Result<std::optional<int64_t>> integer(std::string_view key) const;
+  Result<std::optional<double>> number(std::string_view key) const;
+  Result<std::optional<std::string>> string(std::string_view key) const;
+  Result<std::optional<bool>> boolean(std::string_view key) const;
   // The elements of an array value: strings; numbers of any integer or float type (as
   // double). Error naming the key if `key` is absent or not such an array.
   Result<std::vector<std::string>> strings(std::string_view key) const;

@@ -23,7 +23,7 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
-// Typed access to the {arch}.* metadata; errors name the file and the key.
+// The {arch}.* metadata through GgufFile's typed accessors; errors name the file and the key.
 struct Meta {
   const io::GgufFile& g;
   const std::string& path;
@@ -34,39 +34,13 @@ struct Meta {
   }
   std::string k(const std::string& key) const { return arch + "." + key; }
 
-  Result<std::optional<int64_t>> integer_opt(const std::string& key) const {
-    const io::GgufValue* v = g.find(key);
-    if (!v) return std::optional<int64_t>{};
-    if (const auto* i = std::get_if<int64_t>(&v->value)) return std::optional<int64_t>{*i};
-    if (const auto* u = std::get_if<uint64_t>(&v->value); u && *u <= uint64_t(INT64_MAX))
-      return std::optional<int64_t>{int64_t(*u)};
-    return err(key, "must be an integer");
-  }
+  // A required positive integer (a count or a size).
   Result<int64_t> integer(const std::string& key) const {
-    TS_ASSIGN(std::optional<int64_t> v, integer_opt(key));
+    TS_ASSIGN(std::optional<int64_t> v, g.integer(key));
     if (!v) return err(key, "is missing");
     if (*v <= 0 || *v > (int64_t(1) << 30))
       return err(key, "must be positive, got " + std::to_string(*v));
     return *v;
-  }
-  Result<std::optional<double>> number_opt(const std::string& key) const {
-    const io::GgufValue* v = g.find(key);
-    if (!v) return std::optional<double>{};
-    if (const auto* d = std::get_if<double>(&v->value)) return std::optional<double>{*d};
-    TS_ASSIGN(std::optional<int64_t> i, integer_opt(key));
-    return std::optional<double>{double(*i)};
-  }
-  Result<std::optional<std::string>> string_opt(const std::string& key) const {
-    const io::GgufValue* v = g.find(key);
-    if (!v) return std::optional<std::string>{};
-    if (const auto* s = std::get_if<std::string>(&v->value)) return std::optional<std::string>{*s};
-    return err(key, "must be a string");
-  }
-  Result<std::optional<bool>> boolean_opt(const std::string& key) const {
-    const io::GgufValue* v = g.find(key);
-    if (!v) return std::optional<bool>{};
-    if (const auto* b = std::get_if<bool>(&v->value)) return std::optional<bool>{*b};
-    return err(key, "must be a boolean");
   }
 };
 
@@ -223,14 +197,11 @@ std::optional<Mapped> map_name(const std::string& name, const FamilyNames& fam) 
 Result<std::vector<io::GgufFile>> read_shards(const std::string& path) {
   std::vector<io::GgufFile> shards;
   TS_ASSIGN(io::GgufFile first, io::read_gguf(path));
-  int64_t count = 1;
-  if (const io::GgufValue* v = first.find("split.count")) {
-    const auto* u = std::get_if<uint64_t>(&v->value);
-    const auto* i = std::get_if<int64_t>(&v->value);
-    count = u ? int64_t(std::min<uint64_t>(*u, 100000)) : i ? *i : -1;
-    if (count < 1 || count > 99999)
-      return make_error(path + ": metadata 'split.count' must be an integer in [1, 99999]");
-  }
+  TS_ASSIGN(std::optional<int64_t> n, first.integer("split.count"));
+  const int64_t count = n.value_or(1);
+  if (count < 1 || count > 99999)
+    return make_error(path + ": metadata 'split.count' = " + std::to_string(count) +
+                      " is not in [1, 99999]");
   shards.push_back(std::move(first));
   if (count == 1) return shards;
   char suffix[32];
@@ -248,9 +219,8 @@ Result<std::vector<io::GgufFile>> read_shards(const std::string& path) {
       return make_error(path + ": split shard " + shard + " is missing (" + std::to_string(count) +
                         " files)");
     TS_ASSIGN(io::GgufFile g, io::read_gguf(shard));
-    const io::GgufValue* no = g.find("split.no");
-    const auto* n = no ? std::get_if<uint64_t>(&no->value) : nullptr;
-    if (!n || int64_t(*n) != i - 1)
+    TS_ASSIGN(std::optional<int64_t> no, g.integer("split.no"));
+    if (no != i - 1)
       return make_error(shard + ": metadata 'split.no' is not " + std::to_string(i - 1));
     shards.push_back(std::move(g));
   }
@@ -263,7 +233,7 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
   TS_ASSIGN(std::vector<io::GgufFile> shards, read_shards(path));
   const io::GgufFile& g = shards[0];
   Meta m{g, path, ""};
-  TS_ASSIGN(std::optional<std::string> arch, m.string_opt("general.architecture"));
+  TS_ASSIGN(std::optional<std::string> arch, g.string("general.architecture"));
   if (!arch) return m.err("general.architecture", "is missing (is this a model file?)");
   m.arch = *arch;
 
@@ -279,7 +249,7 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
     family = Family::kOlmoe;
     cfg["model_type"] = "olmoe";
   } else if (m.arch == "llama") {
-    TS_ASSIGN(std::optional<int64_t> n, m.integer_opt(m.k("expert_count")));
+    TS_ASSIGN(std::optional<int64_t> n, g.integer(m.k("expert_count")));
     if (!n || *n == 0)
       return m.err("general.architecture",
                    "= 'llama' without llama.expert_count: a dense model (turbospark runs "
@@ -296,29 +266,29 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
   TS_ASSIGN(int64_t d_model, m.integer(m.k("embedding_length")));
   TS_ASSIGN(int64_t n_layers, m.integer(m.k("block_count")));
   TS_ASSIGN(int64_t n_heads, m.integer(m.k("attention.head_count")));
-  TS_ASSIGN(std::optional<int64_t> n_kv, m.integer_opt(m.k("attention.head_count_kv")));
-  TS_ASSIGN(std::optional<int64_t> key_len, m.integer_opt(m.k("attention.key_length")));
-  TS_ASSIGN(std::optional<int64_t> value_len, m.integer_opt(m.k("attention.value_length")));
+  TS_ASSIGN(std::optional<int64_t> n_kv, g.integer(m.k("attention.head_count_kv")));
+  TS_ASSIGN(std::optional<int64_t> key_len, g.integer(m.k("attention.key_length")));
+  TS_ASSIGN(std::optional<int64_t> value_len, g.integer(m.k("attention.value_length")));
   const int64_t head_dim = key_len ? *key_len : d_model / n_heads;
   if (value_len && *value_len != head_dim)
     return m.err(m.k("attention.value_length"), "= " + std::to_string(*value_len) +
                                                     " differs from the key length " +
                                                     std::to_string(head_dim) + " (not supported)");
-  TS_ASSIGN(std::optional<int64_t> rope_dims, m.integer_opt(m.k("rope.dimension_count")));
+  TS_ASSIGN(std::optional<int64_t> rope_dims, g.integer(m.k("rope.dimension_count")));
   if (rope_dims && *rope_dims != head_dim)
     return m.err(m.k("rope.dimension_count"), "= " + std::to_string(*rope_dims) +
                                                   " rotates part of a " + std::to_string(head_dim) +
                                                   "-wide head (partial RoPE is not supported)");
-  TS_ASSIGN(std::optional<std::string> scaling, m.string_opt(m.k("rope.scaling.type")));
+  TS_ASSIGN(std::optional<std::string> scaling, g.string(m.k("rope.scaling.type")));
   if (scaling && *scaling != "none")
     return m.err(m.k("rope.scaling.type"),
                  "= '" + *scaling + "' is not supported (only plain RoPE)");
-  TS_ASSIGN(std::optional<int64_t> ctx, m.integer_opt(m.k("context_length")));
-  TS_ASSIGN(std::optional<double> eps, m.number_opt(m.k("attention.layer_norm_rms_epsilon")));
-  TS_ASSIGN(std::optional<double> theta, m.number_opt(m.k("rope.freq_base")));
+  TS_ASSIGN(std::optional<int64_t> ctx, g.integer(m.k("context_length")));
+  TS_ASSIGN(std::optional<double> eps, g.number(m.k("attention.layer_norm_rms_epsilon")));
+  TS_ASSIGN(std::optional<double> theta, g.number(m.k("rope.freq_base")));
   TS_ASSIGN(int64_t n_experts, m.integer(m.k("expert_count")));
   TS_ASSIGN(int64_t top_k, m.integer(m.k("expert_used_count")));
-  TS_ASSIGN(std::optional<bool> weights_norm, m.boolean_opt(m.k("expert_weights_norm")));
+  TS_ASSIGN(std::optional<bool> weights_norm, g.boolean(m.k("expert_weights_norm")));
 
   // Tensors under their Hub names.
   auto set = std::make_unique<io::TensorSet>();

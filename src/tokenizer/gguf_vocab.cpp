@@ -88,19 +88,11 @@ Result<GgufVocab> read_gguf_vocab(const std::string& path) {
   auto fail = [&](const std::string& key, const std::string& what) {
     return make_error(path + ": metadata '" + key + "' " + what);
   };
-  auto str = [&](const std::string& key) -> Result<std::optional<std::string>> {
-    const io::GgufValue* v = g.find(key);
-    if (!v) return std::optional<std::string>{};
-    if (const auto* s = std::get_if<std::string>(&v->value)) return std::optional<std::string>{*s};
-    return fail(key, "must be a string");
-  };
   auto boolean = [&](const std::string& key, bool fallback) -> Result<bool> {
-    const io::GgufValue* v = g.find(key);
-    if (!v) return fallback;
-    if (const auto* b = std::get_if<bool>(&v->value)) return *b;
-    return fail(key, "must be a boolean");
+    TS_ASSIGN(std::optional<bool> b, g.boolean(key));
+    return b.value_or(fallback);
   };
-  TS_ASSIGN(std::optional<std::string> model, str("tokenizer.ggml.model"));
+  TS_ASSIGN(std::optional<std::string> model, g.string("tokenizer.ggml.model"));
   if (!model)
     return fail("tokenizer.ggml.model",
                 "is missing (the file carries no tokenizer; give token "
@@ -118,15 +110,9 @@ Result<GgufVocab> read_gguf_vocab(const std::string& path) {
                                                    " entries for " + std::to_string(n) + " tokens");
   }
   auto id_key = [&](const std::string& key) -> Result<int> {
-    const io::GgufValue* v = g.find(key);
+    TS_ASSIGN(std::optional<int64_t> v, g.integer(key));
     if (!v) return -1;
-    int64_t id = -1;
-    if (const auto* u = std::get_if<uint64_t>(&v->value))
-      id = int64_t(std::min<uint64_t>(*u, INT64_MAX));
-    else if (const auto* i = std::get_if<int64_t>(&v->value))
-      id = *i;
-    else
-      return fail(key, "must be an integer");
+    const int64_t id = *v;
     if (id < 0 || id >= n)
       return fail(key, "= " + std::to_string(id) + " is not a token id (the vocabulary has " +
                            std::to_string(n) + ")");
@@ -189,7 +175,7 @@ Result<GgufVocab> read_gguf_vocab(const std::string& path) {
       tj.merges.emplace_back(merges[i].substr(0, space), merges[i].substr(space + 1));
     }
     tj.merge_is_pair.assign(tj.merges.size(), true);
-    TS_ASSIGN(std::optional<std::string> pre, str("tokenizer.ggml.pre"));
+    TS_ASSIGN(std::optional<std::string> pre, g.string("tokenizer.ggml.pre"));
     const std::string p = pre.value_or("default");
     if (p == "qwen2" || p == "deepseek-r1-qwen" || p == "stablelm2" || p == "hunyuan") {
       root["normalizer"] = {{"type", "NFC"}};
@@ -234,7 +220,7 @@ Result<GgufVocab> read_gguf_vocab(const std::string& path) {
   if (bos >= 0) tcfg["bos_token"] = tokens[size_t(bos)];
   if (eos >= 0) tcfg["eos_token"] = tokens[size_t(eos)];
   if (unk >= 0) tcfg["unk_token"] = tokens[size_t(unk)];
-  TS_ASSIGN(std::optional<std::string> tmpl, str("tokenizer.chat_template"));
+  TS_ASSIGN(std::optional<std::string> tmpl, g.string("tokenizer.chat_template"));
   if (tmpl) tcfg["chat_template"] = *tmpl;
   // End of generation: the file's eos / eot / eom ids, and (as llama.cpp does) control tokens
   // whose text marks the end of a turn or of a text, which Hugging Face lists in
