@@ -513,6 +513,22 @@ TEST(GgufCli, GenerateAndRunFromAGgufFile) {
   ASSERT_EQ(p2, 0) << pe2;
   ASSERT_EQ(p3, 0) << pe3;
   EXPECT_EQ(po2, po3);
+  // The pack carries the tokenizer (rebuilt from the GGUF's metadata): text in and out as from
+  // the GGUF; and a pack of the checkpoint directory carries its tokenizer files.
+  auto [t1, to1, te1] = run("run --model " + q8 + " --prompt 'the cat is on the mat' -n 8");
+  auto [t2, to2, te2] =
+      run("run --model " + tmp.file("pack") + " --prompt 'the cat is on the mat' -n 8");
+  ASSERT_EQ(t1, 0) << te1;
+  ASSERT_EQ(t2, 0) << te2;
+  EXPECT_EQ(to1, to2);
+  auto [t3, to3, te3] = run("pack --model " + dir + " --out " + tmp.file("dirpack"));
+  ASSERT_EQ(t3, 0) << te3;
+  auto [t4, to4, te4] =
+      run("run --model " + tmp.file("dirpack") + " --prompt 'the cat is on the mat' -n 8");
+  ASSERT_EQ(t4, 0) << te4;
+  EXPECT_EQ(to4, o3);
+  auto [t5, to5, te5] = run("verify " + tmp.file("dirpack"));
+  EXPECT_EQ(t5, 0) << te5;
   // Streamed straight from the GGUF file's tensor offsets; O_DIRECT needs a pack's 4096-byte
   // aligned blobs (GGUF aligns to 32), which the error says.
   auto [p4, po4, pe4] =

@@ -33,6 +33,8 @@
 #include "model/gguf_model.h"
 #include "model/hparams.h"
 #include "model/weights.h"
+#include "tokenizer/gguf_vocab.h"
+#include "tokenizer/tokenizer_json.h"
 
 namespace ts::cli {
 namespace {
@@ -113,6 +115,43 @@ Result<std::string> write_expert_file(ThreadPool& pool, const std::string& path,
     return make_error("writing " + path + " failed (disk full?)");
   }
   return sha.hex_digest();
+}
+
+// The tokenizer files beside the weights, so run / chat / serve work from the pack: copied
+// from a checkpoint directory (those present), or rebuilt from a GGUF file's metadata (when it
+// carries a tokenizer). Each goes into the manifest with its digest.
+Status write_tokenizer_files(const std::string& src, bool gguf, const std::string& out,
+                             io::PackManifest& m) {
+  std::vector<std::pair<std::string, std::string>> files;  // name, bytes
+  if (gguf) {
+    TS_ASSIGN(io::GgufFile g, io::read_gguf(src));
+    if (!g.find("tokenizer.ggml.model")) return {};
+    TS_ASSIGN(tokenizer::GgufVocab v, tokenizer::read_gguf_vocab(src));
+    nlohmann::json tok = v.tokenizer.root;
+    nlohmann::json vocab = nlohmann::json::object();
+    for (const auto& [token, id] : v.tokenizer.vocab) vocab[token] = id;
+    nlohmann::json merges = nlohmann::json::array();
+    for (const auto& [a, b] : v.tokenizer.merges) merges.push_back({a, b});
+    tok["model"]["vocab"] = std::move(vocab);
+    tok["model"]["merges"] = std::move(merges);
+    files.emplace_back("tokenizer.json", tok.dump());
+    files.emplace_back("tokenizer_config.json", v.tokenizer_config.dump(1));
+    files.emplace_back("generation_config.json", v.generation_config.dump(1));
+  } else {
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                             "chat_template.jinja"}) {
+      std::error_code ec;
+      if (!std::filesystem::exists(src + "/" + name, ec)) continue;
+      TS_ASSIGN(std::string bytes, tokenizer::read_file_bytes(src + "/" + name));
+      files.emplace_back(name, std::move(bytes));
+    }
+  }
+  for (const auto& [name, bytes] : files) {
+    TS_TRY(io::write_file_atomic(out + "/" + name, {io::ConstBytes{bytes.data(), bytes.size()}}));
+    TS_ASSIGN(std::string sha, io::sha256_file(out + "/" + name));
+    m.files.push_back({name, bytes.size(), sha});
+  }
+  return {};
 }
 
 }  // namespace
@@ -229,6 +268,7 @@ Status cmd_pack(const Args& args) {
     m.files.push_back({L.file, L.stride * L.offsets.size(), sha});
   }
   if (tty) std::fprintf(stderr, "\n");
+  TS_TRY(write_tokenizer_files(src, gguf, out, m));
   const std::string text = io::manifest_to_json(m).dump(1) + "\n";
   TS_TRY(io::write_file_atomic(out + "/manifest.json", {io::ConstBytes{text.data(), text.size()}}));
   uint64_t total = 0;
