@@ -10,6 +10,7 @@
 
 namespace {
 
+// clang-format off
 constexpr const char* kUsage =
     "usage: turbospark <command> [flags]\n"
     "commands:\n"
@@ -22,19 +23,15 @@ constexpr const char* kUsage =
     "  generate --model DIR --tokens 1,2,3 -n N [--temperature T --top-k K --top-p P --seed S]\n"
     "  inspect  --model DIR [--json]                         shapes, parameters, bytes\n"
     "  synth    --config CONFIG.json --out DIR [--dtype bf16] [--seed N]\n"
-    "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G --no-warmup] "
-    "[--json]\n"
-    "  chat-template --model DIR --messages FILE.json [--tools F.json --kwargs F.json "
-    "--add-generation-prompt]\n"
+    "  bench    --model DIR [--prompt-tokens N --gen-tokens M --roofline-gbps G --no-warmup] [--json]\n"
+    "  chat-template --model DIR --messages FILE.json [--tools F.json --kwargs F.json --add-generation-prompt]\n"
     "  tokenize --model DIR --input FILE.jsonl [--add-special]  JSON string per line -> ids\n"
-    "  pack     --model HF_DIR|FILE.gguf --out PACK_DIR [--experts-quant q8_0|q4_k] [--dense-quant "
-    "q8_0|q4_k]\n"
+    "  pack     --model HF_DIR|FILE.gguf --out PACK_DIR [--experts-quant q8_0|q4_k] [--dense-quant q8_0|q4_k]\n"
     "  verify   PACK_DIR                                     check files against manifest\n"
     "  analyze-router HIST_OR_TRACE [--slots N,..] [--json]  routing entropy, cache hit rates\n"
-    "  bench --device cuda [--model DIR | --synthetic CONFIG.json --dtype bf16|q8_0] [--quant "
-    "q8_0]\n"
+    "  bench --device cuda [--model DIR | --synthetic CONFIG.json --dtype bf16|q8_0] [--quant q8_0]\n"
     "           [--contexts 128,4096 --prompts 512,4096 --gen-tokens N --profile --json]\n"
-    "DIR: a Hugging Face model directory, a pack, or a GGUF file (F32/F16/BF16/Q8_0/Q4_K tensors)\n"
+    "DIR: a Hugging Face model directory, a pack, or a GGUF file (llama.cpp's; split: its first file)\n"
     "common flags: --threads N  --device cpu|cuda[:N]  --quant q8_0 (cuda: quantize at load)\n"
     "  --prefill-chunk N   tokens per prefill chunk (default: cpu 256; cuda 4096, 2048 if tight)\n"
     "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
@@ -43,6 +40,7 @@ constexpr const char* kUsage =
     "  --stats (or TURBOSPARK_PHASES=1)  --router-hist FILE.json  --router-trace FILE.jsonl\n"
     "  --capture-residual LAYERS --capture-out FILE.npy|.safetensors [--capture-last]\n"
     "  --steer FILE.npy@LAYERS[:SCALE[:add|ablate|clamp|renorm]]  (repeatable)\n";
+// clang-format on
 
 struct Command {
   const char* name;

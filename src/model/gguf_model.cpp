@@ -465,7 +465,9 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
     note = "converted " + note + " tensor(s) to Q8_0 at load (" +
            std::to_string((converted_bytes + 500000) / 1000000) + " MB in memory)";
   }
-  return GgufModel{.config_json = cfg.dump(), .tensors = std::move(set), .note = note};
+  TS_ASSIGN(HParams hp, parse_hparams(cfg.dump(), path + " (its metadata as config.json)"));
+  return GgufModel{
+      .hp = std::move(hp), .config_json = cfg.dump(), .tensors = std::move(set), .note = note};
 }
 
 }  // namespace ts::model

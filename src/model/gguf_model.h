@@ -23,6 +23,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "model/hparams.h"
 
 namespace ts::io {
 class TensorSet;
@@ -32,7 +33,8 @@ struct GgufFile;
 namespace ts::model {
 
 struct GgufModel {
-  std::string config_json;                 // what config.json would hold (parse_hparams input)
+  HParams hp;                              // config_json through parse_hparams' checks
+  std::string config_json;                 // what config.json would hold
   std::unique_ptr<io::TensorSet> tensors;  // Hub names
   std::string note;  // what was converted at load, for the user ("" when nothing was)
 };

@@ -118,7 +118,7 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
   std::optional<io::PackManifest> pack;
   if (gguf) {
     TS_ASSIGN(model::GgufModel g, model::open_gguf_model(dir));
-    TS_ASSIGN(m->hp_, model::parse_hparams(g.config_json, dir + " (its metadata as config.json)"));
+    m->hp_ = std::move(g.hp);
     m->tensors_ = std::move(g.tensors);
     m->note_ = std::move(g.note);
   } else if (io::is_pack_dir(dir)) {

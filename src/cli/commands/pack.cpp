@@ -174,7 +174,7 @@ Status cmd_pack(const Args& args) {
   nlohmann::json config;
   if (gguf) {
     TS_ASSIGN(model::GgufModel g, model::open_gguf_model(src));
-    TS_ASSIGN(hp, model::parse_hparams(g.config_json, src + " (its metadata as config.json)"));
+    hp = std::move(g.hp);
     set = std::move(g.tensors);
     config = nlohmann::json::parse(g.config_json);
     if (!g.note.empty())
