@@ -1,5 +1,6 @@
 // run and chat: text in, text out. The model directory holds the weights and the tokenizer
-// files (tokenizer.json, tokenizer_config.json, generation_config.json). Text streams to
+// files (tokenizer.json, tokenizer_config.json, generation_config.json); a GGUF file holds
+// both, the tokenizer as metadata. Text streams to
 // stdout as it is generated; generation stops at the model's EOS ids, a --stop string, or
 // the token budget.
 #include <unistd.h>

@@ -1,7 +1,8 @@
 // tokenize: text -> token ids, the contract scripts and tests rely on.
 //   turbospark tokenize --model DIR --input FILE.jsonl [--add-special]
 // Each input line is one JSON string; each output line is the JSON array of its ids. DIR
-// needs only tokenizer.json (+ tokenizer_config.json); no config.json or weights.
+// needs only tokenizer.json (+ tokenizer_config.json); no config.json or weights. A GGUF file
+// serves through its tokenizer metadata.
 // Invalid UTF-8 inside an input string (raw bytes, or a lone \uD800-style surrogate escape)
 // is replaced by U+FFFD, one per maximal invalid subpart, and then encoded like any text.
 #include <cstdio>
