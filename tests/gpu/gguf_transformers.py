@@ -16,8 +16,15 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+try:
+    import gguf  # noqa: F401  (transformers' GGUF reader needs it)
+except ImportError:
+    sys.exit("gguf_transformers: the gguf package is not installed here (pip install gguf); "
+             "transformers cannot read GGUF files without it")
+
 gguf_dir = sys.argv[1]
 worst = 0.0
+compared = 0
 for f in sorted(os.listdir(gguf_dir)):
     if not f.endswith(".gguf") or f.endswith(".q8_0.gguf"):
         continue
@@ -34,5 +41,8 @@ for f in sorted(os.listdir(gguf_dir)):
     want = np.load(os.path.join(fixture, "logits.npy"))
     rel = float(np.abs(got - want).max() / np.abs(want).max())
     worst = max(worst, rel)
+    compared += 1
     print(f"{name}: transformers from the GGUF vs from the checkpoint: max rel {rel:.3g}")
-print(f"worst {worst:.3g}")
+if compared == 0:
+    sys.exit("gguf_transformers: transformers loaded none of the files")
+print(f"worst {worst:.3g} over {compared} files")
