@@ -543,6 +543,11 @@ TEST(GgufCli, GenerateAndRunFromAGgufFile) {
   auto [c6, o6, e6] = run("generate --model " + tmp.file("missing.gguf") + " --tokens 1 -n 1");
   EXPECT_EQ(c6, 2);
   EXPECT_NE(e6.find("missing.gguf"), std::string::npos) << e6;
+  auto [c7, o7, e7] = run("generate --model " + dir + "/model.safetensors --tokens 1 -n 1");
+  EXPECT_EQ(c7, 2);
+  EXPECT_NE(e7.find("model.safetensors is neither a model directory nor a GGUF file"),
+            std::string::npos)
+      << e7;
 }
 
 }  // namespace
