@@ -361,44 +361,45 @@ Result<std::vector<double>> GgufFile::numbers(std::string_view key) const {
     return make_error(what + " is not an array of numbers");
   std::vector<double> out(size_t(v->array_len));
   const uint8_t* p = file->data() + v->array_pos;
-  for (size_t i = 0; i < out.size(); ++i, p += sz) {
-    auto get = [&]<class T>(T) {
+  // One element type per array: pick the conversion once, then copy.
+  auto widen = [&]<class T>(T) {
+    for (size_t i = 0; i < out.size(); ++i) {
       T x;
-      std::memcpy(&x, p, sizeof(T));
-      return double(x);
-    };
-    switch (v->array_type) {
-      case GgufType::kU8:
-        out[i] = get(uint8_t{});
-        break;
-      case GgufType::kI8:
-        out[i] = get(int8_t{});
-        break;
-      case GgufType::kU16:
-        out[i] = get(uint16_t{});
-        break;
-      case GgufType::kI16:
-        out[i] = get(int16_t{});
-        break;
-      case GgufType::kU32:
-        out[i] = get(uint32_t{});
-        break;
-      case GgufType::kI32:
-        out[i] = get(int32_t{});
-        break;
-      case GgufType::kF32:
-        out[i] = get(float{});
-        break;
-      case GgufType::kU64:
-        out[i] = get(uint64_t{});
-        break;
-      case GgufType::kI64:
-        out[i] = get(int64_t{});
-        break;
-      default:
-        out[i] = get(double{});
-        break;
+      std::memcpy(&x, p + i * sizeof(T), sizeof(T));
+      out[i] = double(x);
     }
+  };
+  switch (v->array_type) {
+    case GgufType::kU8:
+      widen(uint8_t{});
+      break;
+    case GgufType::kI8:
+      widen(int8_t{});
+      break;
+    case GgufType::kU16:
+      widen(uint16_t{});
+      break;
+    case GgufType::kI16:
+      widen(int16_t{});
+      break;
+    case GgufType::kU32:
+      widen(uint32_t{});
+      break;
+    case GgufType::kI32:
+      widen(int32_t{});
+      break;
+    case GgufType::kF32:
+      widen(float{});
+      break;
+    case GgufType::kU64:
+      widen(uint64_t{});
+      break;
+    case GgufType::kI64:
+      widen(int64_t{});
+      break;
+    default:
+      widen(double{});
+      break;
   }
   return out;
 }

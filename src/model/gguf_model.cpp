@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "backend/cpu/quant.h"
+#include "core/thread_pool.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
 #include "model/ggml_dequant.h"
@@ -64,9 +65,10 @@ std::optional<DType> native_dtype(uint32_t ggml_type) {
 
 // A tensor of a block type the kernels do not read (Q6_K, Q5_K, ...: a Q4_K_M file has some)
 // requantized to Q8_0 row by row: ggml's reference dequantization, then Q8_0's (the rows
-// must be finite; a non-finite value means a corrupt file). Rows split across threads.
-Result<std::unique_ptr<uint8_t[]>> convert_to_q8_0(const io::GgufTensorInfo& t, const uint8_t* src,
-                                                   const std::string& path, size_t* n_bytes) {
+// must be finite; a non-finite value means a corrupt file). Rows split across the pool.
+Result<std::unique_ptr<uint8_t[]>> convert_to_q8_0(ThreadPool& pool, const io::GgufTensorInfo& t,
+                                                   const uint8_t* src, const std::string& path,
+                                                   size_t* n_bytes) {
   const std::string what =
       path + ": tensor '" + t.name + "' (" + io::ggml_type_name(t.ggml_type) + ")";
   const int64_t cols = t.dims.empty() ? 1 : t.dims[0];
@@ -85,24 +87,19 @@ Result<std::unique_ptr<uint8_t[]>> convert_to_q8_0(const io::GgufTensorInfo& t, 
   const size_t dst_row = dtype_row_bytes(DType::kQ8_0, cols);
   *n_bytes = size_t(rows) * dst_row;
   auto out = std::make_unique<uint8_t[]>(*n_bytes);
-  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
-  const int n_threads = int(std::clamp<int64_t>(rows / 64, 1, cores));
   std::atomic<int64_t> bad_row{-1};
-  std::vector<std::thread> threads;
-  for (int i = 0; i < n_threads; ++i)
-    threads.emplace_back([&, i] {
-      std::vector<float> row(static_cast<size_t>(cols));
-      for (int64_t r = rows * i / n_threads; r < rows * (i + 1) / n_threads; ++r) {
-        ggml_dequantize_row(t.ggml_type, src + size_t(r) * src_row, row.data(), cols);
-        for (float v : row)
-          if (!std::isfinite(v)) {
-            bad_row = r;
-            return;
-          }
-        cpu::quantize_row(DType::kQ8_0, row.data(), out.get() + size_t(r) * dst_row, cols);
-      }
-    });
-  for (std::thread& th : threads) th.join();
+  pool.parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(static_cast<size_t>(cols));
+    for (int64_t r = r0; r < r1; ++r) {
+      ggml_dequantize_row(t.ggml_type, src + size_t(r) * src_row, row.data(), cols);
+      for (float v : row)
+        if (!std::isfinite(v)) {
+          bad_row = r;
+          return;
+        }
+      cpu::quantize_row(DType::kQ8_0, row.data(), out.get() + size_t(r) * dst_row, cols);
+    }
+  });
   if (bad_row >= 0)
     return make_error(what + ": row " + std::to_string(bad_row.load()) +
                       " holds a non-finite value (a corrupt file?)");
@@ -297,6 +294,7 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
     std::vector<io::TensorView> views;
   };
   uint64_t converted_bytes = 0;
+  std::unique_ptr<ThreadPool> pool;  // made for the first tensor that needs converting
   std::map<std::string, int> converted_types;
   std::vector<Owned> owned;
   std::vector<bool> has_router(size_t(n_layers), false);
@@ -323,7 +321,10 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
       const DType dt = native.value_or(DType::kQ8_0);
       std::unique_ptr<uint8_t[]> converted;
       if (!native) {
-        TS_ASSIGN(converted, convert_to_q8_0(t, data, spath, &n_bytes));
+        if (!pool)
+          pool =
+              std::make_unique<ThreadPool>(int(std::max(1u, std::thread::hardware_concurrency())));
+        TS_ASSIGN(converted, convert_to_q8_0(*pool, t, data, spath, &n_bytes));
         data = converted.get();
         converted_bytes += n_bytes;
         ++converted_types[io::ggml_type_name(t.ggml_type)];

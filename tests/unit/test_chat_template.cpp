@@ -17,6 +17,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "test_data.h"
 #include "tokenizer/chat_template.h"
 
 namespace {
@@ -81,18 +82,7 @@ std::string first_difference(const std::string& want, const std::string& got) {
          "\n  got:  " + around(got);
 }
 
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/ts_chat_XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using ts_test::TempDir;
 
 // A tokenizer-files-only model directory for template NAME: tokenizer_config.json carries the
 // special tokens (tests/chat_templates/NAME.json) and chat_template.jinja the template.

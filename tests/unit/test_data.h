@@ -1,7 +1,8 @@
 // Where the tests find their data, for the CPU and CUDA tests alike: TS_TEST_DATA_DIR in the
 // environment overrides the build-time path (tests/gpu/run.sh runs binaries built elsewhere;
 // the fixture list is built when the binary starts, so it must find them then), and the
-// fixture models (the directories of tests/models with a ref.json and logits.npy).
+// fixture models (the directories of tests/models with a ref.json and logits.npy), and a
+// temporary directory.
 #pragma once
 
 #include <algorithm>
@@ -26,5 +27,23 @@ inline std::vector<std::string> fixture_names() {
   std::sort(out.begin(), out.end());
   return out;
 }
+
+// A fresh directory under /tmp (named /tmp/<tag>_XXXXXX), removed with its contents when the
+// object goes out of scope.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "ts") {
+    std::string tmpl = "/tmp/" + tag + "_XXXXXX";
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
 
 }  // namespace ts_test

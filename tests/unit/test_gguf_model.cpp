@@ -29,18 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 using ts::runtime::LoadedModel;
 
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/ts_gguf_XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (fs::path(path_) / name).string(); }
-
- private:
-  std::string path_;
-};
+using ts_test::TempDir;
 
 std::vector<int> prompt_of(const std::string& dir) {
   std::ifstream f(dir + "/ref.json");
@@ -441,33 +430,30 @@ TEST(GgufTokenizerErrors, MissingOrUnsupportedVocabularyIsNamed) {
     auto t = ts::tokenizer::Tokenizer::load(tmp.file(name));
     return t.ok() ? std::string("loaded") : t.error().message;
   };
+  // A three-token byte-level vocabulary with the given merges.
+  auto gpt2 = [](ts_test::GgufWriter& w, std::vector<std::string> merges) {
+    w.str("tokenizer.ggml.model", "gpt2");
+    w.strs("tokenizer.ggml.tokens", {"a", "b", "ab"});
+    w.strs("tokenizer.ggml.merges", merges);
+  };
   EXPECT_NE(msg("none.gguf", [](auto&) {}).find("metadata 'tokenizer.ggml.model' is missing"),
             std::string::npos);
   EXPECT_NE(msg("bert.gguf", [](auto& w) { w.str("tokenizer.ggml.model", "bert"); })
                 .find("'tokenizer.ggml.model' = 'bert' is not supported"),
             std::string::npos);
   EXPECT_NE(msg("pre.gguf",
-                [](auto& w) {
-                  w.str("tokenizer.ggml.model", "gpt2");
+                [&](auto& w) {
+                  gpt2(w, {"a b"});
                   w.str("tokenizer.ggml.pre", "chatglm-bpe");
-                  w.strs("tokenizer.ggml.tokens", {"a", "b", "ab"});
-                  w.strs("tokenizer.ggml.merges", {"a b"});
                 })
                 .find("'tokenizer.ggml.pre' = 'chatglm-bpe' is not supported"),
             std::string::npos);
-  EXPECT_NE(msg("merge.gguf",
-                [](auto& w) {
-                  w.str("tokenizer.ggml.model", "gpt2");
-                  w.strs("tokenizer.ggml.tokens", {"a", "b", "ab"});
-                  w.strs("tokenizer.ggml.merges", {"ab"});
-                })
+  EXPECT_NE(msg("merge.gguf", [&](auto& w) { gpt2(w, {"ab"}); })
                 .find("'tokenizer.ggml.merges' entry 0 'ab' is not \"left right\""),
             std::string::npos);
   EXPECT_NE(msg("eos.gguf",
-                [](auto& w) {
-                  w.str("tokenizer.ggml.model", "gpt2");
-                  w.strs("tokenizer.ggml.tokens", {"a", "b", "ab"});
-                  w.strs("tokenizer.ggml.merges", {"a b"});
+                [&](auto& w) {
+                  gpt2(w, {"a b"});
                   w.u32("tokenizer.ggml.eos_token_id", 7);
                 })
                 .find("'tokenizer.ggml.eos_token_id' = 7 is not a token id (the vocabulary has 3)"),
