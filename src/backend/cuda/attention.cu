@@ -201,10 +201,13 @@ __host__ __device__ constexpr size_t gqa_smem_floats(int group, int hd) {
   return size_t(kGqaTile) * size_t(hd + 4) + size_t(kGqaTile) * size_t(hd) + size_t(group) * size_t(hd);
 }
 
-__global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(AttentionArgs a) {
-  extern __shared__ float4 gqa_smem4[];
-  float* smem = reinterpret_cast<float*>(gqa_smem4);
-  const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
+// One block's split of attention_gqa_kernel (KV head g, split `split` of n_splits, token t):
+// leaves (m, l, acc) of each of the warp's heads (warp w of W owns heads w, w + W, ...) in
+// registers. smem: gqa_smem_floats(group, head_dim) floats.
+__device__ __forceinline__ void gqa_split(const AttentionArgs& a, int g, int split, int n_splits,
+                                          int t, float* smem, float (&m)[kGqaMaxHeadsPerWarp],
+                                          float (&l)[kGqaMaxHeadsPerWarp],
+                                          float (&acc)[kGqaMaxHeadsPerWarp][kGqaPerLane]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
   const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, kv_dim = a.n_kv_heads * hd;
   const int ks = hd + 4;  // padded K row: lanes reading float4s of different keys miss banks
@@ -212,7 +215,7 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
   float* Vs = Ks + kGqaTile * ks;
   float* qs = Vs + kGqaTile * hd;
   const int n_keys = *a.pos + t + 1;
-  const int per = (n_keys + a.n_splits - 1) / a.n_splits;
+  const int per = (n_keys + n_splits - 1) / n_splits;
   const int chunk = (per + kGqaTile - 1) / kGqaTile * kGqaTile;
   const int j0 = split * chunk, j1 = min(n_keys, j0 + chunk);
   const float scale = rsqrtf(float(hd));
@@ -246,7 +249,6 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
   const float* q = a.q + size_t(t) * a.n_heads * hd + size_t(h0) * hd;
   if (j0 < j1)
     for (int i = threadIdx.x; i < group * hd4; i += blockDim.x) cp_async16(qs + 4 * i, q + 4 * i);
-  float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
 #pragma unroll
   for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
     m[x] = -INFINITY;
@@ -294,6 +296,15 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
       m[x] = m_new;
     }
   }
+}
+
+__global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(AttentionArgs a) {
+  extern __shared__ float4 gqa_smem4[];
+  const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+  const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, h0 = g * group;
+  float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
+  gqa_split(a, g, split, a.n_splits, t, reinterpret_cast<float*>(gqa_smem4), m, l, acc);
 #pragma unroll
   for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
     const int hh = warp + n_warps * x;
@@ -309,6 +320,96 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
       out[1] = l[x];
     }
   }
+}
+
+// Decode attention of one token as one thread block cluster per KV head: grid (n_kv_heads,
+// kClusterSplits), cluster (1, kClusterSplits), the block of attention_gqa_kernel. Block r of
+// a cluster takes split r of kClusterSplits as attention_gqa_kernel does and leaves its
+// (m, l, acc) in its shared memory; after a cluster barrier, block r merges heads r, r +
+// kClusterSplits, ... of the group from all the cluster's blocks (distributed shared memory)
+// as attention_merge_kernel does, and writes the output (and its Q8 copy): no partial rows
+// through L2 and no merge launch. Up to kClusterSplits * 32 keys every split is one 32-key
+// tile, as in the split path with more splits: the same sums in the same order, so the same
+// bytes as attention_gqa_kernel + attention_merge_kernel. (More keys give longer splits:
+// correct, but other sums.)
+__host__ __device__ constexpr size_t gqa_cluster_smem_floats(int group, int hd) {
+  return gqa_smem_floats(group, hd) + size_t(group) * size_t(hd + 2);
+}
+
+__global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_cluster_kernel(AttentionArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float4 gqa_smem4[];
+  float* smem = reinterpret_cast<float*>(gqa_smem4);
+  const int g = blockIdx.x, rank = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+  const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, h0 = g * group;
+  float* mine = smem + gqa_smem_floats(group, hd);  // [group][m, l, acc[hd]]
+  float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
+  gqa_split(a, g, rank, kClusterSplits, 0, smem, m, l, acc);
+#pragma unroll
+  for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
+    const int hh = warp + n_warps * x;
+    if (hh >= group) break;
+    float* out = mine + size_t(hh) * (hd + 2);
+#pragma unroll
+    for (int i = 0; i < kGqaPerLane; ++i) {
+      const int dim = lane + 32 * i;
+      if (dim < hd) out[2 + dim] = acc[x][i];
+    }
+    if (lane == 0) {
+      out[0] = m[x];
+      out[1] = l[x];
+    }
+  }
+  cluster_sync();
+  // This block's heads of the group, each merged over the splits in order (as the merge).
+  const float* part[kClusterSplits];
+#pragma unroll
+  for (int s = 0; s < kClusterSplits; ++s) part[s] = cluster_map(mine, s);
+  const int my_heads = (group - rank + kClusterSplits - 1) / kClusterSplits;
+  // hd % 32 == 0 where there is a Q8 copy: a warp's 32 items are one head's whole Q8 block.
+  const int items = my_heads * hd, rounded = (items + 31) / 32 * 32;
+  for (int i = threadIdx.x; i < rounded; i += blockDim.x) {
+    const bool live = i < items;
+    const int hh = rank + kClusterSplits * (live ? i / hd : 0), dim = live ? i % hd : 0;
+    float ms[kClusterSplits], ls[kClusterSplits], vs[kClusterSplits];
+#pragma unroll
+    for (int s = 0; s < kClusterSplits; ++s) {
+      const float* ps = part[s] + size_t(hh) * (hd + 2);
+      ms[s] = ps[0];
+      ls[s] = ps[1];
+      vs[s] = ps[2 + dim];
+    }
+    // Splits past the last key are empty (m = -inf) and only trail.
+    int used = kClusterSplits;
+#pragma unroll
+    for (int s = kClusterSplits - 1; s >= 0; --s)
+      if (ms[s] == -INFINITY) used = s;
+    float M = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kClusterSplits; ++s)
+      if (s < used) M = fmaxf(M, ms[s]);
+    float w[kClusterSplits];
+#pragma unroll
+    for (int s = 0; s < kClusterSplits; ++s) w[s] = s < used ? expf(ms[s] - M) : 0.0f;
+    float L = 0;
+#pragma unroll
+    for (int s = 0; s < kClusterSplits; ++s)
+      if (s < used) L += ls[s] * w[s];
+    const float inv = 1.0f / L;
+    float v = 0;
+#pragma unroll
+    for (int s = 0; s < kClusterSplits; ++s)
+      if (s < used) v += vs[s] * w[s];
+    v *= inv;
+    const size_t at = size_t(h0 + hh) * hd + dim;
+    if (live) a.out[at] = v;
+    // With a Q8 copy hd % 32 == 0: items is whole warps, every lane live.
+    if (a.out_q.q) warp_quantize_q8(v, at, a.out_q);
+  }
+  // No block leaves while another may still read its shared memory.
+  cluster_sync();
+#endif
 }
 
 // grid (n_heads, n), block 128, 2 * n_splits floats of dynamic shared memory: merges the
@@ -693,6 +794,24 @@ bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
   return group <= kGqaMaxWarps * kGqaMaxHeadsPerWarp && gqa_smem_floats(group, head_dim) * 4 <= 48 * 1024;
 }
 
+bool cluster_attention_available() {
+  static const bool ok = [] {
+    const char* e = std::getenv("TURBOSPARK_CUDA_ATTN_CLUSTER");
+    if (e && std::string_view(e) == "0") return false;
+    int dev = 0, cluster = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    return cudaDeviceGetAttribute(&cluster, cudaDevAttrClusterLaunch, dev) == cudaSuccess &&
+           cluster != 0;
+  }();
+  return ok;
+}
+
+bool cluster_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
+  if (!gqa_attention_applies(n_heads, n_kv_heads, head_dim)) return false;
+  const int group = n_heads / n_kv_heads;
+  return gqa_cluster_smem_floats(group, head_dim) * 4 <= 48 * 1024 && cluster_attention_available();
+}
+
 void attention(const AttentionArgs& args, cudaStream_t s) {
   AttentionArgs a = args;
   // The Q8 copy of the output (args.out_q): written by the merge where the heads are whole Q8
@@ -712,6 +831,17 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
     launch_kernel(attention_prefill_kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)), 32 * kAttnWarps, 0, s, a);
   } else {
     if (a.head_dim % 32 != 0) a.out_q = {};
+    if (a.cluster && a.n == 1 && cluster_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
+      const int group = a.n_heads / a.n_kv_heads;
+      launch_cluster_kernel(attention_gqa_cluster_kernel,
+                            dim3(unsigned(a.n_kv_heads), unsigned(kClusterSplits)),
+                            32 * std::min(group, kGqaMaxWarps),
+                            gqa_cluster_smem_floats(group, a.head_dim) * 4,
+                            dim3(1, unsigned(kClusterSplits)), s, a);
+      if (args.out_q.q && !a.out_q.q)
+        quantize_act(a.out, int64_t(a.n_heads) * a.head_dim, args.out_q, s);
+      return;
+    }
     if (gqa_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
       const int group = a.n_heads / a.n_kv_heads;
       const size_t smem = gqa_smem_floats(group, a.head_dim) * 4;

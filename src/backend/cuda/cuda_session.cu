@@ -145,7 +145,8 @@ CudaSession::~CudaSession() {
   if (loaded_) cudaEventDestroy(loaded_);
   if (gate_up_loaded_) cudaEventDestroy(gate_up_loaded_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
-  if (graph_) cudaGraphExecDestroy(graph_);
+  for (cudaGraphExec_t g : graphs_)
+    if (g) cudaGraphExecDestroy(g);
   for (cudaGraphExec_t g : segments_) cudaGraphExecDestroy(g);
   if (blas_) bl_->destroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -165,6 +166,7 @@ Status CudaSession::begin(int device) {
   CUBLAS_TRY(bl_->set_math_mode(blas_, CUBLAS_DEFAULT_MATH));
   const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
   use_graphs_ = !(env && std::string(env) == "0");
+  cluster_attention_ok_ = cluster_attention_applies(hp_.n_heads, hp_.n_kv_heads, hp_.head_dim);
   cached_.resize(size_t(hp_.n_layers));
   return {};
 }
@@ -655,11 +657,15 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   *h_pos_ = pos_;
   const bool all_rows = logits_out != nullptr;
   if (n == 1 && !all_rows && cached() && segments_eligible()) {
+    attn_cluster_ = false;  // one set of segments for every context
     TS_TRY(decode_segments());
   } else if (n == 1 && !all_rows && graph_eligible()) {
     // A decode step is the same launches every time (the position is read on the device):
-    // capture it once, replay it after.
-    if (!graph_) {
+    // capture it once, replay it after. Two graphs: steps over at most kClusterAttentionKeys
+    // keys, whose attention merges in a cluster, and the rest, split over the whole context.
+    attn_cluster_ = cluster_attention_ok_ && pos_ + 1 <= kClusterAttentionKeys;
+    cudaGraphExec_t& graph = graphs_[attn_cluster_ ? 1 : 0];
+    if (!graph) {
       graph_splits_ = attention_splits(1, n_ctx_);
       cudaGraph_t g = nullptr;
       CUDA_TRY(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
@@ -674,12 +680,13 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
       const cudaError_t end = cudaStreamEndCapture(stream_, &g);
       TS_TRY(st);
       if (end != cudaSuccess) return cuda_error("cudaStreamEndCapture", end, __FILE__, __LINE__);
-      const cudaError_t inst = cudaGraphInstantiate(&graph_, g, 0);
+      const cudaError_t inst = cudaGraphInstantiate(&graph, g, 0);
       cudaGraphDestroy(g);
       if (inst != cudaSuccess) return cuda_error("cudaGraphInstantiate", inst, __FILE__, __LINE__);
     }
-    CUDA_TRY(cudaGraphLaunch(graph_, stream_));
+    CUDA_TRY(cudaGraphLaunch(graph, stream_));
   } else {
+    attn_cluster_ = n == 1 && cluster_attention_ok_ && pos_ + 1 <= kClusterAttentionKeys;
     CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
     TS_TRY(run_layers(n, logits_out, last_chunk));
@@ -869,7 +876,8 @@ Status CudaSession::attention_block(int layer, int n) {
            .tensor_cores = L.wq.dtype != DType::kF32,
            .k_bf16 = bf16_attention ? static_cast<const uint16_t*>(k_bf16_) + layer_off : nullptr,
            .v_bf16 = bf16_attention ? static_cast<const uint16_t*>(v_bf16_) + layer_off : nullptr,
-           .out_q = wo_q8 ? qx_ : QAct{}},
+           .out_q = wo_q8 ? qx_ : QAct{},
+           .cluster = n == 1 && attn_cluster_},
           stream_);
     });
   }));

@@ -294,8 +294,14 @@ class CudaSession final : public runtime::Engine {
   cudaStream_t stream_ = nullptr;
   const Blas* bl_ = nullptr;  // cuBLAS, loaded by begin()
   cublasHandle_t blas_ = nullptr;
-  cudaGraphExec_t graph_ = nullptr;
+  // The decode graphs: [0] attention split over the context, [1] steps over at most
+  // kClusterAttentionKeys keys (attention in one cluster per KV head).
+  cudaGraphExec_t graphs_[2] = {};
   int graph_splits_ = 0;
+  // The attention of one-token steps runs as clusters (cluster_attention_applies) ...
+  bool cluster_attention_ok_ = false;
+  // ... and the launches being issued (or captured) cover at most kClusterAttentionKeys keys.
+  bool attn_cluster_ = false;
 
   int n_ctx_ = 0, chunk_ = 0, pos_ = 0;
   float *k_cache_ = nullptr, *v_cache_ = nullptr;  // [n_layers, n_ctx, kv_dim]

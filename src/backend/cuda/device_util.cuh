@@ -64,6 +64,43 @@ inline void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t sm
   (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
+// launch_kernel with a thread block cluster of `cluster` blocks (sm_90).
+template <class... P, class... A>
+inline void launch_cluster_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                                  dim3 cluster, cudaStream_t s, A&&... args) {
+  cudaLaunchAttribute attr[2] = {};
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Every block of the cluster arrives; shared-memory writes before it are visible to the
+// cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The address of *p (this block's shared memory) in block `rank` of the cluster.
+template <class T>
+__device__ __forceinline__ const T* cluster_map(const T* p, int rank) {
+  uint64_t out;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  return reinterpret_cast<const T*>(out);
+}
+#endif
+
 __device__ __forceinline__ float bf16_bits(uint32_t h) { return __uint_as_float(h << 16); }
 __device__ __forceinline__ float f16_bits(uint32_t h) {
   return __half2float(__ushort_as_half(uint16_t(h)));

@@ -105,8 +105,17 @@ struct AttentionArgs {
   // Optional: out also as Q8 blocks (as quantize_act; n_heads * head_dim a multiple of 32),
   // written by the merge when heads are whole blocks, else by a quantize_act launch after.
   QAct out_q = {};
+  // One token over at most kClusterAttentionKeys keys, by KV head (cluster_attention_applies):
+  // one thread block cluster per KV head merges its splits itself (no partial rows, no merge
+  // launch), the same bytes as the split path; n_splits and partial are then unused.
+  bool cluster = false;
 };
 constexpr int kTcAttentionMin = 16;
+constexpr int kClusterSplits = 8;
+constexpr int kClusterAttentionKeys = kClusterSplits * 32;
+// The device and build launch clusters, and TURBOSPARK_CUDA_ATTN_CLUSTER is not 0 (to measure).
+bool cluster_attention_available();
+bool cluster_attention_applies(int n_heads, int n_kv_heads, int head_dim);
 // Decode (and n = 1 of a chunk) runs one block per KV head and split when this holds (K and V
 // read once per group of query heads), else one block per query head and split.
 bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim);

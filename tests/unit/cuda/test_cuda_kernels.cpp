@@ -413,6 +413,75 @@ TEST(CudaKernels, DecodeAttentionByKvHeadMatchesCpu) {
   }
 }
 
+// Decode attention as one thread block cluster per KV head (the merge in distributed shared
+// memory, no merge launch): up to kClusterAttentionKeys keys the same bytes as the split path
+// with 32-key splits (output and its Q8 copy), for groups that leave cluster blocks without a
+// head to merge (4), one each (8) and two (16); past that bound still the CPU's attention.
+TEST(CudaKernels, DecodeAttentionInOneClusterMatchesSplitsAndMerge) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    int n_heads, n_kv, hd;
+  };
+  int ran = 0;
+  ts::ThreadPool pool(1);
+  for (const Case c : {Case{32, 4, 128}, Case{32, 8, 128}, Case{16, 1, 64}, Case{6, 2, 96}}) {
+    if (!ts::cuda::cluster_attention_applies(c.n_heads, c.n_kv, c.hd)) continue;
+    for (const int pos0 : {0, 1, 31, 32, 100, ts::cuda::kClusterAttentionKeys - 1,
+                           ts::cuda::kClusterAttentionKeys, 700}) {
+      const int qd = c.n_heads * c.hd, kvd = c.n_kv * c.hd, n_ctx = pos0 + 1;
+      const std::vector<float> q = randn(size_t(qd), 21), kc = randn(size_t(n_ctx * kvd), 22, 2.0f),
+                               vc = randn(size_t(n_ctx * kvd), 23);
+      const bool q8 = c.hd % 32 == 0;
+      const std::string what = "heads " + std::to_string(c.n_heads) + "/" +
+                               std::to_string(c.n_kv) + " hd " + std::to_string(c.hd) + " keys " +
+                               std::to_string(n_ctx);
+      Dev dq(q), dkc(kc), dvc(vc), dpos(std::vector<int>{pos0});
+      const int splits = 64;
+      Dev dpart(size_t(c.n_heads * splits * (c.hd + 2)) * 4);
+      Dev split_out(size_t(qd) * 4), split_qo{size_t(qd)}, split_do(size_t(qd) / 32 * 4);
+      Dev out(size_t(qd) * 4), qo{size_t(qd)}, d_o(size_t(qd) / 32 * 4);
+      ts::cuda::AttentionArgs a{.q = dq.as<float>(), .k_cache = dkc.as<float>(),
+                                .v_cache = dvc.as<float>(), .out = split_out.as<float>(),
+                                .partial = dpart.as<float>(), .pos = dpos.as<int>(), .n = 1,
+                                .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd,
+                                .n_splits = splits};
+      if (q8) a.out_q = {split_qo.as<int8_t>(), split_do.as<float>()};
+      ts::cuda::attention(a, nullptr);
+      a.out = out.as<float>();
+      a.partial = nullptr;  // the cluster path writes no partial rows
+      if (q8) a.out_q = {qo.as<int8_t>(), d_o.as<float>()};
+      a.cluster = true;
+      ts::cuda::attention(a, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+      const std::vector<float> got = out.get<float>();
+      if (n_ctx <= ts::cuda::kClusterAttentionKeys) {
+        EXPECT_EQ(got, split_out.get<float>()) << what;
+        if (q8) {
+          EXPECT_EQ(qo.get<int8_t>(), split_qo.get<int8_t>()) << what;
+          EXPECT_EQ(d_o.get<float>(), split_do.get<float>()) << what;
+        }
+      }
+      std::vector<float> want(static_cast<size_t>(qd));
+      ts::cpu::attention(pool, {.q = q.data(), .k_cache = kc.data(), .v_cache = vc.data(),
+                                .out = want.data(), .n_tokens = 1, .pos0 = pos0,
+                                .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd});
+      EXPECT_LE(max_rel(got, want), 1e-5) << what;
+      if (q8) {
+        Dev dq_ref{size_t(qd)}, dd_ref(size_t(qd) / 32 * 4);
+        ts::cuda::quantize_act(out.as<float>(), qd, {dq_ref.as<int8_t>(), dd_ref.as<float>()},
+                               nullptr);
+        EXPECT_EQ(qo.get<int8_t>(), dq_ref.get<int8_t>()) << what;
+        EXPECT_EQ(d_o.get<float>(), dd_ref.get<float>()) << what;
+      }
+      ++ran;
+    }
+  }
+  // On a GPU that launches clusters (sm_90), every case ran.
+  if (ts::cuda::cluster_attention_available()) {
+    EXPECT_EQ(ran, 32);
+  }
+}
+
 // Tensor-core prefill attention against a double-precision causal softmax: head dims 64 and
 // 128, GQA, query counts off the 64-query tile, a chunk that starts after earlier positions.
 TEST(CudaKernels, TensorCoreAttentionMatchesReference) {
