@@ -37,7 +37,8 @@ Status CudaSession::moe_block(int layer, int n) {
                     .router_dtype = L.router.dtype,
                     .logits = router_,
                     .counter = route_counter_,
-                    .route = route_args},
+                    .route = route_args,
+                    .cluster = route_cluster_},
                    stream_);
       });
     }));
