@@ -147,7 +147,8 @@ CudaSession::~CudaSession() {
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   for (cudaGraphExec_t g : graphs_)
     if (g) cudaGraphExecDestroy(g);
-  for (cudaGraphExec_t g : segments_) cudaGraphExecDestroy(g);
+  for (const auto& set : segment_sets_)
+    for (cudaGraphExec_t g : set) cudaGraphExecDestroy(g);
   if (blas_) bl_->destroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
   for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_),
@@ -589,9 +590,11 @@ bool CudaSession::segments_eligible() const {
 // A decode step with the GPU expert cache. The first one runs under capture, broken into
 // segments at each MoE layer's binding (bind_step); later ones replay the segments, binding
 // between them. Capture needs the same launches every step: the attention split count is
-// fixed for the whole context, as for the single decode graph.
+// fixed for the whole context, as for the decode graph, and as there, steps over at most
+// kClusterAttentionKeys keys have segments of their own (attention in clusters).
 Status CudaSession::decode_segments() {
-  if (segments_.empty()) {
+  std::vector<cudaGraphExec_t>& segments = segment_sets_[attn_cluster_ ? 1 : 0];
+  if (segments.empty()) {
     graph_splits_ = attention_splits(1, n_ctx_);
     capturing_segments_ = true;
     Status st = [&]() -> Status {
@@ -609,8 +612,8 @@ Status CudaSession::decode_segments() {
       cudaGraph_t g = nullptr;
       if (cudaStreamEndCapture(stream_, &g) == cudaSuccess && g) cudaGraphDestroy(g);
       cudaGetLastError();
-      for (cudaGraphExec_t e : segments_) cudaGraphExecDestroy(e);
-      segments_.clear();
+      for (cudaGraphExec_t e : segments) cudaGraphExecDestroy(e);
+      segments.clear();
       return st;
     }
     segment_layers_.clear();
@@ -618,10 +621,10 @@ Status CudaSession::decode_segments() {
       if (w_.layers[size_t(l)].is_moe) segment_layers_.push_back(l);
     return {};
   }
-  for (size_t i = 0; i < segments_.size(); ++i) {
+  for (size_t i = 0; i < segments.size(); ++i) {
     const bool binds = i < segment_layers_.size();
     if (binds) *reinterpret_cast<volatile int*>(ids_flag_host_) = 0;
-    CUDA_TRY(cudaGraphLaunch(segments_[i], stream_));
+    CUDA_TRY(cudaGraphLaunch(segments[i], stream_));
     if (!binds) break;
     TS_TRY(wait_ids_flag(hp_.top_k));
     TS_TRY(bind_ids(segment_layers_[i], 1, &segment_hits_[size_t(segment_layers_[i])]));
@@ -659,7 +662,7 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   *h_pos_ = pos_;
   const bool all_rows = logits_out != nullptr;
   if (n == 1 && !all_rows && cached() && segments_eligible()) {
-    attn_cluster_ = false;  // one set of segments for every context
+    attn_cluster_ = cluster_attention_ok_ && pos_ + 1 <= kClusterAttentionKeys;
     TS_TRY(decode_segments());
   } else if (n == 1 && !all_rows && graph_eligible()) {
     // A decode step is the same launches every time (the position is read on the device):

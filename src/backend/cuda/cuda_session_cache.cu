@@ -340,7 +340,7 @@ Status CudaSession::end_segment() {
   const cudaError_t inst = cudaGraphInstantiate(&exec, g, 0);
   cudaGraphDestroy(g);
   if (inst != cudaSuccess) return cuda_error("cudaGraphInstantiate", inst, __FILE__, __LINE__);
-  segments_.push_back(exec);
+  segment_sets_[attn_cluster_ ? 1 : 0].push_back(exec);
   CUDA_TRY(cudaGraphLaunch(exec, stream_));
   return {};
 }

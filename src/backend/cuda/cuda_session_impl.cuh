@@ -404,7 +404,8 @@ class CudaSession final : public runtime::Engine {
   int pf_layer_[2] = {-1, -1};
   int pf_turn_ = 0;
   cudaEvent_t pf_ready_[2] = {nullptr, nullptr}, pf_free_[2] = {nullptr, nullptr};
-  std::vector<cudaGraphExec_t> segments_;
+  // Decode segments, as graphs_: [0] split attention, [1] attention in clusters.
+  std::vector<cudaGraphExec_t> segment_sets_[2];
   std::vector<int> segment_layers_;
   bool capturing_segments_ = false;
   bool sampled_routing_ = false;  // bench --routing uniform|zipf:S

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "backend/cuda/kernels.cuh"
 #include "core/thread_pool.h"
 #include "io/npy.h"
 #include "runtime/engine.h"
@@ -142,6 +143,38 @@ TEST_P(CudaFixture, AllRowsLogitsOfALongChunk) {
     ASSERT_LE(rel_err(&whole[size_t(t) * V_], &short_chunks[size_t(t) * V_], V_), kTol)
         << "row " << t;
   EXPECT_EQ(0, std::memcmp(a->last_logits().data(), &whole[size_t(T - 1) * V_], V_ * 4));
+}
+
+// Decode past kClusterAttentionKeys keys: steps up to it replay the graph whose attention runs
+// in clusters, later ones the graph split over the context. Every step's logits are
+// byte-identical to the same steps without graphs (launches picked per step on the host: a
+// graph replayed past its bound would split the keys differently) and within kTol of the CPU.
+TEST_P(CudaFixture, DecodeAcrossTheClusterAttentionBound) {
+  const int T = ts::cuda::kClusterAttentionKeys + 20;
+  std::vector<int> tokens;
+  for (int t = 0; t < T; ++t) tokens.push_back(prompt_[size_t(t) % prompt_.size()]);
+  const auto decode = [&](bool graphs) {
+    setenv("TURBOSPARK_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+    auto s = engine(*model_, {.n_ctx = T});
+    unsetenv("TURBOSPARK_CUDA_GRAPHS");
+    std::vector<float> rows;
+    if (!s) return rows;
+    for (int t = 0; t < T; ++t) {
+      EXPECT_TRUE(s->forward(std::span<const int>(&tokens[size_t(t)], 1), nullptr).ok());
+      rows.insert(rows.end(), s->last_logits().begin(), s->last_logits().end());
+    }
+    return rows;
+  };
+  const std::vector<float> graphed = decode(true), eager = decode(false);
+  ASSERT_EQ(graphed.size(), size_t(T) * V_);
+  ASSERT_EQ(eager.size(), graphed.size());
+  ts::runtime::Session c(*model_, pool_, {.n_ctx = T});
+  for (int t = 0; t < T; ++t) {
+    ASSERT_TRUE(c.forward(std::span<const int>(&tokens[size_t(t)], 1), nullptr).ok());
+    const size_t at = size_t(t) * V_;
+    EXPECT_EQ(0, std::memcmp(&graphed[at], &eager[at], V_ * 4)) << "position " << t;
+    EXPECT_LE(rel_err(&graphed[at], c.last_logits().data(), V_), kTol) << "position " << t;
+  }
 }
 
 // The device holds the same bytes whatever residency the host used: logits byte-identical,
