@@ -833,11 +833,10 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
     if (a.head_dim % 32 != 0) a.out_q = {};
     if (a.cluster && a.n == 1 && cluster_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
       const int group = a.n_heads / a.n_kv_heads;
-      launch_cluster_kernel(attention_gqa_cluster_kernel,
-                            dim3(unsigned(a.n_kv_heads), unsigned(kClusterSplits)),
-                            32 * std::min(group, kGqaMaxWarps),
-                            gqa_cluster_smem_floats(group, a.head_dim) * 4,
-                            dim3(1, unsigned(kClusterSplits)), s, a);
+      launch_cluster_kernel(
+          attention_gqa_cluster_kernel, dim3(unsigned(a.n_kv_heads), unsigned(kClusterSplits)),
+          32 * std::min(group, kGqaMaxWarps), gqa_cluster_smem_floats(group, a.head_dim) * 4,
+          dim3(1, unsigned(kClusterSplits)), s, a);
       if (args.out_q.q && !a.out_q.q)
         quantize_act(a.out, int64_t(a.n_heads) * a.head_dim, args.out_q, s);
       return;

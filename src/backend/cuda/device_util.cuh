@@ -96,7 +96,9 @@ __device__ __forceinline__ void cluster_sync() {
 template <class T>
 __device__ __forceinline__ const T* cluster_map(const T* p, int rank) {
   uint64_t out;
-  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  asm volatile("mapa.u64 %0, %1, %2;\n"
+               : "=l"(out)
+               : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<const T*>(out);
 }
 #endif

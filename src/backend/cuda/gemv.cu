@@ -946,7 +946,8 @@ void norm_route(const NormRouteArgs& args, cudaStream_t s) {
   const int block = rmsnorm_block(a.d);
   const size_t rb = size_t(dtype_row_bytes(a.router_dtype, a.d));
   a.row_bytes = rb;
-  if (const int rows = a.cluster ? norm_route_cluster_rows(a.router_dtype, a.d, a.route.n_experts) : 0;
+  if (const int rows =
+          a.cluster ? norm_route_cluster_rows(a.router_dtype, a.d, a.route.n_experts) : 0;
       rows > 0) {
     a.rows = rows;
     const unsigned grid = unsigned((a.route.n_experts + rows - 1) / rows);

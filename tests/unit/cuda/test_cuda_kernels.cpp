@@ -432,18 +432,23 @@ TEST(CudaKernels, DecodeAttentionInOneClusterMatchesSplitsAndMerge) {
       const std::vector<float> q = randn(size_t(qd), 21), kc = randn(size_t(n_ctx * kvd), 22, 2.0f),
                                vc = randn(size_t(n_ctx * kvd), 23);
       const bool q8 = c.hd % 32 == 0;
-      const std::string what = "heads " + std::to_string(c.n_heads) + "/" +
-                               std::to_string(c.n_kv) + " hd " + std::to_string(c.hd) + " keys " +
-                               std::to_string(n_ctx);
+      const std::string what = "heads " + std::to_string(c.n_heads) + "/" + std::to_string(c.n_kv) +
+                               " hd " + std::to_string(c.hd) + " keys " + std::to_string(n_ctx);
       Dev dq(q), dkc(kc), dvc(vc), dpos(std::vector<int>{pos0});
       const int splits = 64;
       Dev dpart(size_t(c.n_heads * splits * (c.hd + 2)) * 4);
       Dev split_out(size_t(qd) * 4), split_qo{size_t(qd)}, split_do(size_t(qd) / 32 * 4);
       Dev out(size_t(qd) * 4), qo{size_t(qd)}, d_o(size_t(qd) / 32 * 4);
-      ts::cuda::AttentionArgs a{.q = dq.as<float>(), .k_cache = dkc.as<float>(),
-                                .v_cache = dvc.as<float>(), .out = split_out.as<float>(),
-                                .partial = dpart.as<float>(), .pos = dpos.as<int>(), .n = 1,
-                                .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd,
+      ts::cuda::AttentionArgs a{.q = dq.as<float>(),
+                                .k_cache = dkc.as<float>(),
+                                .v_cache = dvc.as<float>(),
+                                .out = split_out.as<float>(),
+                                .partial = dpart.as<float>(),
+                                .pos = dpos.as<int>(),
+                                .n = 1,
+                                .n_heads = c.n_heads,
+                                .n_kv_heads = c.n_kv,
+                                .head_dim = c.hd,
                                 .n_splits = splits};
       if (q8) a.out_q = {split_qo.as<int8_t>(), split_do.as<float>()};
       ts::cuda::attention(a, nullptr);
@@ -462,9 +467,15 @@ TEST(CudaKernels, DecodeAttentionInOneClusterMatchesSplitsAndMerge) {
         }
       }
       std::vector<float> want(static_cast<size_t>(qd));
-      ts::cpu::attention(pool, {.q = q.data(), .k_cache = kc.data(), .v_cache = vc.data(),
-                                .out = want.data(), .n_tokens = 1, .pos0 = pos0,
-                                .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd});
+      ts::cpu::attention(pool, {.q = q.data(),
+                                .k_cache = kc.data(),
+                                .v_cache = vc.data(),
+                                .out = want.data(),
+                                .n_tokens = 1,
+                                .pos0 = pos0,
+                                .n_heads = c.n_heads,
+                                .n_kv_heads = c.n_kv,
+                                .head_dim = c.hd});
       EXPECT_LE(max_rel(got, want), 1e-5) << what;
       if (q8) {
         Dev dq_ref{size_t(qd)}, dd_ref(size_t(qd) / 32 * 4);

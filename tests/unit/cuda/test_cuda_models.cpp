@@ -3,8 +3,8 @@
 // expert-grouped prefill vs the per-slot decode kernels, byte-identical logits whatever
 // residency the weights were uploaded from, steering/capture at the same point as the CPU.
 // Skipped where no CUDA device is present (CI); run on the GPU machine by tests/gpu/run.sh.
-#include <gtest/gtest.h>
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,12 +16,12 @@
 
 #include "backend/cuda/kernels.cuh"
 #include "core/thread_pool.h"
+#include "cuda_test_util.h"
 #include "io/npy.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/sampler.h"
 #include "runtime/session.h"
-#include "cuda_test_util.h"
 
 namespace {
 
