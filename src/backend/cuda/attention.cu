@@ -795,15 +795,11 @@ bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
 }
 
 bool cluster_attention_available() {
-  static const bool ok = [] {
+  static const bool off = [] {
     const char* e = std::getenv("TURBOSPARK_CUDA_ATTN_CLUSTER");
-    if (e && std::string_view(e) == "0") return false;
-    int dev = 0, cluster = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    return cudaDeviceGetAttribute(&cluster, cudaDevAttrClusterLaunch, dev) == cudaSuccess &&
-           cluster != 0;
+    return e && std::string_view(e) == "0";
   }();
-  return ok;
+  return !off && cluster_launch_available();
 }
 
 bool cluster_attention_applies(int n_heads, int n_kv_heads, int head_dim) {

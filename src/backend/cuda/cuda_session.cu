@@ -167,9 +167,12 @@ Status CudaSession::begin(int device) {
   CUBLAS_TRY(bl_->set_math_mode(blas_, CUBLAS_DEFAULT_MATH));
   const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
   use_graphs_ = !(env && std::string(env) == "0");
-  cluster_attention_ok_ = cluster_attention_applies(hp_.n_heads, hp_.n_kv_heads, hp_.head_dim);
+  // (Probes the device once, here: never during a graph capture.)
+  const bool clusters = cluster_launch_available();
+  cluster_attention_ok_ =
+      clusters && cluster_attention_applies(hp_.n_heads, hp_.n_kv_heads, hp_.head_dim);
   const char* rc = std::getenv("TURBOSPARK_CUDA_ROUTE_CLUSTER");
-  route_cluster_ = rc && std::string(rc) == "1";
+  route_cluster_ = clusters && rc && std::string(rc) == "1";
   cached_.resize(size_t(hp_.n_layers));
   return {};
 }

@@ -517,8 +517,11 @@ __host__ __device__ constexpr size_t norm_route_smem(int d, int rows, size_t row
   return size_t(d) * 8 + size_t(rows) * row_bytes;
 }
 
-template <DType T>
-__global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
+// What both norm_route launches do before routing: stage the norm weights and this block's
+// router rows (before the wait), normalize x (block 0 also writes xn and its Q8 copy), and
+// score: store(warp, e, logit) on lane 0 of each scoring warp.
+template <DType T, class Store>
+__device__ __forceinline__ void norm_and_score(const NormRouteArgs& a, Store store) {
   extern __shared__ float4 norm_route_smem4[];
   const int d = a.d, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* xs = reinterpret_cast<float*>(norm_route_smem4);
@@ -545,8 +548,13 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
   if (scores) {
     const float acc = staged_row_dot<T>(rs, xs, d, lane);
     const float v = warp_sum(acc);
-    if (lane == 0) a.logits[e] = v;
+    if (lane == 0) store(warp, e, v);
   }
+}
+
+template <DType T>
+__global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
+  norm_and_score<T>(a, [&](int, int e, float v) { a.logits[e] = v; });
   __threadfence();
   __syncthreads();
   __shared__ bool last;
@@ -568,38 +576,11 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
 template <DType T>
 __global__ void __launch_bounds__(1024) norm_route_cluster_kernel(NormRouteArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ float4 norm_route_smem4[];
   __shared__ float block_logits[32];
-  const int d = a.d, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* xs = reinterpret_cast<float*>(norm_route_smem4);
-  float* ws = xs + d;
-  uint8_t* rs = reinterpret_cast<uint8_t*>(ws + d) + size_t(warp) * a.row_bytes;
-  const int e = blockIdx.x * a.rows + warp;
-  const bool scores = warp < a.rows && e < a.route.n_experts;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) ws[i] = a.norm_w[i];
-  if (scores)
-    warp_stage(rs, static_cast<const uint8_t*>(a.router) + size_t(e) * a.row_bytes,
-               int(a.row_bytes), lane);
-  pdl_wait();
-  const float inv = block_rms_inv(a.x, d, a.eps);  // its barriers also publish ws
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    const float v = a.x[i] * inv * ws[i];
-    xs[i] = v;
-    if (blockIdx.x == 0) {
-      a.xn[i] = v;
-      if (a.xq.q) warp_quantize_q8(v, size_t(i), a.xq);
-    }
-  }
-  warp_copy_wait();
-  __syncthreads();
-  if (scores) {
-    const float acc = staged_row_dot<T>(rs, xs, d, lane);
-    const float v = warp_sum(acc);
-    if (lane == 0) {
-      block_logits[warp] = v;
-      a.logits[e] = v;
-    }
-  }
+  norm_and_score<T>(a, [&](int warp, int e, float v) {
+    block_logits[warp] = v;
+    a.logits[e] = v;
+  });
   cluster_sync();  // every block's logits readable by block 0
   if (blockIdx.x != 0) {
     cluster_sync();  // block 0 has read them: this block's shared memory may go
@@ -918,7 +899,7 @@ namespace {
 // Experts per block of the cluster launch (ceil(n_experts / kNormRouteCluster)), or 0 where
 // it does not apply: more than a warp per row of the block, or rows past the shared memory.
 int norm_route_cluster_rows(DType router_dtype, int d, int n_experts) {
-  if (!norm_route_applies(router_dtype, d) || !norm_route_cluster_available()) return 0;
+  if (!norm_route_applies(router_dtype, d) || !cluster_launch_available()) return 0;
   const size_t rb = size_t(dtype_row_bytes(router_dtype, d));
   const int rows = (n_experts + kNormRouteCluster - 1) / kNormRouteCluster;
   if (rows > rmsnorm_block(d) / 32 || norm_route_smem(d, rows, rb) > kNormRouteMaxSmem) return 0;
@@ -928,16 +909,6 @@ int norm_route_cluster_rows(DType router_dtype, int d, int n_experts) {
 
 bool norm_route_cluster_applies(DType router_dtype, int d, int n_experts) {
   return norm_route_cluster_rows(router_dtype, d, n_experts) > 0;
-}
-
-bool norm_route_cluster_available() {
-  static const bool ok = [] {
-    int dev = 0, cluster = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    return cudaDeviceGetAttribute(&cluster, cudaDevAttrClusterLaunch, dev) == cudaSuccess &&
-           cluster != 0;
-  }();
-  return ok;
 }
 
 void norm_route(const NormRouteArgs& args, cudaStream_t s) {

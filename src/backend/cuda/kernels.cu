@@ -193,9 +193,34 @@ __global__ void fill_value_kernel(float* dst, int64_t n, float v) {
     dst[i] = v;
 }
 
+// 1 where this build's kernels were compiled for sm_90 (the cluster kernels are empty below).
+__global__ void cluster_probe_kernel(int* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- host launchers
+
+bool cluster_launch_available() {
+  static const bool ok = [] {
+    int dev = 0, cluster = 0, got = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&cluster, cudaDevAttrClusterLaunch, dev) != cudaSuccess || !cluster)
+      return false;
+    int* flag = nullptr;
+    if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
+    cluster_probe_kernel<<<1, 1>>>(flag);
+    const bool copied = cudaMemcpy(&got, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+    cudaFree(flag);
+    return copied && got == 1;
+  }();
+  return ok;
+}
 
 void quantize_act(const float* x, int64_t n, QAct out, cudaStream_t s) {
   launch_kernel(quantize_act_kernel, grid_for(n / 32), 256, 0, s, x, out.q, out.d, n / 32);

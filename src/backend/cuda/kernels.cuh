@@ -111,6 +111,8 @@ struct AttentionArgs {
   bool cluster = false;
 };
 constexpr int kTcAttentionMin = 16;
+// The current device launches thread block clusters (sm_90) and this build has the kernels.
+bool cluster_launch_available();
 constexpr int kClusterSplits = 8;
 constexpr int kClusterAttentionKeys = kClusterSplits * 32;
 // The device and build launch clusters, and TURBOSPARK_CUDA_ATTN_CLUSTER is not 0 (to measure).
@@ -162,7 +164,6 @@ struct NormRouteArgs {
   bool cluster = false;
 };
 constexpr int kNormRouteCluster = 8;
-bool norm_route_cluster_available();
 bool norm_route_cluster_applies(DType router_dtype, int d, int n_experts);
 // Router types the fused launch takes (F32, BF16, F16) and widths (a multiple of 32).
 bool norm_route_applies(DType router_dtype, int d);

@@ -693,7 +693,7 @@ TEST(CudaKernels, NormRouteMatchesNormRouterAndTopK) {
   }
   // Where clusters launch (sm_90): d 2048 (1,024 threads) with 8, 60 and 128 experts, d 288
   // (8 warps) with 8 and 60, d 96 (2 warps) with 8, each in three router types.
-  if (ts::cuda::norm_route_cluster_available()) {
+  if (ts::cuda::cluster_launch_available()) {
     EXPECT_EQ(clusters, 18);
   }
 }
