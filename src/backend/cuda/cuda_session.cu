@@ -171,8 +171,6 @@ Status CudaSession::begin(int device) {
   const bool clusters = cluster_launch_available();
   cluster_attention_ok_ =
       clusters && cluster_attention_applies(hp_.n_heads, hp_.n_kv_heads, hp_.head_dim);
-  const char* rc = std::getenv("TURBOSPARK_CUDA_ROUTE_CLUSTER");
-  route_cluster_ = clusters && rc && std::string(rc) == "1";
   cached_.resize(size_t(hp_.n_layers));
   return {};
 }

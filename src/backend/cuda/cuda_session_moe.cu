@@ -37,8 +37,7 @@ Status CudaSession::moe_block(int layer, int n) {
                     .router_dtype = L.router.dtype,
                     .logits = router_,
                     .counter = route_counter_,
-                    .route = route_args,
-                    .cluster = route_cluster_},
+                    .route = route_args},
                    stream_);
       });
     }));

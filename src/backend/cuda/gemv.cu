@@ -341,16 +341,15 @@ constexpr int kRoutePer = kMaxExperts / 32;
 // Token t's softmax over its logits by one warp: lane holds experts lane, lane + 32, ...
 // (-1 past n_experts). The logits are read from L2 (__ldcg): norm_route_kernel routes on
 // logits other blocks of the same grid wrote.
-// load(e) gives expert e's logit (route_probs: from L2).
-template <class Load>
-__device__ __forceinline__ void route_probs_from(const RouteArgs& a, int lane,
-                                                 float (&p)[kRoutePer], Load load) {
+__device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane,
+                                            float (&p)[kRoutePer]) {
   constexpr int kPer = kRoutePer;
+  const float* lg = a.logits + size_t(t) * a.n_experts;
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane + 32 * i;
-    p[i] = e < a.n_experts ? load(e) : -INFINITY;
+    p[i] = e < a.n_experts ? __ldcg(lg + e) : -INFINITY;
     mx = fmaxf(mx, p[i]);
   }
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -364,12 +363,6 @@ __device__ __forceinline__ void route_probs_from(const RouteArgs& a, int lane,
   sum = warp_sum(sum);
 #pragma unroll
   for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < a.n_experts ? p[i] / sum : -1.0f;
-}
-
-__device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane,
-                                            float (&p)[kRoutePer]) {
-  const float* lg = a.logits + size_t(t) * a.n_experts;
-  route_probs_from(a, lane, p, [&](int e) { return __ldcg(lg + e); });
 }
 
 // With host_flag: once the warp's lanes have written the host ids, *host_flag = 1 (every
@@ -439,13 +432,8 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane)
 // probabilities as route_token does, then every expert's rank at once (how many experts beat
 // it: a higher probability, or the same and a lower id, route_token's order), g threads per
 // expert counting a share each, instead of top_k rounds of a warp-wide argmax one after the
-// other. The same ids and weights as route_token, summed in rank order. load(e): expert e's
-// logit; probs_ready(): the block's barrier once warp 0 has written the probabilities (a
-// cluster barrier where the logits are in other blocks' shared memory, so those blocks may
-// leave once it passes).
-template <class Load, class Barrier>
-__device__ __forceinline__ void block_route_one(const RouteArgs& a, Load load,
-                                                Barrier probs_ready) {
+// other. The same ids and weights as route_token, summed in rank order.
+__device__ __forceinline__ void block_route_one(const RouteArgs& a) {
   __shared__ float probs[kMaxExperts];
   __shared__ int sel_e[kMaxExperts];
   __shared__ float sel_p[kMaxExperts];
@@ -457,12 +445,12 @@ __device__ __forceinline__ void block_route_one(const RouteArgs& a, Load load,
       sel_p[r] = 0.0f;
     }
     float p[kRoutePer];
-    route_probs_from(a, lane, p, load);
+    route_probs(a, 0, lane, p);
 #pragma unroll
     for (int i = 0; i < kRoutePer; ++i)
       if (lane + 32 * i < ne) probs[lane + 32 * i] = p[i];
   }
-  probs_ready();
+  __syncthreads();
   int g = 1;  // threads per expert: a power of two up to 32, so a group is within a warp
   while (g < 32 && 2 * g * ne <= int(blockDim.x)) g *= 2;
   const int per_pass = int(blockDim.x) / g;
@@ -517,11 +505,8 @@ __host__ __device__ constexpr size_t norm_route_smem(int d, int rows, size_t row
   return size_t(d) * 8 + size_t(rows) * row_bytes;
 }
 
-// What both norm_route launches do before routing: stage the norm weights and this block's
-// router rows (before the wait), normalize x (block 0 also writes xn and its Q8 copy), and
-// score: store(warp, e, logit) on lane 0 of each scoring warp.
-template <DType T, class Store>
-__device__ __forceinline__ void norm_and_score(const NormRouteArgs& a, Store store) {
+template <DType T>
+__global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
   extern __shared__ float4 norm_route_smem4[];
   const int d = a.d, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* xs = reinterpret_cast<float*>(norm_route_smem4);
@@ -548,13 +533,8 @@ __device__ __forceinline__ void norm_and_score(const NormRouteArgs& a, Store sto
   if (scores) {
     const float acc = staged_row_dot<T>(rs, xs, d, lane);
     const float v = warp_sum(acc);
-    if (lane == 0) store(warp, e, v);
+    if (lane == 0) a.logits[e] = v;
   }
-}
-
-template <DType T>
-__global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
-  norm_and_score<T>(a, [&](int, int e, float v) { a.logits[e] = v; });
   __threadfence();
   __syncthreads();
   __shared__ bool last;
@@ -565,32 +545,7 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
   __syncthreads();
   if (!last) return;
   __threadfence();
-  block_route_one(
-      a.route, [&](int e) { return __ldcg(a.logits + e); }, [] { __syncthreads(); });
-}
-
-// norm_route_kernel as one thread block cluster (the grid, at most 8 blocks): each block
-// scores its a.rows experts into its shared memory (and a.logits), a cluster barrier, and
-// block 0 routes from the logits in the other blocks' shared memory. No fence, no counter,
-// no L2 read of the logits: the same bytes as norm_route_kernel.
-template <DType T>
-__global__ void __launch_bounds__(1024) norm_route_cluster_kernel(NormRouteArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ float block_logits[32];
-  norm_and_score<T>(a, [&](int warp, int e, float v) {
-    block_logits[warp] = v;
-    a.logits[e] = v;
-  });
-  cluster_sync();  // every block's logits readable by block 0
-  if (blockIdx.x != 0) {
-    cluster_sync();  // block 0 has read them: this block's shared memory may go
-    return;
-  }
-  const int rows = a.rows;
-  block_route_one(
-      a.route, [&](int x) { return cluster_map(block_logits, x / rows)[x % rows]; },
-      [] { cluster_sync(); });
-#endif
+  block_route_one(a.route);
 }
 
 // grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
@@ -895,42 +850,12 @@ bool norm_route_applies(DType router_dtype, int d) {
          norm_route_smem(d, 1, size_t(dtype_row_bytes(router_dtype, d))) <= kNormRouteMaxSmem;
 }
 
-namespace {
-// Experts per block of the cluster launch (ceil(n_experts / kNormRouteCluster)), or 0 where
-// it does not apply: more than a warp per row of the block, or rows past the shared memory.
-int norm_route_cluster_rows(DType router_dtype, int d, int n_experts) {
-  if (!norm_route_applies(router_dtype, d) || !cluster_launch_available()) return 0;
-  const size_t rb = size_t(dtype_row_bytes(router_dtype, d));
-  const int rows = (n_experts + kNormRouteCluster - 1) / kNormRouteCluster;
-  if (rows > rmsnorm_block(d) / 32 || norm_route_smem(d, rows, rb) > kNormRouteMaxSmem) return 0;
-  return rows;
-}
-}  // namespace
-
-bool norm_route_cluster_applies(DType router_dtype, int d, int n_experts) {
-  return norm_route_cluster_rows(router_dtype, d, n_experts) > 0;
-}
-
 void norm_route(const NormRouteArgs& args, cudaStream_t s) {
   NormRouteArgs a = args;
   a.route.logits = a.logits;
   const int block = rmsnorm_block(a.d);
   const size_t rb = size_t(dtype_row_bytes(a.router_dtype, a.d));
   a.row_bytes = rb;
-  if (const int rows =
-          a.cluster ? norm_route_cluster_rows(a.router_dtype, a.d, a.route.n_experts) : 0;
-      rows > 0) {
-    a.rows = rows;
-    const unsigned grid = unsigned((a.route.n_experts + rows - 1) / rows);
-    const size_t smem = norm_route_smem(a.d, rows, rb);
-    const auto kernel = a.router_dtype == DType::kF32   ? norm_route_cluster_kernel<DType::kF32>
-                        : a.router_dtype == DType::kF16 ? norm_route_cluster_kernel<DType::kF16>
-                                                        : norm_route_cluster_kernel<DType::kBF16>;
-    if (smem > 32 * 1024)
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    launch_cluster_kernel(kernel, grid, unsigned(block), smem, dim3(grid), s, a);
-    return;
-  }
   a.rows = int(std::min<size_t>(std::min(kNormRouteRows, block / 32),
                                 (kNormRouteMaxSmem - size_t(a.d) * 8) / rb));
   const unsigned grid = unsigned((a.route.n_experts + a.rows - 1) / a.rows);

@@ -159,12 +159,7 @@ struct NormRouteArgs {
   float* logits;         // [n_experts]
   unsigned* counter;     // a device counter, 0 between launches (the kernel leaves it 0)
   RouteArgs route;       // route.logits is set to logits
-  // As one thread block cluster of up to kNormRouteCluster blocks where the device launches
-  // clusters and the experts fit (counter unused): the same bytes.
-  bool cluster = false;
 };
-constexpr int kNormRouteCluster = 8;
-bool norm_route_cluster_applies(DType router_dtype, int d, int n_experts);
 // Router types the fused launch takes (F32, BF16, F16) and widths (a multiple of 32).
 bool norm_route_applies(DType router_dtype, int d);
 void norm_route(const NormRouteArgs& a, cudaStream_t s);
