@@ -663,13 +663,13 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   *h_pos_ = pos_;
   const bool all_rows = logits_out != nullptr;
   if (n == 1 && !all_rows && cached() && segments_eligible()) {
-    attn_cluster_ = cluster_attention_ok_ && pos_ + 1 <= kClusterAttentionKeys;
+    attn_cluster_ = cluster_step(n);
     TS_TRY(decode_segments());
   } else if (n == 1 && !all_rows && graph_eligible()) {
     // A decode step is the same launches every time (the position is read on the device):
     // capture it once, replay it after. Two graphs: steps over at most kClusterAttentionKeys
     // keys, whose attention merges in a cluster, and the rest, split over the whole context.
-    attn_cluster_ = cluster_attention_ok_ && pos_ + 1 <= kClusterAttentionKeys;
+    attn_cluster_ = cluster_step(n);
     cudaGraphExec_t& graph = graphs_[attn_cluster_ ? 1 : 0];
     if (!graph) {
       graph_splits_ = attention_splits(1, n_ctx_);
@@ -692,7 +692,7 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
     }
     CUDA_TRY(cudaGraphLaunch(graph, stream_));
   } else {
-    attn_cluster_ = n == 1 && cluster_attention_ok_ && pos_ + 1 <= kClusterAttentionKeys;
+    attn_cluster_ = cluster_step(n);
     CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
     TS_TRY(run_layers(n, logits_out, last_chunk));

@@ -302,6 +302,9 @@ class CudaSession final : public runtime::Engine {
   bool cluster_attention_ok_ = false;
   // ... and the launches being issued (or captured) cover at most kClusterAttentionKeys keys.
   bool attn_cluster_ = false;
+  bool cluster_step(int n) const {
+    return n == 1 && cluster_attention_ok_ && pos_ + n <= kClusterAttentionKeys;
+  }
 
   int n_ctx_ = 0, chunk_ = 0, pos_ = 0;
   float *k_cache_ = nullptr, *v_cache_ = nullptr;  // [n_layers, n_ctx, kv_dim]

@@ -47,42 +47,44 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// With `cluster`: thread block clusters of that shape (sm_90).
 template <class... P, class... A>
-inline void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                   A&&... args) {
-  cudaLaunchAttribute attr[1] = {};
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+inline void launch_kernel_ex(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t s, const dim3* cluster, A&&... args) {
+  cudaLaunchAttribute attr[2] = {};
+  unsigned n = 0;
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster->x;
+    attr[n].val.clusterDim.y = cluster->y;
+    attr[n++].val.clusterDim.z = cluster->z;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = n;
   // An error stays the runtime's last error, which the session checks after the step.
   (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
-// launch_kernel with a thread block cluster of `cluster` blocks (sm_90).
+template <class... P, class... A>
+inline void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                          A&&... args) {
+  launch_kernel_ex(kernel, grid, block, smem, s, nullptr, std::forward<A>(args)...);
+}
+
+// launch_kernel with thread block clusters of `cluster` blocks (sm_90).
 template <class... P, class... A>
 inline void launch_cluster_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
                                   dim3 cluster, cudaStream_t s, A&&... args) {
-  cudaLaunchAttribute attr[2] = {};
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster.x;
-  attr[0].val.clusterDim.y = cluster.y;
-  attr[0].val.clusterDim.z = cluster.z;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 2 : 1;
-  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+  launch_kernel_ex(kernel, grid, block, smem, s, &cluster, std::forward<A>(args)...);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
