@@ -298,20 +298,18 @@ __device__ __forceinline__ void gqa_split(const AttentionArgs& a, int g, int spl
   }
 }
 
-// Stores the warp's heads' (m, l, acc[head_dim]) of gqa_split at out(head of the group).
-template <class Out>
-__device__ __forceinline__ void gqa_store(const AttentionArgs& a,
-                                          const float (&m)[kGqaMaxHeadsPerWarp],
-                                          const float (&l)[kGqaMaxHeadsPerWarp],
-                                          const float (&acc)[kGqaMaxHeadsPerWarp][kGqaPerLane],
-                                          Out out_of) {
+__global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(AttentionArgs a) {
+  extern __shared__ float4 gqa_smem4[];
+  const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
-  const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads;
+  const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, h0 = g * group;
+  float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
+  gqa_split(a, g, split, a.n_splits, t, reinterpret_cast<float*>(gqa_smem4), m, l, acc);
 #pragma unroll
   for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
     const int hh = warp + n_warps * x;
     if (hh >= group) break;
-    float* out = out_of(hh);
+    float* out = a.partial + ((size_t(t) * a.n_heads + h0 + hh) * a.n_splits + split) * (hd + 2);
 #pragma unroll
     for (int i = 0; i < kGqaPerLane; ++i) {
       const int dim = lane + 32 * i;
@@ -322,17 +320,6 @@ __device__ __forceinline__ void gqa_store(const AttentionArgs& a,
       out[1] = l[x];
     }
   }
-}
-
-__global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(AttentionArgs a) {
-  extern __shared__ float4 gqa_smem4[];
-  const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
-  const int hd = a.head_dim, h0 = g * (a.n_heads / a.n_kv_heads);
-  float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
-  gqa_split(a, g, split, a.n_splits, t, reinterpret_cast<float*>(gqa_smem4), m, l, acc);
-  gqa_store(a, m, l, acc, [&](int hh) {
-    return a.partial + ((size_t(t) * a.n_heads + h0 + hh) * a.n_splits + split) * (hd + 2);
-  });
 }
 
 // Decode attention of one token as one thread block cluster per KV head: grid (n_kv_heads,
@@ -354,11 +341,26 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_cluster_kerne
   extern __shared__ float4 gqa_smem4[];
   float* smem = reinterpret_cast<float*>(gqa_smem4);
   const int g = blockIdx.x, rank = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
   const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, h0 = g * group;
   float* mine = smem + gqa_smem_floats(group, hd);  // [group][m, l, acc[hd]]
   float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
   gqa_split(a, g, rank, kClusterSplits, 0, smem, m, l, acc);
-  gqa_store(a, m, l, acc, [&](int hh) { return mine + size_t(hh) * (hd + 2); });
+#pragma unroll
+  for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
+    const int hh = warp + n_warps * x;
+    if (hh >= group) break;
+    float* out = mine + size_t(hh) * (hd + 2);
+#pragma unroll
+    for (int i = 0; i < kGqaPerLane; ++i) {
+      const int dim = lane + 32 * i;
+      if (dim < hd) out[2 + dim] = acc[x][i];
+    }
+    if (lane == 0) {
+      out[0] = m[x];
+      out[1] = l[x];
+    }
+  }
   cluster_sync();
   // This block's heads of the group, each merged over the splits in order (as the merge).
   const float* part[kClusterSplits];
