@@ -160,6 +160,35 @@ void q6_k(const uint8_t* b, float* y) {
   }
 }
 
+// IQ4_NL / IQ4_XS: 4-bit indices into one non-linear table of int8 levels.
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
+// 32 weights at scale d from 16 bytes: weight j from the low nibble of byte j, weight j + 16
+// from its high nibble.
+void iq4_32(const uint8_t* qs, float d, float* y) {
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * float(kIq4Levels[qs[j] & 0xF]);
+    y[j + 16] = d * float(kIq4Levels[qs[j] >> 4]);
+  }
+}
+
+void iq4_nl(const uint8_t* b, float* y) { iq4_32(b + 2, half(b), y); }
+
+// IQ4_XS: 8 sub-blocks of 32, each with a 6-bit scale (low 4 bits in scales_l, nibble ib % 2
+// of byte ib / 2; high 2 bits in scales_h, bits 2 ib), biased by 32.
+void iq4_xs(const uint8_t* b, float* y) {
+  const float d = half(b);
+  const unsigned scales_h = unsigned(b[2]) | unsigned(b[3]) << 8;
+  const uint8_t* scales_l = b + 4;
+  const uint8_t* qs = b + 8;
+  for (int ib = 0; ib < 8; ++ib) {
+    const int ls =
+        int(((scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4));
+    iq4_32(qs + 16 * ib, d * float(ls - 32), y + 32 * ib);
+  }
+}
+
 struct Kind {
   uint32_t type;
   int64_t elems;
@@ -176,6 +205,8 @@ constexpr Kind kKinds[] = {
     {11, 256, 110, q3_k},
     {13, 256, 176, q5_k},
     {14, 256, 210, q6_k},
+    {20, 32, 18, iq4_nl},
+    {23, 256, 136, iq4_xs},
 };
 
 const Kind* kind_of(uint32_t type) {

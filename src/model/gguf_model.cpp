@@ -75,7 +75,7 @@ Result<std::unique_ptr<uint8_t[]>> convert_to_q8_0(ThreadPool& pool, const io::G
   if (!ggml_can_dequantize(t.ggml_type))
     return make_error(what + " is a type turbospark neither computes with nor converts " +
                       "(F32, F16, BF16, Q8_0, Q4_K natively; Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, " +
-                      "Q3_K, Q5_K, Q6_K converted to Q8_0 at load)");
+                      "Q3_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS converted to Q8_0 at load)");
   if (!dtype_row_ok(DType::kQ8_0, cols))
     return make_error(what + ": rows of " + std::to_string(cols) +
                       " values are not whole Q8_0 blocks of 32");

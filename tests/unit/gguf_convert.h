@@ -145,6 +145,7 @@ class GgufWriter {
 struct ConvertOptions {
   bool q8_0 = false;                 // 2-D weights but routers as Q8_0 (llama-quantize's rules)
   bool q6_k_experts = false;         // routed experts whose rows are 256-multiples as Q6_K
+  bool iq4_xs_experts = false;       // ... or as IQ4_XS
   bool permute_qk = true;            // llama arch: convert_hf_to_gguf's q/k row permutation
   bool legacy_expert_names = false;  // blk.N.ffn_gate.E.weight instead of stacked *_exps
   bool write_weights_norm = true;    // expert_weights_norm where the config differs from
@@ -200,6 +201,48 @@ inline std::string q6_k_bytes(const std::string& f32, int64_t rows, int64_t cols
       lo = uint8_t(g < 2 ? (lo & 0xF0) | (q & 0xF) : (lo & 0x0F) | ((q & 0xF) << 4));
       b[128 + 32 * hh + l] = uint8_t(b[128 + 32 * hh + l] | (((q >> 4) & 3) << (2 * g)));
     }
+  }
+  return out;
+}
+
+// A valid IQ4_XS encoding (not llama.cpp's optimized one): per 256-weight block an f16 d from
+// the block's largest magnitude, per 32-weight sub-block a positive 6-bit scale (stored biased
+// by 32), each weight the nearest of the 16 non-linear levels; laid out as ggml's
+// block_iq4_xs {d, scales_h, scales_l[4], qs[128]}.
+inline std::string iq4_xs_bytes(const std::string& f32, int64_t rows, int64_t cols) {
+  static constexpr int kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+  const float* x = reinterpret_cast<const float*>(f32.data());
+  std::string out(size_t(rows * cols / 256) * 136, '\0');
+  for (int64_t blk = 0; blk < rows * cols / 256; ++blk) {
+    const float* v = x + blk * 256;
+    uint8_t* b = reinterpret_cast<uint8_t*>(out.data()) + blk * 136;
+    float amax = 0;
+    for (int e = 0; e < 256; ++e) amax = std::max(amax, std::fabs(v[e]));
+    const uint16_t dh = ts::f32_to_f16(amax / (31.0f * 127.0f));
+    std::memcpy(b, &dh, 2);
+    const float d = ts::f16_to_f32(dh);
+    unsigned scales_h = 0;
+    for (int ib = 0; ib < 8; ++ib) {
+      float sub = 0;
+      for (int e = 32 * ib; e < 32 * ib + 32; ++e) sub = std::max(sub, std::fabs(v[e]));
+      const int s = d > 0 ? std::clamp(int(std::lround(sub / (127.0f * d))), 1, 31) : 1;
+      const int ls = s + 32;
+      b[4 + ib / 2] = uint8_t(b[4 + ib / 2] | ((ls & 0xF) << (4 * (ib % 2))));
+      scales_h |= unsigned(ls >> 4) << (2 * ib);
+      const float step = d * float(s);
+      for (int j = 0; j < 32; ++j) {
+        int best = 0;
+        for (int q = 1; q < 16; ++q)
+          if (std::fabs(v[32 * ib + j] - step * float(kLevels[q])) <
+              std::fabs(v[32 * ib + j] - step * float(kLevels[best])))
+            best = q;
+        uint8_t& byte = b[8 + 16 * ib + j % 16];
+        byte = uint8_t(j < 16 ? (byte & 0xF0) | best : (byte & 0x0F) | (best << 4));
+      }
+    }
+    b[2] = uint8_t(scales_h & 0xFF);
+    b[3] = uint8_t(scales_h >> 8);
   }
   return out;
 }
@@ -413,6 +456,9 @@ inline void convert_hf_dir(const std::string& dir, const std::string& out,
       if (opt.q6_k_experts && shape[1] % 256 == 0)
         w.tensor(b + "ffn_" + gg + "_exps.weight", ne, 14,
                  q6_k_bytes(f32, shape[0] * hp.n_experts, shape[1]));
+      else if (opt.iq4_xs_experts && shape[1] % 256 == 0)
+        w.tensor(b + "ffn_" + gg + "_exps.weight", ne, 23,
+                 iq4_xs_bytes(f32, shape[0] * hp.n_experts, shape[1]));
       else if (opt.q8_0 && shape[1] % 32 == 0)
         w.tensor(b + "ffn_" + gg + "_exps.weight", ne, 8,
                  q8_0_bytes(f32, shape[0] * hp.n_experts, shape[1]));

@@ -46,6 +46,9 @@ struct Type {
   std::function<float(const uint8_t*, int)> element;  // weight e of one block
 };
 
+// IQ4_NL / IQ4_XS levels (ggml-common.h's kvalues_iq4nl).
+constexpr int kIq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 // Q4_K / Q5_K's 6-bit scale and min of sub-block j (scales: 12 bytes).
 void k4_scale(const uint8_t* s, int j, int* sc, int* m) {
   if (j < 4) {
@@ -151,6 +154,27 @@ const std::vector<Type>& types() {
          const int hi = (b[128 + 32 * hh + l] >> (2 * g)) & 3;
          const int8_t sc = int8_t(b[192 + e / 16]);
          return h(b + 208) * float(sc) * float((lo | (hi << 4)) - 32);
+       }},
+      {"IQ4_NL",
+       20,
+       32,
+       18,
+       {0},
+       [](const uint8_t* b, int e) {
+         const int q = e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
+         return h(b) * float(kIq4[q]);
+       }},
+      {"IQ4_XS",
+       23,
+       256,
+       136,
+       {0},
+       [](const uint8_t* b, int e) {
+         const int ib = e / 32, j = e % 32;
+         const int q = j < 16 ? b[8 + 16 * ib + j] & 0xF : b[8 + 16 * ib + j - 16] >> 4;
+         const int lo = ib % 2 == 0 ? b[4 + ib / 2] & 0xF : b[4 + ib / 2] >> 4;
+         const int hi = ((b[2] | (b[3] << 8)) >> (2 * ib)) & 3;
+         return h(b) * float((lo | (hi << 4)) - 32) * float(kIq4[q]);
        }},
   };
   return t;

@@ -191,7 +191,10 @@ TEST(GgufModel, SplitFilesLoadAsOne) {
 // A K-quant mix (Q6_K experts, as a Q4_K_M / Q6_K file holds): converted to Q8_0 at load and
 // said so; close to the F32 model it was quantized from; not streamable from the file, but a
 // pack made from it streams the same bytes.
-TEST(GgufModel, Q6_KTensorsAreConvertedToQ8_0AtLoad) {
+// Experts in block types the kernels do not read (Q6_K, as in a Q4_K_M file; IQ4_XS) are
+// requantized to Q8_0 at load: the note says so, the logits stay near F32, such experts cannot
+// stream from the file (named error), and a pack made from the file streams the same logits.
+TEST(GgufModel, Q6_KAndIQ4_XSTensorsAreConvertedToQ8_0AtLoad) {
   TempDir tmp;
   const std::string cfg = tmp.file("config.json"), dir = tmp.file("f32");
   std::ofstream(cfg) << R"({"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2,
@@ -202,35 +205,49 @@ TEST(GgufModel, Q6_KTensorsAreConvertedToQ8_0AtLoad) {
   ASSERT_EQ(0, std::system((std::string(TS_BINARY) + " synth --config " + cfg + " --out " + dir +
                             " --dtype f32 --seed 3 >/dev/null")
                                .c_str()));
-  const std::string q6 = tmp.file("q6.gguf");
-  ts_test::convert_hf_dir(dir, q6, {.q6_k_experts = true});
-  auto g = ts::io::read_gguf(q6);
-  ASSERT_TRUE(g.ok());
-  EXPECT_EQ(g->tensor("blk.1.ffn_down_exps.weight")->ggml_type, ts::io::kGgmlQ6_K);
   auto f32 = load(dir);
-  auto m = load(q6);
-  ASSERT_TRUE(f32 && m);
-  EXPECT_NE(m->load_note().find("converted 6 Q6_K tensor(s) to Q8_0 at load"), std::string::npos)
-      << m->load_note();
+  ASSERT_TRUE(f32);
   const std::vector<int> prompt = {1, 7, 42, 99, 150, 299, 3, 64};
-  const std::vector<float> want = prefill(*m, prompt);
-  const double err = max_rel(want, prefill(*f32, prompt));
-  EXPECT_LT(err, 0.05) << "6-bit experts stay close to F32";
-  EXPECT_GT(err, 0.0);
-  ts::runtime::LoadOptions streamed;
-  streamed.residency = ts::experts::Residency::kStreamed;
-  streamed.streamed.slots_per_layer = 2;
-  auto s = LoadedModel::load(q6, streamed);
-  ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.error().message.find("was converted at load"), std::string::npos)
-      << s.error().message;
-  ASSERT_EQ(0, std::system((std::string(TS_BINARY) + " pack --model " + q6 + " --out " +
-                            tmp.file("pack") + " >/dev/null 2>&1")
-                               .c_str()));
-  auto p = load(tmp.file("pack"), streamed);
-  ASSERT_TRUE(p);
-  const std::vector<float> got = prefill(*p, prompt);
-  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4));
+  const std::vector<float> base = prefill(*f32, prompt);
+  struct Kind {
+    const char* name;
+    uint32_t ggml_type;
+    ts_test::ConvertOptions opt;
+    double tol;  // 6-bit experts stay closer to F32 than 4-bit ones
+  };
+  for (const Kind& k : {Kind{"Q6_K", ts::io::kGgmlQ6_K, {.q6_k_experts = true}, 0.05},
+                        Kind{"IQ4_XS", 23, {.iq4_xs_experts = true}, 0.2}}) {
+    const std::string file = tmp.file(std::string(k.name) + ".gguf");
+    ts_test::convert_hf_dir(dir, file, k.opt);
+    auto g = ts::io::read_gguf(file);
+    ASSERT_TRUE(g.ok());
+    EXPECT_EQ(g->tensor("blk.1.ffn_down_exps.weight")->ggml_type, k.ggml_type) << k.name;
+    auto m = load(file);
+    ASSERT_TRUE(m) << k.name;
+    EXPECT_NE(
+        m->load_note().find(std::string("converted 6 ") + k.name + " tensor(s) to Q8_0 at load"),
+        std::string::npos)
+        << m->load_note();
+    const std::vector<float> want = prefill(*m, prompt);
+    const double err = max_rel(want, base);
+    EXPECT_LT(err, k.tol) << k.name << " experts stay close to F32";
+    EXPECT_GT(err, 0.0) << k.name;
+    ts::runtime::LoadOptions streamed;
+    streamed.residency = ts::experts::Residency::kStreamed;
+    streamed.streamed.slots_per_layer = 2;
+    auto s = LoadedModel::load(file, streamed);
+    ASSERT_FALSE(s.ok()) << k.name;
+    EXPECT_NE(s.error().message.find("was converted at load"), std::string::npos)
+        << s.error().message;
+    const std::string pack = tmp.file(std::string("pack_") + k.name);
+    ASSERT_EQ(0, std::system((std::string(TS_BINARY) + " pack --model " + file + " --out " + pack +
+                              " >/dev/null 2>&1")
+                                 .c_str()));
+    auto p = load(pack, streamed);
+    ASSERT_TRUE(p) << k.name;
+    const std::vector<float> got = prefill(*p, prompt);
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4)) << k.name;
+  }
 }
 
 // Damaged headers (bytes changed in the metadata and tensor table of a model with its
