@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/cuda/cuda_session.h"
+#include "backend/cuda/kernels.cuh"
 #include "core/thread_pool.h"
 #include "model/hparams.h"
 #include "runtime/engine.h"
@@ -121,6 +122,38 @@ TEST_P(CudaExpertCache, HostModeByteIdenticalToResidentForEveryCacheSize) {
                                     .layer_prefetch = false};
     expect_same(base, run(*model_, g), "host, no prefetch, " + std::to_string(slots) + " slots");
   }
+}
+
+// Decode past kClusterAttentionKeys keys replays one set of graph segments up to it (attention
+// in clusters) and another after: every step's logits byte-identical to resident mode's graphs.
+// (Added in the ninth session after its last device run: first run by the next tests/gpu/run.sh.)
+TEST_P(CudaExpertCache, DecodeAcrossTheClusterAttentionBoundMatchesResident) {
+  const int T = ts::cuda::kClusterAttentionKeys + 12;
+  std::vector<int> tokens;
+  for (int t = 0; t < T; ++t) tokens.push_back(prompt_[size_t(t) % prompt_.size()]);
+  const auto decode = [&](const ts::runtime::GpuExpertOptions& g) {
+    ts::runtime::SessionOptions o{.n_ctx = T};
+    o.gpu_experts = g;
+    auto e = ts::runtime::make_engine(*model_, pool_, std::move(o),
+                                      {ts::runtime::DeviceKind::kCuda, 0});
+    EXPECT_TRUE(e.ok()) << e.error().message;
+    std::vector<float> rows;
+    if (!e.ok()) return rows;
+    for (int t = 0; t < T; ++t) {
+      EXPECT_TRUE((*e)->forward(std::span<const int>(&tokens[size_t(t)], 1), nullptr).ok());
+      rows.insert(rows.end(), (*e)->last_logits().begin(), (*e)->last_logits().end());
+    }
+    return rows;
+  };
+  const std::vector<float> resident = decode({});
+  const std::vector<float> host = decode({.residency = GpuResidency::kHost,
+                                          .slots_per_layer = model_->hp().top_k});
+  ASSERT_EQ(resident.size(), host.size());
+  ASSERT_FALSE(resident.empty());
+  const size_t V = size_t(model_->hp().vocab);
+  for (int t = 0; t < T; ++t)
+    EXPECT_EQ(0, std::memcmp(&resident[size_t(t) * V], &host[size_t(t) * V], V * 4))
+        << "position " << t;
 }
 
 // Misses read from the checkpoint files by the streamed ExpertStore (1 or 2 host slots, so
