@@ -57,6 +57,9 @@ struct GenRequest {
   bool seed_given = false;
   std::optional<int64_t> max_tokens;
   std::vector<std::string> stops;
+  // Log-probabilities of the generated tokens: -1 none, else how many alternatives per token
+  // (chat: logprobs true + top_logprobs 0-20; completions: logprobs 0-5). Not with stream.
+  int logprobs = -1;
 };
 
 Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTemplate& tmpl,
@@ -89,9 +92,23 @@ struct ResponseInfo {
   int64_t created = 0;  // unix seconds
 };
 
+// One generated token's log-probability under the model (log-softmax of its logits, before
+// temperature and the other sampling filters) and the most likely alternatives, with their
+// decoded text (a token holding part of a UTF-8 character decodes to U+FFFD).
+struct TokenLogprob {
+  std::string text;
+  float logprob = 0;
+  std::vector<std::pair<std::string, float>> top;
+};
+// OpenAI's chat form {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}
+// and the completions form {tokens, token_logprobs, top_logprobs, text_offset}.
+json chat_logprobs_json(const std::vector<TokenLogprob>& lp);
+json completion_logprobs_json(const std::vector<TokenLogprob>& lp);
+
 json chat_response(const ResponseInfo& info, const runtime::Generation& gen,
-                   const ReplyParts& reply);
-json completion_response(const ResponseInfo& info, const runtime::Generation& gen);
+                   const ReplyParts& reply, json logprobs = nullptr);
+json completion_response(const ResponseInfo& info, const runtime::Generation& gen,
+                         json logprobs = nullptr);
 json messages_response(const ResponseInfo& info, const runtime::Generation& gen,
                        const ReplyParts& reply, const std::vector<std::string>& stops);
 

@@ -221,7 +221,11 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
   if (auto e = check_model(f, model_id)) return *e;
   GenRequest r{.api = Api::kChat};
   read_openai_options(f, r, /*chat=*/true);
-  if (f.boolean("logprobs").value_or(false)) f.fail("logprobs", "is not supported");
+  const bool logprobs = f.boolean("logprobs").value_or(false);
+  const std::optional<int64_t> top = f.integer("top_logprobs", 0, 20);
+  if (top && !logprobs) f.fail("top_logprobs", "needs logprobs: true");
+  if (logprobs) r.logprobs = int(top.value_or(0));
+  if (logprobs && r.stream) f.fail("logprobs", "is not supported with stream: true");
   if (f.error()) return *f.error();
 
   const json* msgs = f.get("messages");
@@ -280,7 +284,8 @@ Parsed<GenRequest> parse_completion_request(const json& body, const std::string&
   read_openai_options(f, r, /*chat=*/false);
   if (f.boolean("echo").value_or(false)) f.fail("echo", "is not supported");
   if (f.get("suffix")) f.fail("suffix", "is not supported");
-  if (f.get("logprobs")) f.fail("logprobs", "is not supported");
+  if (auto n = f.integer("logprobs", 0, 5)) r.logprobs = int(*n);
+  if (r.logprobs >= 0 && r.stream) f.fail("logprobs", "is not supported with stream: true");
   if (f.error()) return *f.error();
 
   // "prompt": a string, an array of one string, or token ids (one array, or one nested).

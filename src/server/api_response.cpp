@@ -72,8 +72,50 @@ ReplyParts split_reply(const std::string& text, bool parse_tools, bool starts_in
   return r;
 }
 
+namespace {
+json utf8_bytes(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back(int(c));
+  return b;
+}
+}  // namespace
+
+json chat_logprobs_json(const std::vector<TokenLogprob>& lp) {
+  json content = json::array();
+  for (const TokenLogprob& t : lp) {
+    json top = json::array();
+    for (const auto& [text, l] : t.top)
+      top.push_back({{"token", text}, {"logprob", l}, {"bytes", utf8_bytes(text)}});
+    content.push_back({{"token", t.text},
+                       {"logprob", t.logprob},
+                       {"bytes", utf8_bytes(t.text)},
+                       {"top_logprobs", top}});
+  }
+  return {{"content", content}, {"refusal", nullptr}};
+}
+
+json completion_logprobs_json(const std::vector<TokenLogprob>& lp) {
+  json tokens = json::array(), logprobs = json::array(), top = json::array(),
+       offsets = json::array();
+  size_t at = 0;  // byte offset of the token's text in the completion
+  for (const TokenLogprob& t : lp) {
+    tokens.push_back(t.text);
+    logprobs.push_back(t.logprob);
+    json alt = json::object();
+    for (const auto& [text, l] : t.top)
+      if (!alt.contains(text)) alt[text] = l;  // two ids may decode alike: the likelier stays
+    top.push_back(alt);
+    offsets.push_back(at);
+    at += t.text.size();
+  }
+  return {{"tokens", tokens},
+          {"token_logprobs", logprobs},
+          {"top_logprobs", top},
+          {"text_offset", offsets}};
+}
+
 json chat_response(const ResponseInfo& info, const runtime::Generation& gen,
-                   const ReplyParts& reply) {
+                   const ReplyParts& reply, json logprobs) {
   json message = {{"role", "assistant"},
                   {"content", reply.content.empty() && !reply.calls.empty() ? json(nullptr)
                                                                             : json(reply.content)}};
@@ -89,19 +131,20 @@ json chat_response(const ResponseInfo& info, const runtime::Generation& gen,
           {"model", info.model},
           {"choices", json::array({{{"index", 0},
                                     {"message", message},
-                                    {"logprobs", nullptr},
+                                    {"logprobs", std::move(logprobs)},
                                     {"finish_reason", openai_finish(gen, !reply.calls.empty())}}})},
           {"usage", openai_usage(gen)}};
 }
 
-json completion_response(const ResponseInfo& info, const runtime::Generation& gen) {
+json completion_response(const ResponseInfo& info, const runtime::Generation& gen,
+                         json logprobs) {
   return {{"id", info.id},
           {"object", "text_completion"},
           {"created", info.created},
           {"model", info.model},
           {"choices", json::array({{{"index", 0},
                                     {"text", gen.text},
-                                    {"logprobs", nullptr},
+                                    {"logprobs", std::move(logprobs)},
                                     {"finish_reason", openai_finish(gen, false)}}})},
           {"usage", openai_usage(gen)}};
 }

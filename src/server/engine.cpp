@@ -1,5 +1,7 @@
 #include "server/engine.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 
@@ -93,6 +95,29 @@ void Engine::run() {
   }
 }
 
+namespace {
+// log-softmax of the logits at `tok` and the `top` likeliest ids (ties to the lower id).
+TokenLogprob token_logprob(std::span<const float> logits, int tok, int top,
+                           const tokenizer::Tokenizer& t) {
+  float mx = -INFINITY;
+  for (float l : logits) mx = std::max(mx, l);
+  double sum = 0;
+  for (float l : logits) sum += std::exp(double(l) - double(mx));
+  const double log_z = double(mx) + std::log(sum);
+  const auto lp = [&](int id) { return float(double(logits[size_t(id)]) - log_z); };
+  const auto text = [&](int id) { return t.decode(std::span<const int>(&id, 1), false); };
+  TokenLogprob out{.text = text(tok), .logprob = lp(tok)};
+  std::vector<int> ids(logits.size());
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int(i);
+  const size_t k = std::min(size_t(std::max(top, 0)), ids.size());
+  std::partial_sort(ids.begin(), ids.begin() + long(k), ids.end(), [&](int a, int b) {
+    return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+  });
+  for (size_t i = 0; i < k; ++i) out.top.emplace_back(text(ids[i]), lp(ids[i]));
+  return out;
+}
+}  // namespace
+
 Result<runtime::Generation> Engine::generate(Job& job) {
   runtime::Sampler sampler(job.sampling);
   size_t forced_at = 0;
@@ -103,9 +128,13 @@ Result<runtime::Generation> Engine::generate(Job& job) {
       .stops = job.stops,
       .next_token =
           [&](std::span<const float> logits) {
-            if (forced.empty()) return sampler.sample(logits);
-            if (forced_at < forced.size()) return forced[forced_at++];
-            return eos.empty() ? forced.back() : eos[0];
+            const int tok = !forced.empty()               ? forced_at < forced.size()
+                                                                ? forced[forced_at++]
+                                                                : (eos.empty() ? forced.back() : eos[0])
+                                                          : sampler.sample(logits);
+            if (job.top_logprobs >= 0)
+              job.logprobs.push_back(token_logprob(logits, tok, job.top_logprobs, *opt_.tokenizer));
+            return tok;
           },
       .on_text =
           [&](std::string_view piece) {
@@ -113,7 +142,13 @@ Result<runtime::Generation> Engine::generate(Job& job) {
             return !job.cancelled;
           },
   };
-  return runtime::generate(*session_, cached_, job.prompt, *opt_.tokenizer, params);
+  Result<runtime::Generation> g =
+      runtime::generate(*session_, cached_, job.prompt, *opt_.tokenizer, params);
+  // The end-of-generation token is not part of the reply.
+  if (g.ok() && g->stop_reason == runtime::StopReason::kEos && !job.logprobs.empty() &&
+      int64_t(job.logprobs.size()) > g->generated)
+    job.logprobs.pop_back();
+  return g;
 }
 
 }  // namespace ts::server

@@ -20,6 +20,7 @@
 #include "runtime/generate.h"
 #include "runtime/sampler.h"
 #include "runtime/session.h"
+#include "server/api.h"
 #include "server/metrics.h"
 
 namespace ts {
@@ -36,6 +37,10 @@ struct Job {
   runtime::SamplerOptions sampling;
   int64_t max_tokens = 1;
   std::vector<std::string> stops;
+  // >= 0: each sampled token's log-probability and this many alternatives go to logprobs
+  // (an end-of-generation token that stops the reply is left out).
+  int top_logprobs = -1;
+  std::vector<TokenLogprob> logprobs;
   // Each piece of final text (may be empty); returning false cancels. May be unset.
   std::function<bool(std::string_view)> on_text;
   std::function<void(Result<runtime::Generation>)> on_done;

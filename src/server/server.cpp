@@ -207,6 +207,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   job->max_tokens = r.max_tokens.value_or(engine.n_ctx() - int64_t(job->prompt.size()));
   job->stops = r.stops;
   job->sampling = r.sampling;
+  job->top_logprobs = r.logprobs;
   if (!r.seed_given) job->sampling.seed = std::random_device{}();
   const int64_t prompt_tokens = int64_t(job->prompt.size());
   const char* prefix = api == Api::kChat ? "chatcmpl-" : api == Api::kCompletion ? "cmpl-" : "msg_";
@@ -230,11 +231,19 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
                         {.status = 500,
                          .message = "generation failed: " + gen.error().message,
                          .type = "server_error"});
-    if (api == Api::kCompletion) return send_json(res, 200, completion_response(info, *gen));
+    // (The engine is done with the job: its logprobs are complete.)
+    if (api == Api::kCompletion)
+      return send_json(res, 200,
+                       completion_response(info, *gen,
+                                           r.logprobs >= 0 ? completion_logprobs_json(job->logprobs)
+                                                           : json(nullptr)));
     ReplyParts reply = split_reply(gen->text, r.parse_tools, in_reasoning);
-    return send_json(res, 200,
-                     api == Api::kChat ? chat_response(info, *gen, reply)
-                                       : messages_response(info, *gen, reply, r.stops));
+    return send_json(
+        res, 200,
+        api == Api::kChat
+            ? chat_response(info, *gen, reply,
+                            r.logprobs >= 0 ? chat_logprobs_json(job->logprobs) : json(nullptr))
+            : messages_response(info, *gen, reply, r.stops));
   }
 
   auto channel = std::make_shared<StreamChannel>();

@@ -11,7 +11,7 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -159,6 +159,64 @@ test('completions: non-stream and stream equal the CLI', async () => {
     text += c.choices[0]?.text ?? '';
   }
   assert.equal(text, want);
+});
+
+// The last row of a float32 .npy file written by `turbospark logits`.
+function npyLastRow(file) {
+  const b = readFileSync(file);
+  const headerLen = b.readUInt16LE(8);
+  const header = b.subarray(10, 10 + headerLen).toString('latin1');
+  const shape = header.match(/'shape': \(([^)]*)\)/)[1].split(',').filter((x) => x.trim()).map(Number);
+  const cols = shape[shape.length - 1];
+  const data = new Float32Array(b.buffer.slice(b.byteOffset + 10 + headerLen, b.byteOffset + b.length));
+  return data.subarray(data.length - cols);
+}
+
+test('logprobs: chat and completions, the first token against the logits the CLI prints', async () => {
+  // Greedy: each token is its step's likeliest, so its logprob is the top alternative's.
+  const ids = [1, 7, 42, 99, 150, 3];
+  const r = await openai.completions.create({
+    model: MODEL, prompt: ids, max_tokens: 6, temperature: 0, logprobs: 3 });
+  const lp = r.choices[0].logprobs;
+  assert.equal(lp.tokens.length, r.usage.completion_tokens);
+  assert.equal(lp.token_logprobs.length, lp.tokens.length);
+  assert.equal(lp.text_offset[0], 0);
+  for (let i = 0; i < lp.tokens.length; i++) {
+    assert.ok(lp.token_logprobs[i] <= 0);
+    const alts = Object.values(lp.top_logprobs[i]);
+    assert.ok(alts.length >= 1 && alts.length <= 3);
+    assert.equal(Math.max(...alts), lp.token_logprobs[i]);
+  }
+  // log-softmax of the prompt's last logits, computed here.
+  const file = path.join(TMP, 'logits.npy');
+  execFileSync(BIN, ['logits', '--model', MODEL_DIR, '--tokens', ids.join(','), '--out', file]);
+  const row = Array.from(npyLastRow(file));
+  const mx = Math.max(...row);
+  const logZ = mx + Math.log(row.reduce((s, x) => s + Math.exp(x - mx), 0));
+  const want = row.map((x) => x - logZ).sort((a, b) => b - a).slice(0, 3);
+  assert.ok(Math.abs(lp.token_logprobs[0] - want[0]) < 1e-4, `${lp.token_logprobs[0]} vs ${want[0]}`);
+  const got = Object.values(lp.top_logprobs[0]).sort((a, b) => b - a);
+  for (let k = 0; k < got.length; k++) assert.ok(Math.abs(got[k] - want[k]) < 1e-4, `top ${k}`);
+
+  const c = await openai.chat.completions.create({
+    model: MODEL, messages: HELLO, max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 2 });
+  const content = c.choices[0].logprobs.content;
+  assert.equal(content.length, c.usage.completion_tokens);
+  for (const t of content) {
+    assert.deepEqual(t.bytes, Array.from(Buffer.from(t.token, 'utf8')));
+    assert.equal(t.top_logprobs.length, 2);
+    assert.equal(t.top_logprobs[0].logprob, t.logprob);
+    assert.ok(t.top_logprobs[1].logprob <= t.top_logprobs[0].logprob);
+  }
+  const plain = await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: 8, temperature: 0 });
+  assert.equal(plain.choices[0].logprobs, null);
+  assert.equal(plain.choices[0].message.content, c.choices[0].message.content);
+  await assert.rejects(
+    openai.chat.completions.create({ model: MODEL, messages: HELLO, top_logprobs: 2 }),
+    (e) => e.status === 400 && /top_logprobs/.test(e.message));
+  await assert.rejects(
+    openai.chat.completions.create({ model: MODEL, messages: HELLO, logprobs: true, stream: true }),
+    (e) => e.status === 400 && /logprobs/.test(e.message));
 });
 
 test('sampling: a seed reproduces, penalties and min_p are accepted', async () => {

@@ -191,6 +191,52 @@ TEST(ServerApi, CompletionPrompts) {
   }
 }
 
+// logprobs: chat's boolean + top_logprobs (0-20), completions' integer (0-5); not with
+// stream; the response forms with their bytes and offsets.
+TEST(ServerApi, Logprobs) {
+  EXPECT_EQ(chat_ok({{"messages", kUser}}).logprobs, -1);
+  EXPECT_EQ(chat_ok({{"messages", kUser}, {"logprobs", false}}).logprobs, -1);
+  EXPECT_EQ(chat_ok({{"messages", kUser}, {"logprobs", true}}).logprobs, 0);
+  EXPECT_EQ(chat_ok({{"messages", kUser}, {"logprobs", true}, {"top_logprobs", 20}}).logprobs, 20);
+  EXPECT_EQ(chat_error({{"messages", kUser}, {"top_logprobs", 2}}).param, "top_logprobs");
+  EXPECT_EQ(chat_error({{"messages", kUser}, {"logprobs", true}, {"top_logprobs", 21}}).param,
+            "top_logprobs");
+  EXPECT_EQ(chat_error({{"messages", kUser}, {"logprobs", true}, {"stream", true}}).param,
+            "logprobs");
+  EXPECT_EQ(chat_error({{"messages", kUser}, {"logprobs", 1}}).param, "logprobs");
+  const auto completion = [](const json& body) {
+    return ts::server::parse_completion_request(body, "tiny");
+  };
+  auto r = completion({{"prompt", "x"}, {"logprobs", 5}});
+  ASSERT_TRUE(std::holds_alternative<GenRequest>(r));
+  EXPECT_EQ(std::get<GenRequest>(r).logprobs, 5);
+  for (const json& bad : {json{{"prompt", "x"}, {"logprobs", 6}}, json{{"prompt", "x"}, {"logprobs", true}},
+                          json{{"prompt", "x"}, {"logprobs", 1}, {"stream", true}}}) {
+    auto e = completion(bad);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(e)) << bad.dump();
+    EXPECT_EQ(std::get<ApiError>(e).param, "logprobs") << bad.dump();
+  }
+
+  const std::vector<ts::server::TokenLogprob> lp = {
+      {"Hé", -0.25f, {{"Hé", -0.25f}, {"Ho", -1.5f}}},
+      {"!", -0.5f, {{"!", -0.5f}, {"!", -3.0f}}}};
+  const json chat = ts::server::chat_logprobs_json(lp);
+  ASSERT_EQ(chat["content"].size(), 2u);
+  EXPECT_EQ(chat["content"][0]["token"], "Hé");
+  EXPECT_EQ(chat["content"][0]["logprob"], -0.25f);
+  EXPECT_EQ(chat["content"][0]["bytes"], json::array({72, 0xC3, 0xA9}));
+  EXPECT_EQ(chat["content"][0]["top_logprobs"][1]["token"], "Ho");
+  EXPECT_EQ(chat["content"][0]["top_logprobs"][1]["bytes"], json::array({72, 111}));
+  EXPECT_TRUE(chat["refusal"].is_null());
+  const json comp = ts::server::completion_logprobs_json(lp);
+  EXPECT_EQ(comp["tokens"], json::array({"Hé", "!"}));
+  EXPECT_EQ(comp["token_logprobs"], json::array({-0.25f, -0.5f}));
+  EXPECT_EQ(comp["text_offset"], json::array({0, 3}));  // bytes: "Hé" is 3
+  EXPECT_EQ(comp["top_logprobs"][0]["Ho"], -1.5f);
+  EXPECT_EQ(comp["top_logprobs"][1].size(), 1u);  // two ids decoding alike: the likelier
+  EXPECT_EQ(comp["top_logprobs"][1]["!"], -0.5f);
+}
+
 TEST(ServerApi, AnthropicConversion) {
   const json body = {
       {"model", "tiny"},
