@@ -107,9 +107,10 @@ TokenLogprob token_logprob(std::span<const float> logits, int tok, int top,
   const auto lp = [&](int id) { return float(double(logits[size_t(id)]) - log_z); };
   const auto text = [&](int id) { return t.decode(std::span<const int>(&id, 1), false); };
   TokenLogprob out{.text = text(tok), .logprob = lp(tok)};
+  if (top <= 0) return out;
   std::vector<int> ids(logits.size());
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int(i);
-  const size_t k = std::min(size_t(std::max(top, 0)), ids.size());
+  const size_t k = std::min(size_t(top), ids.size());
   std::partial_sort(ids.begin(), ids.begin() + long(k), ids.end(), [&](int a, int b) {
     return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
   });
