@@ -133,7 +133,9 @@ Result<runtime::Generation> Engine::generate(Job& job) {
                                                                 ? forced[forced_at++]
                                                                 : (eos.empty() ? forced.back() : eos[0])
                                                           : sampler.sample(logits);
-            if (job.top_logprobs >= 0)
+            // An end-of-generation token ends the reply without being part of it.
+            const bool ends = std::find(eos.begin(), eos.end(), tok) != eos.end();
+            if (job.top_logprobs >= 0 && !ends)
               job.logprobs.push_back(token_logprob(logits, tok, job.top_logprobs, *opt_.tokenizer));
             return tok;
           },
@@ -143,13 +145,7 @@ Result<runtime::Generation> Engine::generate(Job& job) {
             return !job.cancelled;
           },
   };
-  Result<runtime::Generation> g =
-      runtime::generate(*session_, cached_, job.prompt, *opt_.tokenizer, params);
-  // The end-of-generation token is not part of the reply.
-  if (g.ok() && g->stop_reason == runtime::StopReason::kEos && !job.logprobs.empty() &&
-      int64_t(job.logprobs.size()) > g->generated)
-    job.logprobs.pop_back();
-  return g;
+  return runtime::generate(*session_, cached_, job.prompt, *opt_.tokenizer, params);
 }
 
 }  // namespace ts::server
