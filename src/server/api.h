@@ -60,6 +60,9 @@ struct GenRequest {
   // Log-probabilities of the generated tokens: -1 none, else how many alternatives per token
   // (chat: logprobs true + top_logprobs 0-20; completions: logprobs 0-5). Not with stream.
   int logprobs = -1;
+  // Completions: the prompt comes back before the completion (with logprobs, its tokens' too;
+  // the first has none). max_tokens may then be 0: score the prompt only. Not with stream.
+  bool echo = false;
 };
 
 Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTemplate& tmpl,
@@ -99,6 +102,7 @@ struct TokenLogprob {
   std::string text;
   float logprob = 0;
   std::vector<std::pair<std::string, float>> top;
+  bool first = false;  // the prompt's first token (echo): nothing before it, no logprob
 };
 // OpenAI's chat form {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}
 // and the completions form {tokens, token_logprobs, top_logprobs, text_offset}.

@@ -278,11 +278,23 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
 
 Parsed<GenRequest> parse_completion_request(const json& body, const std::string& model_id) {
   if (!body.is_object()) return bad("", "the request body must be a JSON object");
-  Fields f(body);
+  // With echo, max_tokens 0 asks for the prompt's logprobs only (how evaluation harnesses
+  // score text); elsewhere max_tokens is at least 1.
+  const auto echo_it = body.find("echo");
+  const bool zero_with_echo = echo_it != body.end() && *echo_it == true &&
+                              body.contains("max_tokens") && body["max_tokens"] == 0;
+  json without_zero;
+  if (zero_with_echo) {
+    without_zero = body;
+    without_zero.erase("max_tokens");
+  }
+  Fields f(zero_with_echo ? without_zero : body);
   if (auto e = check_model(f, model_id)) return *e;
   GenRequest r{.api = Api::kCompletion, .add_special = true};
   read_openai_options(f, r, /*chat=*/false);
-  if (f.boolean("echo").value_or(false)) f.fail("echo", "is not supported");
+  r.echo = f.boolean("echo").value_or(false);
+  if (zero_with_echo) r.max_tokens = 0;
+  if (r.echo && r.stream) f.fail("echo", "is not supported with stream: true");
   if (f.get("suffix")) f.fail("suffix", "is not supported");
   if (auto n = f.integer("logprobs", 0, 5)) r.logprobs = int(*n);
   if (r.logprobs >= 0 && r.stream) f.fail("logprobs", "is not supported with stream: true");

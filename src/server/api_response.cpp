@@ -100,11 +100,11 @@ json completion_logprobs_json(const std::vector<TokenLogprob>& lp) {
   size_t at = 0;  // byte offset of the token's text in the completion
   for (const TokenLogprob& t : lp) {
     tokens.push_back(t.text);
-    logprobs.push_back(t.logprob);
+    logprobs.push_back(t.first ? json(nullptr) : json(t.logprob));
     json alt = json::object();
     for (const auto& [text, l] : t.top)
       if (!alt.contains(text)) alt[text] = l;  // two ids may decode alike: the likelier stays
-    top.push_back(alt);
+    top.push_back(t.first ? json(nullptr) : alt);
     offsets.push_back(at);
     at += t.text.size();
   }

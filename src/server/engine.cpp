@@ -120,6 +120,22 @@ TokenLogprob token_logprob(std::span<const float> logits, int tok, int top,
 }  // namespace
 
 Result<runtime::Generation> Engine::generate(Job& job) {
+  if (job.echo && job.top_logprobs >= 0) {
+    // Every prompt row's logits: a whole prefill (no reuse), which leaves the prompt cached.
+    session_->reset();
+    cached_.clear();
+    std::vector<float> rows;
+    TS_TRY(session_->forward(job.prompt, &rows));
+    cached_ = job.prompt;
+    const size_t vocab = rows.size() / job.prompt.size();
+    const int first = job.prompt[0];
+    job.logprobs.push_back(
+        {.text = opt_.tokenizer->decode(std::span<const int>(&first, 1), false), .first = true});
+    for (size_t i = 1; i < job.prompt.size(); ++i)
+      job.logprobs.push_back(token_logprob(
+          std::span<const float>(rows.data() + (i - 1) * vocab, vocab), job.prompt[i],
+          job.top_logprobs, *opt_.tokenizer));
+  }
   runtime::Sampler sampler(job.sampling);
   size_t forced_at = 0;
   const std::vector<int>& forced = opt_.forced_reply;

@@ -41,6 +41,9 @@ struct Job {
   // (an end-of-generation token that stops the reply is left out).
   int top_logprobs = -1;
   std::vector<TokenLogprob> logprobs;
+  // With top_logprobs >= 0: the prompt's tokens go first in logprobs (the first without one);
+  // the prompt is then prefilled whole, with every row's logits.
+  bool echo = false;
   // Each piece of final text (may be empty); returning false cancels. May be unset.
   std::function<bool(std::string_view)> on_text;
   std::function<void(Result<runtime::Generation>)> on_done;

@@ -208,6 +208,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   job->stops = r.stops;
   job->sampling = r.sampling;
   job->top_logprobs = r.logprobs;
+  job->echo = r.echo;
   if (!r.seed_given) job->sampling.seed = std::random_device{}();
   const int64_t prompt_tokens = int64_t(job->prompt.size());
   const char* prefix = api == Api::kChat ? "chatcmpl-" : api == Api::kCompletion ? "cmpl-" : "msg_";
@@ -232,11 +233,15 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
                          .message = "generation failed: " + gen.error().message,
                          .type = "server_error"});
     // (The engine is done with the job: its logprobs are complete.)
-    if (api == Api::kCompletion)
+    if (api == Api::kCompletion) {
+      if (r.echo)
+        gen->text = (r.prompt_ids.empty() ? r.prompt_text : tok.decode(r.prompt_ids, false)) +
+                    gen->text;
       return send_json(res, 200,
                        completion_response(info, *gen,
                                            r.logprobs >= 0 ? completion_logprobs_json(job->logprobs)
                                                            : json(nullptr)));
+    }
     ReplyParts reply = split_reply(gen->text, r.parse_tools, in_reasoning);
     return send_json(
         res, 200,

@@ -161,15 +161,24 @@ test('completions: non-stream and stream equal the CLI', async () => {
   assert.equal(text, want);
 });
 
-// The last row of a float32 .npy file written by `turbospark logits`.
-function npyLastRow(file) {
+// The rows of a float32 .npy file written by `turbospark logits` (one per prompt position).
+function npyRows(file) {
   const b = readFileSync(file);
   const headerLen = b.readUInt16LE(8);
   const header = b.subarray(10, 10 + headerLen).toString('latin1');
   const shape = header.match(/'shape': \(([^)]*)\)/)[1].split(',').filter((x) => x.trim()).map(Number);
   const cols = shape[shape.length - 1];
   const data = new Float32Array(b.buffer.slice(b.byteOffset + 10 + headerLen, b.byteOffset + b.length));
-  return data.subarray(data.length - cols);
+  const rows = [];
+  for (let at = 0; at < data.length; at += cols) rows.push(Array.from(data.subarray(at, at + cols)));
+  return rows;
+}
+
+// log-softmax of a row of logits.
+function logSoftmax(row) {
+  const mx = Math.max(...row);
+  const logZ = mx + Math.log(row.reduce((s, x) => s + Math.exp(x - mx), 0));
+  return row.map((x) => x - logZ);
 }
 
 test('logprobs: chat and completions, the first token against the logits the CLI prints', async () => {
@@ -190,13 +199,35 @@ test('logprobs: chat and completions, the first token against the logits the CLI
   // log-softmax of the prompt's last logits, computed here.
   const file = path.join(TMP, 'logits.npy');
   execFileSync(BIN, ['logits', '--model', MODEL_DIR, '--tokens', ids.join(','), '--out', file]);
-  const row = Array.from(npyLastRow(file));
-  const mx = Math.max(...row);
-  const logZ = mx + Math.log(row.reduce((s, x) => s + Math.exp(x - mx), 0));
-  const want = row.map((x) => x - logZ).sort((a, b) => b - a).slice(0, 3);
+  const rows = npyRows(file);
+  assert.equal(rows.length, ids.length);
+  const want = logSoftmax(rows[rows.length - 1]).sort((a, b) => b - a).slice(0, 3);
   assert.ok(Math.abs(lp.token_logprobs[0] - want[0]) < 1e-4, `${lp.token_logprobs[0]} vs ${want[0]}`);
   const got = Object.values(lp.top_logprobs[0]).sort((a, b) => b - a);
   for (let k = 0; k < got.length; k++) assert.ok(Math.abs(got[k] - want[k]) < 1e-4, `top ${k}`);
+
+  // echo with max_tokens 0 scores the prompt (as evaluation harnesses do): token i's logprob
+  // is row i - 1's log-softmax at ids[i]; the first has none.
+  const e = await openai.completions.create({
+    model: MODEL, prompt: ids, max_tokens: 0, echo: true, logprobs: 1 });
+  const elp = e.choices[0].logprobs;
+  assert.equal(e.usage.completion_tokens, 0);
+  assert.equal(elp.tokens.length, ids.length);
+  assert.equal(elp.token_logprobs[0], null);
+  assert.equal(elp.top_logprobs[0], null);
+  for (let i = 1; i < ids.length; i++) {
+    const w = logSoftmax(rows[i - 1])[ids[i]];
+    assert.ok(Math.abs(elp.token_logprobs[i] - w) < 1e-4, `position ${i}: ${elp.token_logprobs[i]} vs ${w}`);
+  }
+  assert.equal(e.choices[0].text, elp.tokens.join(''));
+  // echo then generation: the prompt's entries, then the completion's, as without echo (the
+  // prompt's last token is recomputed alone after the whole prefill: equal to float rounding).
+  const e2 = await openai.completions.create({
+    model: MODEL, prompt: ids, max_tokens: 6, temperature: 0, echo: true, logprobs: 3 });
+  const gen2 = e2.choices[0].logprobs.token_logprobs.slice(ids.length);
+  assert.equal(gen2.length, lp.token_logprobs.length);
+  gen2.forEach((x, i) => assert.ok(Math.abs(x - lp.token_logprobs[i]) < 1e-4, `token ${i}`));
+  assert.ok(e2.choices[0].text.endsWith(r.choices[0].text));
 
   const c = await openai.chat.completions.create({
     model: MODEL, messages: HELLO, max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 2 });

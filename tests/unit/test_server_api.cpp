@@ -181,9 +181,15 @@ TEST(ServerApi, CompletionPrompts) {
   EXPECT_TRUE(ok({{"prompt", "abc"}}).add_special);
   EXPECT_EQ(ok({{"prompt", json::array({"xyz"})}}).prompt_text, "xyz");
   EXPECT_EQ(ok({{"prompt", json::array({5, 6, 7})}}).prompt_ids, (std::vector<int>{5, 6, 7}));
+  // echo: the prompt comes back; max_tokens 0 only with it (score the prompt).
+  EXPECT_TRUE(ok({{"prompt", "x"}, {"echo", true}}).echo);
+  EXPECT_FALSE(ok({{"prompt", "x"}}).echo);
+  EXPECT_EQ(ok({{"prompt", "x"}, {"echo", true}, {"max_tokens", 0}}).max_tokens, 0);
+  EXPECT_EQ(ok({{"prompt", "x"}, {"echo", true}, {"max_tokens", 3}}).max_tokens, 3);
   for (const json& bad :
        {json{{"model", "tiny"}}, json{{"prompt", 3}}, json{{"prompt", json::array({"a", "b"})}},
-        json{{"prompt", json::array({1, -2})}}, json{{"prompt", "x"}, {"echo", true}}}) {
+        json{{"prompt", json::array({1, -2})}}, json{{"prompt", "x"}, {"echo", true}, {"stream", true}},
+        json{{"prompt", "x"}, {"max_tokens", 0}}, json{{"prompt", "x"}, {"echo", 1}}}) {
     auto r = ts::server::parse_completion_request(bad, "tiny");
     ASSERT_TRUE(std::holds_alternative<ApiError>(r)) << bad.dump();
     EXPECT_EQ(std::get<ApiError>(r).status, 400);
@@ -217,6 +223,12 @@ TEST(ServerApi, Logprobs) {
     EXPECT_EQ(std::get<ApiError>(e).param, "logprobs") << bad.dump();
   }
 
+  ts::server::TokenLogprob first{.text = "<s>", .first = true};
+  const json with_first = ts::server::completion_logprobs_json({first, {"a", -1.0f, {}}});
+  EXPECT_TRUE(with_first["token_logprobs"][0].is_null());
+  EXPECT_TRUE(with_first["top_logprobs"][0].is_null());
+  EXPECT_EQ(with_first["token_logprobs"][1], -1.0f);
+  EXPECT_EQ(with_first["text_offset"], json::array({0, 3}));
   const std::vector<ts::server::TokenLogprob> lp = {
       {"Hé", -0.25f, {{"Hé", -0.25f}, {"Ho", -1.5f}}},
       {"!", -0.5f, {{"!", -0.5f}, {"!", -3.0f}}}};
