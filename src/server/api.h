@@ -58,7 +58,8 @@ struct GenRequest {
   std::optional<int64_t> max_tokens;
   std::vector<std::string> stops;
   // Log-probabilities of the generated tokens: -1 none, else how many alternatives per token
-  // (chat: logprobs true + top_logprobs 0-20; completions: logprobs 0-5). Not with stream.
+  // (chat: logprobs true + top_logprobs 0-20; completions: logprobs 0-5); streamed with the
+  // chunks of their tokens.
   int logprobs = -1;
   // Completions: the prompt comes back before the completion (with logprobs, its tokens' too;
   // the first has none). max_tokens may then be 0: score the prompt only. Not with stream.
@@ -107,7 +108,8 @@ struct TokenLogprob {
 // OpenAI's chat form {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}
 // and the completions form {tokens, token_logprobs, top_logprobs, text_offset}.
 json chat_logprobs_json(const std::vector<TokenLogprob>& lp);
-json completion_logprobs_json(const std::vector<TokenLogprob>& lp);
+// (text_offset counts from `offset`: the bytes of the completion before these tokens.)
+json completion_logprobs_json(const std::vector<TokenLogprob>& lp, size_t offset = 0);
 
 json chat_response(const ResponseInfo& info, const runtime::Generation& gen,
                    const ReplyParts& reply, json logprobs = nullptr);
@@ -122,7 +124,8 @@ class SseWriter {
  public:
   virtual ~SseWriter() = default;
   virtual std::string begin(int64_t prompt_tokens) = 0;
-  virtual std::string text(std::string_view piece) = 0;
+  // lp: the log-probabilities of the tokens since the last call (logprobs requested).
+  virtual std::string text(std::string_view piece, const std::vector<TokenLogprob>& lp = {}) = 0;
   virtual std::string end(const runtime::Generation& gen) = 0;
 };
 

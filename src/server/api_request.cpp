@@ -225,7 +225,6 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
   const std::optional<int64_t> top = f.integer("top_logprobs", 0, 20);
   if (top && !logprobs) f.fail("top_logprobs", "needs logprobs: true");
   if (logprobs) r.logprobs = int(top.value_or(0));
-  if (logprobs && r.stream) f.fail("logprobs", "is not supported with stream: true");
   if (f.error()) return *f.error();
 
   const json* msgs = f.get("messages");
@@ -297,7 +296,6 @@ Parsed<GenRequest> parse_completion_request(const json& body, const std::string&
   if (r.echo && r.stream) f.fail("echo", "is not supported with stream: true");
   if (f.get("suffix")) f.fail("suffix", "is not supported");
   if (auto n = f.integer("logprobs", 0, 5)) r.logprobs = int(*n);
-  if (r.logprobs >= 0 && r.stream) f.fail("logprobs", "is not supported with stream: true");
   if (f.error()) return *f.error();
 
   // "prompt": a string, an array of one string, or token ids (one array, or one nested).

@@ -94,10 +94,10 @@ json chat_logprobs_json(const std::vector<TokenLogprob>& lp) {
   return {{"content", content}, {"refusal", nullptr}};
 }
 
-json completion_logprobs_json(const std::vector<TokenLogprob>& lp) {
+json completion_logprobs_json(const std::vector<TokenLogprob>& lp, size_t offset) {
   json tokens = json::array(), logprobs = json::array(), top = json::array(),
        offsets = json::array();
-  size_t at = 0;  // byte offset of the token's text in the completion
+  size_t at = offset;  // byte offset of the token's text in the completion
   for (const TokenLogprob& t : lp) {
     tokens.push_back(t.text);
     logprobs.push_back(t.first ? json(nullptr) : json(t.logprob));
@@ -184,7 +184,12 @@ class ChatSse final : public SseWriter {
   std::string begin(int64_t) override {
     return chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
   }
-  std::string text(std::string_view piece) override { return frames(parser_.feed(piece)); }
+  std::string text(std::string_view piece, const std::vector<TokenLogprob>& lp) override {
+    std::string out = frames(parser_.feed(piece));
+    // The tokens' log-probabilities in a chunk of their own, after their text's.
+    if (!lp.empty()) out += chunk(json::object(), nullptr, chat_logprobs_json(lp));
+    return out;
+  }
   std::string end(const runtime::Generation& gen) override {
     std::string out = frames(parser_.finish());
     out += chunk(json::object(), openai_finish(gen, n_calls_ > 0));
@@ -204,10 +209,12 @@ class ChatSse final : public SseWriter {
             {"created", spec_.info.created},
             {"model", spec_.info.model}};
   }
-  std::string chunk(const json& delta, const json& finish) const {
+  std::string chunk(const json& delta, const json& finish, json logprobs = nullptr) const {
     json j = base();
-    j["choices"] = json::array(
-        {{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+    j["choices"] = json::array({{{"index", 0},
+                                 {"delta", delta},
+                                 {"logprobs", std::move(logprobs)},
+                                 {"finish_reason", finish}}});
     return data_frame(j);
   }
   std::string frames(const std::vector<OutputEvent>& events) {
@@ -235,8 +242,14 @@ class CompletionSse final : public SseWriter {
  public:
   explicit CompletionSse(StreamSpec spec) : spec_(std::move(spec)) {}
   std::string begin(int64_t) override { return {}; }
-  std::string text(std::string_view piece) override {
-    return piece.empty() ? std::string() : chunk(std::string(piece), nullptr);
+  std::string text(std::string_view piece, const std::vector<TokenLogprob>& lp) override {
+    if (piece.empty() && lp.empty()) return {};
+    json logprobs = nullptr;
+    if (!lp.empty()) {
+      logprobs = completion_logprobs_json(lp, offset_);
+      for (const TokenLogprob& t : lp) offset_ += t.text.size();
+    }
+    return chunk(std::string(piece), nullptr, std::move(logprobs));
   }
   std::string end(const runtime::Generation& gen) override {
     std::string out = chunk("", openai_finish(gen, false));
@@ -256,13 +269,16 @@ class CompletionSse final : public SseWriter {
             {"created", spec_.info.created},
             {"model", spec_.info.model}};
   }
-  std::string chunk(const std::string& text, const json& finish) const {
+  std::string chunk(const std::string& text, const json& finish, json logprobs = nullptr) const {
     json j = base();
-    j["choices"] = json::array(
-        {{{"index", 0}, {"text", text}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+    j["choices"] = json::array({{{"index", 0},
+                                 {"text", text},
+                                 {"logprobs", std::move(logprobs)},
+                                 {"finish_reason", finish}}});
     return data_frame(j);
   }
   StreamSpec spec_;
+  size_t offset_ = 0;  // bytes of the completion so far, by its tokens
 };
 
 // Anthropic's event sequence: message_start, then per content block content_block_start /
@@ -286,7 +302,9 @@ class MessagesSse final : public SseWriter {
     return event_frame("message_start", {{"type", "message_start"}, {"message", message}}) +
            event_frame("ping", {{"type", "ping"}});
   }
-  std::string text(std::string_view piece) override { return frames(parser_.feed(piece)); }
+  std::string text(std::string_view piece, const std::vector<TokenLogprob>&) override {
+    return frames(parser_.feed(piece));
+  }
   std::string end(const runtime::Generation& gen) override {
     std::string out = frames(parser_.finish());
     out += close_block();

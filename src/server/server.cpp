@@ -46,9 +46,13 @@ const char* route_label(const std::string& path) {
 
 // Text pieces handed from the engine thread to the HTTP thread writing the stream.
 struct StreamChannel {
+  struct Piece {
+    std::string text;
+    std::vector<TokenLogprob> logprobs;  // of the tokens since the previous piece
+  };
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<std::string> pieces;
+  std::deque<Piece> pieces;
   std::optional<Result<runtime::Generation>> result;  // set once, after the last piece
 };
 
@@ -253,10 +257,13 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
 
   auto channel = std::make_shared<StreamChannel>();
   Job* raw = job.get();  // the engine holds the job while it calls on_text
-  job->on_text = [channel, raw](std::string_view piece) {
-    if (!piece.empty()) {
+  // (on the engine thread, which also appends the job's logprobs)
+  job->on_text = [channel, raw, sent = size_t(0)](std::string_view piece) mutable {
+    std::vector<TokenLogprob> fresh(raw->logprobs.begin() + long(sent), raw->logprobs.end());
+    sent = raw->logprobs.size();
+    if (!piece.empty() || !fresh.empty()) {
       std::lock_guard lock(channel->mu);
-      channel->pieces.emplace_back(piece);
+      channel->pieces.push_back({std::string(piece), std::move(fresh)});
     }
     channel->cv.notify_one();
     return !raw->cancelled;
@@ -294,7 +301,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
         };
         if (!send(writer->begin(prompt_tokens))) return false;
         for (;;) {
-          std::deque<std::string> batch;
+          std::deque<StreamChannel::Piece> batch;
           bool finished;
           {
             std::unique_lock lock(channel->mu);
@@ -302,8 +309,8 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
             batch.swap(channel->pieces);
             finished = channel->result.has_value();
           }
-          for (const std::string& piece : batch)
-            if (!send(writer->text(piece))) return false;
+          for (const StreamChannel::Piece& piece : batch)
+            if (!send(writer->text(piece.text, piece.logprobs))) return false;
           if (finished) break;
         }
         Result<runtime::Generation>& gen = *channel->result;

@@ -239,6 +239,37 @@ test('logprobs: chat and completions, the first token against the logits the CLI
     assert.equal(t.top_logprobs[0].logprob, t.logprob);
     assert.ok(t.top_logprobs[1].logprob <= t.top_logprobs[0].logprob);
   }
+  // Streamed: the entries arrive with the chunks, and add up to the non-streamed ones.
+  const streamed = [];
+  let streamedText = '';
+  for await (const chunk of await openai.chat.completions.create({
+    model: MODEL, messages: HELLO, max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 2, stream: true })) {
+    streamedText += chunk.choices[0]?.delta?.content ?? '';
+    streamed.push(...(chunk.choices[0]?.logprobs?.content ?? []));
+  }
+  assert.equal(streamedText, c.choices[0].message.content);
+  // (The same tokens; values to float rounding: a repeated prompt reuses the cached KV rows
+  // and recomputes only its last token, a different summation order.)
+  const near = (a, b, what) => assert.ok(Math.abs(a - b) < 1e-4, `${what}: ${a} vs ${b}`);
+  assert.equal(streamed.length, content.length);
+  streamed.forEach((t, i) => {
+    assert.equal(t.token, content[i].token);
+    assert.deepEqual(t.bytes, content[i].bytes);
+    near(t.logprob, content[i].logprob, `token ${i}`);
+    assert.deepEqual(t.top_logprobs.map((x) => x.token), content[i].top_logprobs.map((x) => x.token));
+  });
+  const cstream = { tokens: [], token_logprobs: [], text_offset: [] };
+  for await (const chunk of await openai.completions.create({
+    model: MODEL, prompt: ids, max_tokens: 6, temperature: 0, logprobs: 3, stream: true })) {
+    const l = chunk.choices[0]?.logprobs;
+    if (!l) continue;
+    cstream.tokens.push(...l.tokens);
+    cstream.token_logprobs.push(...l.token_logprobs);
+    cstream.text_offset.push(...l.text_offset);
+  }
+  assert.deepEqual(cstream.tokens, lp.tokens);
+  cstream.token_logprobs.forEach((x, i) => near(x, lp.token_logprobs[i], `completion token ${i}`));
+  assert.deepEqual(cstream.text_offset, lp.text_offset);
   const plain = await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: 8, temperature: 0 });
   assert.equal(plain.choices[0].logprobs, null);
   assert.equal(plain.choices[0].message.content, c.choices[0].message.content);
@@ -246,8 +277,8 @@ test('logprobs: chat and completions, the first token against the logits the CLI
     openai.chat.completions.create({ model: MODEL, messages: HELLO, top_logprobs: 2 }),
     (e) => e.status === 400 && /top_logprobs/.test(e.message));
   await assert.rejects(
-    openai.chat.completions.create({ model: MODEL, messages: HELLO, logprobs: true, stream: true }),
-    (e) => e.status === 400 && /logprobs/.test(e.message));
+    openai.completions.create({ model: MODEL, prompt: ids, echo: true, stream: true }),
+    (e) => e.status === 400 && /echo/.test(e.message));
 });
 
 test('sampling: a seed reproduces, penalties and min_p are accepted', async () => {

@@ -207,8 +207,7 @@ TEST(ServerApi, Logprobs) {
   EXPECT_EQ(chat_error({{"messages", kUser}, {"top_logprobs", 2}}).param, "top_logprobs");
   EXPECT_EQ(chat_error({{"messages", kUser}, {"logprobs", true}, {"top_logprobs", 21}}).param,
             "top_logprobs");
-  EXPECT_EQ(chat_error({{"messages", kUser}, {"logprobs", true}, {"stream", true}}).param,
-            "logprobs");
+  EXPECT_EQ(chat_ok({{"messages", kUser}, {"logprobs", true}, {"stream", true}}).logprobs, 0);
   EXPECT_EQ(chat_error({{"messages", kUser}, {"logprobs", 1}}).param, "logprobs");
   const auto completion = [](const json& body) {
     return ts::server::parse_completion_request(body, "tiny");
@@ -216,8 +215,7 @@ TEST(ServerApi, Logprobs) {
   auto r = completion({{"prompt", "x"}, {"logprobs", 5}});
   ASSERT_TRUE(std::holds_alternative<GenRequest>(r));
   EXPECT_EQ(std::get<GenRequest>(r).logprobs, 5);
-  for (const json& bad : {json{{"prompt", "x"}, {"logprobs", 6}}, json{{"prompt", "x"}, {"logprobs", true}},
-                          json{{"prompt", "x"}, {"logprobs", 1}, {"stream", true}}}) {
+  for (const json& bad : {json{{"prompt", "x"}, {"logprobs", 6}}, json{{"prompt", "x"}, {"logprobs", true}}}) {
     auto e = completion(bad);
     ASSERT_TRUE(std::holds_alternative<ApiError>(e)) << bad.dump();
     EXPECT_EQ(std::get<ApiError>(e).param, "logprobs") << bad.dump();
@@ -232,6 +230,21 @@ TEST(ServerApi, Logprobs) {
   const std::vector<ts::server::TokenLogprob> lp = {
       {"Hé", -0.25f, {{"Hé", -0.25f}, {"Ho", -1.5f}}},
       {"!", -0.5f, {{"!", -0.5f}, {"!", -3.0f}}}};
+  // Streamed: the chat writer sends the tokens' entries in a chunk after their text's; the
+  // completion writer with the text, offsets running on across chunks.
+  {
+    auto w = ts::server::make_sse_writer(ts::server::Api::kChat, {.info = {.id = "c", .model = "m"}});
+    std::string sse = w->begin(1);  // (one call per statement: the order matters)
+    sse += w->text("Hé", {lp[0]});
+    sse += w->text("!", {lp[1]});
+    EXPECT_NE(sse.find(R"("logprobs":{"content":[{"token":"Hé","logprob":-0.25)"), std::string::npos) << sse;
+    EXPECT_LT(sse.find(R"("content":"Hé")"), sse.find(R"("token":"Hé")")) << sse;
+    auto c = ts::server::make_sse_writer(ts::server::Api::kCompletion, {.info = {.id = "c", .model = "m"}});
+    std::string csse = c->text("Hé", {lp[0]});
+    csse += c->text("!", {lp[1]});
+    EXPECT_NE(csse.find(R"("text_offset":[0])"), std::string::npos) << csse;
+    EXPECT_NE(csse.find(R"("text_offset":[3])"), std::string::npos) << csse;
+  }
   const json chat = ts::server::chat_logprobs_json(lp);
   ASSERT_EQ(chat["content"].size(), 2u);
   EXPECT_EQ(chat["content"][0]["token"], "Hé");
