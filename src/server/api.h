@@ -97,8 +97,9 @@ struct ResponseInfo {
 };
 
 // One generated token's log-probability under the model (log-softmax of its logits, before
-// temperature and the other sampling filters) and the most likely alternatives, with their
-// decoded text (a token holding part of a UTF-8 character decodes to U+FFFD).
+// temperature and the other sampling filters) and the most likely alternatives, each with its
+// bytes as a piece of text (Tokenizer::token_bytes: may be part of a UTF-8 character; the JSON
+// "token" strings show such a part as U+FFFD, "bytes" has it as it is).
 struct TokenLogprob {
   std::string text;
   float logprob = 0;

@@ -1,6 +1,8 @@
 // Generation results -> OpenAI / Anthropic response JSON and SSE frames.
 #include "server/api.h"
 
+#include "tokenizer/utf8.h"
+
 namespace ts::server {
 namespace {
 
@@ -85,8 +87,10 @@ json chat_logprobs_json(const std::vector<TokenLogprob>& lp) {
   for (const TokenLogprob& t : lp) {
     json top = json::array();
     for (const auto& [text, l] : t.top)
-      top.push_back({{"token", text}, {"logprob", l}, {"bytes", utf8_bytes(text)}});
-    content.push_back({{"token", t.text},
+      top.push_back({{"token", tokenizer::to_valid_utf8(text)},
+                     {"logprob", l},
+                     {"bytes", utf8_bytes(text)}});
+    content.push_back({{"token", tokenizer::to_valid_utf8(t.text)},
                        {"logprob", t.logprob},
                        {"bytes", utf8_bytes(t.text)},
                        {"top_logprobs", top}});
@@ -99,11 +103,13 @@ json completion_logprobs_json(const std::vector<TokenLogprob>& lp, size_t offset
        offsets = json::array();
   size_t at = offset;  // byte offset of the token's text in the completion
   for (const TokenLogprob& t : lp) {
-    tokens.push_back(t.text);
+    tokens.push_back(tokenizer::to_valid_utf8(t.text));
     logprobs.push_back(t.first ? json(nullptr) : json(t.logprob));
     json alt = json::object();
-    for (const auto& [text, l] : t.top)
-      if (!alt.contains(text)) alt[text] = l;  // two ids may decode alike: the likelier stays
+    for (const auto& [text, l] : t.top) {
+      const std::string key = tokenizer::to_valid_utf8(text);
+      if (!alt.contains(key)) alt[key] = l;  // two ids may read alike: the likelier stays
+    }
     top.push_back(t.first ? json(nullptr) : alt);
     offsets.push_back(at);
     at += t.text.size();

@@ -105,7 +105,7 @@ TokenLogprob token_logprob(std::span<const float> logits, int tok, int top,
   for (float l : logits) sum += std::exp(double(l) - double(mx));
   const double log_z = double(mx) + std::log(sum);
   const auto lp = [&](int id) { return float(double(logits[size_t(id)]) - log_z); };
-  const auto text = [&](int id) { return t.decode(std::span<const int>(&id, 1), false); };
+  const auto text = [&](int id) { return t.token_bytes(id); };
   TokenLogprob out{.text = text(tok), .logprob = lp(tok)};
   if (top <= 0) return out;
   std::vector<int> ids(logits.size());
@@ -129,8 +129,7 @@ Result<runtime::Generation> Engine::generate(Job& job) {
     cached_ = job.prompt;
     const size_t vocab = rows.size() / job.prompt.size();
     const int first = job.prompt[0];
-    job.logprobs.push_back(
-        {.text = opt_.tokenizer->decode(std::span<const int>(&first, 1), false), .first = true});
+    job.logprobs.push_back({.text = opt_.tokenizer->token_bytes(first), .first = true});
     for (size_t i = 1; i < job.prompt.size(); ++i)
       job.logprobs.push_back(token_logprob(
           std::span<const float>(rows.data() + (i - 1) * vocab, vocab), job.prompt[i],

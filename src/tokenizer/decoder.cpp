@@ -12,7 +12,7 @@ namespace {
 // ByteLevel: map every char back to its byte; a token holding a char outside the byte
 // alphabet (an added token such as "<｜User｜>") contributes its UTF-8 bytes unchanged. All
 // tokens become one string, repaired like from_utf8_lossy.
-std::vector<std::string> byte_level(const std::vector<std::string>& tokens) {
+std::vector<std::string> byte_level(const std::vector<std::string>& tokens, bool lossy) {
   std::string bytes;
   std::string mapped;
   for (const std::string& t : tokens) {
@@ -28,7 +28,7 @@ std::vector<std::string> byte_level(const std::vector<std::string>& tokens) {
     }
     bytes += all ? mapped : t;
   }
-  return {to_valid_utf8(bytes)};
+  return {lossy ? to_valid_utf8(bytes) : bytes};
 }
 
 int byte_token_value(const std::string& t) {
@@ -45,13 +45,13 @@ int byte_token_value(const std::string& t) {
 
 // ByteFallback: runs of <0xXX> tokens become their bytes when those are valid UTF-8, else
 // one U+FFFD per byte.
-std::vector<std::string> byte_fallback(std::vector<std::string> tokens) {
+std::vector<std::string> byte_fallback(std::vector<std::string> tokens, bool lossy) {
   std::vector<std::string> out;
   std::string pending;
   size_t pending_count = 0;
   auto flush = [&] {
     if (pending_count == 0) return;
-    if (is_valid_utf8(pending)) {
+    if (!lossy || is_valid_utf8(pending)) {
       out.push_back(pending);
     } else {
       for (size_t k = 0; k < pending_count; ++k) out.emplace_back("\xEF\xBF\xBD");
@@ -178,7 +178,8 @@ Status Decoder::add(const nlohmann::json& j, const std::string& where) {
   return {};
 }
 
-std::string Decoder::decode(std::vector<std::string> tokens) const {
+std::string Decoder::decode(std::vector<std::string> tokens, bool pieces) const {
+  const bool lossy = !pieces;
   if (null_) {
     std::string out;
     for (size_t i = 0; i < tokens.size(); ++i) out += (i ? " " : "") + tokens[i];
@@ -188,10 +189,10 @@ std::string Decoder::decode(std::vector<std::string> tokens) const {
   for (const DecoderStep& step : steps_) {
     switch (step.kind) {
       case K::kByteLevel:
-        tokens = byte_level(tokens);
+        tokens = byte_level(tokens, lossy);
         break;
       case K::kByteFallback:
-        tokens = byte_fallback(std::move(tokens));
+        tokens = byte_fallback(std::move(tokens), lossy);
         break;
       case K::kReplace:
         for (std::string& t : tokens) t = replace_matches(t, *step.regex, step.text);
@@ -203,12 +204,14 @@ std::string Decoder::decode(std::vector<std::string> tokens) const {
         break;
       }
       case K::kStrip:
+        if (pieces) break;
         for (std::string& t : tokens)
           t = strip_token(t, step.strip_char, step.strip_start, step.strip_stop);
         break;
       case K::kMetaspace:
         for (size_t i = 0; i < tokens.size(); ++i)
-          tokens[i] = metaspace_token(tokens[i], step.text, i == 0 && step.metaspace_strip_first);
+          tokens[i] = metaspace_token(tokens[i], step.text,
+                                      i == 0 && step.metaspace_strip_first && !pieces);
         break;
     }
   }

@@ -29,7 +29,11 @@ struct DecoderStep {
 class Decoder {
  public:
   static Result<Decoder> parse(const nlohmann::json& j, const std::string& where);
-  std::string decode(std::vector<std::string> tokens) const;
+  // pieces = true: each token's own bytes, as a piece of text in the middle of other text:
+  // ByteLevel and ByteFallback keep the bytes as they are, valid UTF-8 or not, and Strip and
+  // Metaspace leave the leading space (which they remove for the start of a text, where a
+  // normalizer prepended it).
+  std::string decode(std::vector<std::string> tokens, bool pieces = false) const;
 
  private:
   Status add(const nlohmann::json& j, const std::string& where);

@@ -331,6 +331,14 @@ std::string Tokenizer::decode(std::span<const int> ids, bool skip_special) const
   return m.decoder.decode(std::move(tokens));
 }
 
+std::string Tokenizer::token_bytes(int id) const {
+  const Impl& m = *impl_;
+  if (auto it = m.added_by_id.find(id); it != m.added_by_id.end()) return it->second.content;
+  std::string_view t = m.model->id_to_token(id);
+  if (t.empty()) return {};
+  return m.decoder.decode({std::string(t)}, /*pieces=*/true);
+}
+
 std::string Tokenizer::token_text(int id) const {
   if (auto it = impl_->added_by_id.find(id); it != impl_->added_by_id.end())
     return it->second.content;

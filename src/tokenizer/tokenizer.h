@@ -54,6 +54,12 @@ class Tokenizer {
   // The token's string as stored in the vocab ("Ġthe", "▁the", "<|im_end|>"); empty for an
   // unknown id.
   std::string token_text(int id) const;
+  // The bytes token `id` stands for in the middle of a text (llama.cpp's "piece"): no UTF-8
+  // repair (part of a character where the tokenizer split one: byte-level BPE, byte
+  // fallback), and its leading space kept (SentencePiece's "▁the" is " the"). The pieces of
+  // encode(s) add up to s (after the normalizer: with a prepended space where it adds one).
+  // Empty for an unknown id.
+  std::string token_bytes(int id) const;
   std::optional<int> token_to_id(std::string_view token) const;
   bool is_special(int id) const;
   // One past the largest id of the vocab and added tokens.

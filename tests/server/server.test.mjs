@@ -234,7 +234,8 @@ test('logprobs: chat and completions, the first token against the logits the CLI
   const content = c.choices[0].logprobs.content;
   assert.equal(content.length, c.usage.completion_tokens);
   for (const t of content) {
-    assert.deepEqual(t.bytes, Array.from(Buffer.from(t.token, 'utf8')));
+    // A token that is part of a character reads U+FFFD; its bytes are the part.
+    if (!t.token.includes('\uFFFD')) assert.deepEqual(t.bytes, Array.from(Buffer.from(t.token, 'utf8')));
     assert.equal(t.top_logprobs.length, 2);
     assert.equal(t.top_logprobs[0].logprob, t.logprob);
     assert.ok(t.top_logprobs[1].logprob <= t.top_logprobs[0].logprob);

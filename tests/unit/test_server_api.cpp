@@ -245,6 +245,11 @@ TEST(ServerApi, Logprobs) {
     EXPECT_NE(csse.find(R"("text_offset":[0])"), std::string::npos) << csse;
     EXPECT_NE(csse.find(R"("text_offset":[3])"), std::string::npos) << csse;
   }
+  // A token that is the first two bytes of "€" (E2 82 AC): U+FFFD as text, its bytes as they are.
+  const json part = ts::server::chat_logprobs_json({{"\xE2\x82", -1.0f, {{"\xE2\x82", -1.0f}}}});
+  EXPECT_EQ(part["content"][0]["token"], "\xEF\xBF\xBD");
+  EXPECT_EQ(part["content"][0]["bytes"], json::array({0xE2, 0x82}));
+  EXPECT_EQ(part["content"][0]["top_logprobs"][0]["bytes"], json::array({0xE2, 0x82}));
   const json chat = ts::server::chat_logprobs_json(lp);
   ASSERT_EQ(chat["content"].size(), 2u);
   EXPECT_EQ(chat["content"][0]["token"], "Hé");

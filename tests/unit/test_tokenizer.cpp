@@ -181,6 +181,37 @@ TEST_P(RealTokenizer, RoundTripIsLossless) {
   EXPECT_GT(checked, corpus().size() * 3 / 4) << "too few lossless lines checked";
 }
 
+// A token's bytes as a piece of text (token_bytes): the pieces of a lossless line's ids add up
+// to the line byte for byte (SentencePiece: after the space its normalizer prepends), and
+// somewhere a piece is part of a character (not valid UTF-8 on its own).
+TEST_P(RealTokenizer, TokenBytesAddUpToTheText) {
+  size_t checked = 0, partial = 0;
+  for (const std::string& s : corpus()) {
+    const bool llama = GetParam().lossless == Lossless::kLlama;
+    bool lossless = true;
+    switch (GetParam().lossless) {
+      case Lossless::kAlways: break;
+      case Lossless::kIfNfc: lossless = is_nfc_invariant(s); break;
+      case Lossless::kLlama:
+        lossless = s.find("<s>") == std::string::npos && s.find("</s>") == std::string::npos &&
+                   s.find("<unk>") == std::string::npos && s.find("\u2581") == std::string::npos;
+        break;
+    }
+    if (!lossless || s.empty()) continue;
+    ++checked;
+    std::string pieces;
+    for (int id : tok_->encode(s, false)) {
+      const std::string b = tok_->token_bytes(id);
+      partial += !ts::tokenizer::is_valid_utf8(b);
+      pieces += b;
+    }
+    EXPECT_EQ(pieces, (llama ? " " : "") + s) << show(s);
+  }
+  EXPECT_GT(checked, corpus().size() * 3 / 4);
+  EXPECT_GT(partial, 0u) << "no token split a character in the corpus";
+  EXPECT_EQ(tok_->token_bytes(tok_->vocab_size() + 5), "");
+}
+
 // Feeds ids one at a time; every chunk must be valid UTF-8 and must not show U+FFFD that the
 // one-shot decode does not have; the chunks must add up to the one-shot decode.
 void expect_stream_matches(const Tokenizer& tok, const std::vector<int>& ids, bool skip,
