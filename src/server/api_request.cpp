@@ -126,9 +126,10 @@ void read_stops(Fields& f, const char* key, bool allow_string, GenRequest& r) {
     if (s.empty()) return f.fail(key, "must not contain an empty string");
 }
 
-void read_max_tokens(Fields& f, GenRequest& r, bool chat) {
+// max_tokens from `min` (completions take 0 with echo: checked by the caller).
+void read_max_tokens(Fields& f, GenRequest& r, bool chat, int64_t min = 1) {
   // The context check comes later, once the prompt is tokenized.
-  if (auto n = f.integer("max_tokens", 1, INT32_MAX)) r.max_tokens = *n;
+  if (auto n = f.integer("max_tokens", min, INT32_MAX)) r.max_tokens = *n;
   if (chat) {
     if (auto n = f.integer("max_completion_tokens", 1, INT32_MAX)) r.max_tokens = *n;
   }
@@ -147,7 +148,7 @@ void read_openai_options(Fields& f, GenRequest& r, bool chat) {
   read_sampling(f, r, 2.0);
   if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
   if (auto p = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = float(*p);
-  read_max_tokens(f, r, chat);
+  read_max_tokens(f, r, chat, chat ? 1 : 0);
   read_stops(f, "stop", /*allow_string=*/true, r);
   f.integer("n", 1, 1);  // one choice per request
 }
@@ -277,22 +278,14 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
 
 Parsed<GenRequest> parse_completion_request(const json& body, const std::string& model_id) {
   if (!body.is_object()) return bad("", "the request body must be a JSON object");
-  // With echo, max_tokens 0 asks for the prompt's logprobs only (how evaluation harnesses
-  // score text); elsewhere max_tokens is at least 1.
-  const auto echo_it = body.find("echo");
-  const bool zero_with_echo = echo_it != body.end() && *echo_it == true &&
-                              body.contains("max_tokens") && body["max_tokens"] == 0;
-  json without_zero;
-  if (zero_with_echo) {
-    without_zero = body;
-    without_zero.erase("max_tokens");
-  }
-  Fields f(zero_with_echo ? without_zero : body);
+  Fields f(body);
   if (auto e = check_model(f, model_id)) return *e;
   GenRequest r{.api = Api::kCompletion, .add_special = true};
   read_openai_options(f, r, /*chat=*/false);
   r.echo = f.boolean("echo").value_or(false);
-  if (zero_with_echo) r.max_tokens = 0;
+  // With echo, max_tokens 0 asks for the prompt's logprobs only (how evaluation harnesses
+  // score text); elsewhere max_tokens is at least 1.
+  if (r.max_tokens == 0 && !r.echo) f.fail("max_tokens", "must be at least 1 (0 only with echo)");
   if (r.echo && r.stream) f.fail("echo", "is not supported with stream: true");
   if (f.get("suffix")) f.fail("suffix", "is not supported");
   if (auto n = f.integer("logprobs", 0, 5)) r.logprobs = int(*n);
