@@ -88,7 +88,9 @@ Status CudaSession::moe_block(int layer, int n) {
     const double down_bytes = double(n) * k * double(L.experts[0].down.n_bytes());
     TS_TRY(prof_.time("experts gate|up", up_bytes, stream_,
                       [&] { return launch([&] { moe_gate_up(a, stream_); }); }));
-    if (q8_activations(a.down_dtype, hp_.d_expert)) {
+    // Phase 2 reads F32 h where its kernel takes Q8_0 rows against F32 h (one launch fewer:
+    // docs/PERF.md); TURBOSPARK_CUDA_DOWN_Q8H=1 quantizes h for dp4a, as before (to measure).
+    if (q8_activations(a.down_dtype, hp_.d_expert) && (down_q8_h() || !moe_down_f32_h(a))) {
       quantize_act(h1_, int64_t(n) * k * hp_.d_expert, qh_, stream_);
       a.hq = qh_.q;
       a.hd = qh_.d;

@@ -680,13 +680,14 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
 // block 32 * top_k (top_k <= kMaxRankWarps), dynamic shared memory top_k * kRankRows rows.
 // Warp k stages rank k's rows r0 .. r0 + kRankRows - 1 and computes their dot products
 // (BF16/F16: lane j takes 8-column chunks j, j + 32, ..., as row_dot; Q8_0: blocks j, j + 32,
-// ... as moe_down_sum_kernel's staged path), each reduced by warp_sum; the sums meet in
+// ..., with Q8 h as moe_down_sum_kernel's staged path, with F32 h (no hq) each block's
+// weights times h), each reduced by warp_sum; the sums meet in
 // shared memory and thread j adds row j's, weighted, in rank order. Per token the sum is over
 // ranks in order whatever the residency. kRankRows rows per warp keep qwen3-30b-a3b's grid
 // to one wave (512 blocks; a row per warp was 2,048 blocks, ~2 waves).
 //
-// The rows' copies start before the wait: the ids were written by the router two kernels
-// back (complete once the kernel before this one has passed its own wait, which it has
+// The rows' copies start before the wait: the ids were written by the router, a kernel
+// before the one before this (complete once that one has passed its own wait, which it has
 // when this one launches), the tables and the rows are weights, and with the GPU expert
 // cache this launch also waits on the copies' event. Only h (and its Q8 copy), written by
 // the kernel before, is read after the wait.
@@ -716,13 +717,42 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeAr
   warp_copy_wait();
   if constexpr (T == DType::kQ8_0) {
     const int nb = a.d_expert / 32;
+    if (a.hq) {
 #pragma unroll
-    for (int j = 0; j < kRankRows; ++j) {
-      float aj[1] = {};
-      if (j < rows)
-        q8q8_tile_dot<1>(staged + size_t(j) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
-                         a.hd + size_t(s) * nb, a.d_expert, 1, aj, lane);
-      acc[j] = aj[0];
+      for (int j = 0; j < kRankRows; ++j) {
+        float aj[1] = {};
+        if (j < rows)
+          q8q8_tile_dot<1>(staged + size_t(j) * rb, 0, nb, a.hq + size_t(s) * a.d_expert,
+                           a.hd + size_t(s) * nb, a.d_expert, 1, aj, lane);
+        acc[j] = aj[0];
+      }
+    } else {
+      // F32 h: lane b takes block b (b + 32, ...) of every row, its 32 values of h loaded
+      // once for the kRankRows rows.
+      const float* h = a.h + size_t(s) * a.d_expert;
+      for (int b = lane; b < nb; b += 32) {
+        float hv[32];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float4 v = reinterpret_cast<const float4*>(h + b * 32)[i];
+          hv[4 * i] = v.x;
+          hv[4 * i + 1] = v.y;
+          hv[4 * i + 2] = v.z;
+          hv[4 * i + 3] = v.w;
+        }
+#pragma unroll
+        for (int j = 0; j < kRankRows; ++j) {
+          if (j >= rows) break;
+          const uint16_t* blk = reinterpret_cast<const uint16_t*>(staged + size_t(j) * rb + b * 34);
+          float sum = 0;
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            const uint16_t v = blk[1 + i];
+            sum += float(int8_t(v & 0xff)) * hv[2 * i] + float(int8_t(v >> 8)) * hv[2 * i + 1];
+          }
+          acc[j] += f16_bits(blk[0]) * sum;
+        }
+      }
     }
   } else {
     const float* h = a.h + size_t(s) * a.d_expert;
@@ -765,9 +795,28 @@ size_t moe_down_rank_smem(const MoeArgs& a) {
 bool moe_down_by_rank(const MoeArgs& a) {
   if (a.top_k < 1 || a.top_k > kMaxRankWarps || moe_down_rank_smem(a) > kRankMaxSmem) return false;
   if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16) return a.d_expert % 8 == 0;
-  return a.down_dtype == DType::kQ8_0 && a.hq && a.d_expert % 256 == 0 &&
+  return a.down_dtype == DType::kQ8_0 && (a.hq || a.h) && a.d_expert % 256 == 0 &&
          dtype_row_bytes(DType::kQ8_0, a.d_expert) <= size_t(kRankRowBytes);
 }
+
+}  // namespace
+
+bool moe_down_f32_h(const MoeArgs& a) {
+  MoeArgs f = a;
+  f.hq = nullptr;
+  f.hd = nullptr;
+  return f.down_dtype == DType::kQ8_0 && f.h && moe_down_by_rank(f);
+}
+
+bool down_q8_h() {
+  static const bool on = [] {
+    const char* e = std::getenv("TURBOSPARK_CUDA_DOWN_Q8H");
+    return e && std::string_view(e) == "1";
+  }();
+  return on;
+}
+
+namespace {
 
 // One dtype's GEMV: gemv_staged_kernel where it applies (gemv_staged), else gemv_kernel.
 template <DType T, int NT>

@@ -195,6 +195,12 @@ struct MoeArgs {
 void moe_gate_up(const MoeArgs& a, cudaStream_t s);
 // phase 2: out[t] (+)= sum over r = 0..k-1, in rank order, of weights[t, r] * (down_e . h[t, r])
 void moe_down_sum(const MoeArgs& a, cudaStream_t s);
+// Whether phase 2 of these Q8_0 experts runs its by-rank kernel on F32 h (hq null), which
+// then needs no quantize_act of h before it.
+bool moe_down_f32_h(const MoeArgs& a);
+// TURBOSPARK_CUDA_DOWN_Q8H=1: phase 2 of Q8_0 experts on h quantized to Q8 (dp4a) even where
+// moe_down_f32_h holds (to measure the difference).
+bool down_q8_h();
 
 // Prefill helpers (expert-grouped GEMMs).
 // dst[i] = src[src_row[i]] (rows of d floats), converted to dst_type (F32, F16 or BF16).

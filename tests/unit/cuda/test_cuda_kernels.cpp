@@ -887,6 +887,36 @@ TEST(CudaKernels, MoePhasesQ8ActivationsMatchIntegerReference) {
     }
     EXPECT_LE(max_rel(h, want_h), 1e-5) << "d " << c.d << " d_expert " << c.de;
     EXPECT_LE(max_rel(out, want), 1e-5) << "d " << c.d << " d_expert " << c.de;
+    // Phase 2 on the F32 h itself (no hq; what decode runs where moe_down_f32_h holds: rows of
+    // up to 1,024 columns, else the row kernel), into a poisoned output, against the same sum
+    // in double.
+    ts::cuda::MoeArgs f = a;
+    f.hq = nullptr;
+    f.hd = nullptr;
+    EXPECT_EQ(ts::cuda::moe_down_f32_h(f), c.de <= 1024) << "d_expert " << c.de;
+    Dev dout_f(size_t(n * c.d) * 4);  // NaN until written
+    f.out = dout_f.as<float>();
+    ts::cuda::moe_down_sum(f, nullptr);
+    std::vector<double> want_f(out.size(), 0.0);
+    for (int s = 0; s < ns; ++s) {
+      const int e = ids[size_t(s)], t = s / c.k;
+      const size_t rbd = size_t(c.de / 32 * 34);
+      for (int r = 0; r < c.d; ++r) {
+        const uint8_t* row = &D[size_t(e)][r * rbd];
+        double acc = 0;
+        for (int b = 0; b < c.de / 32; ++b) {
+          uint16_t dh16;
+          std::memcpy(&dh16, row + b * 34, 2);
+          double sb = 0;
+          for (int i = 0; i < 32; ++i)
+            sb += double(int8_t(row[b * 34 + 2 + i])) * h[size_t(s * c.de + b * 32 + i)];
+          acc += double(ts::f16_to_f32(dh16)) * sb;
+        }
+        want_f[size_t(t * c.d + r)] += double(w[size_t(s)]) * acc;
+      }
+    }
+    EXPECT_LE(max_rel(dout_f.get<float>(), std::vector<float>(want_f.begin(), want_f.end())), 1e-5)
+        << "F32 h, d " << c.d << " d_expert " << c.de;
     for (Dev* p : owned) delete p;
   }
 }
