@@ -508,7 +508,7 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(slot_hit_, arena_.alloc_n<int>(size_t(kGemvMaxTokens) * k));
   segment_hits_.resize(size_t(hp.n_layers));
   CUDA_TRY(cudaMallocHost(&h_logits_, size_t(hp.vocab) * 4));
-  last_logits_.assign(size_t(hp.vocab), 0.0f);
+  std::fill_n(h_logits_, hp.vocab, 0.0f);
   iv_ = std::move(opt_.interventions);
   iv_.steer.resize(size_t(hp.n_layers));
   capture_index_.assign(size_t(hp.n_layers) + 1, -1);
@@ -705,7 +705,6 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   CUDA_TRY(cudaGetLastError());
   prof_.collect();
   if (cached()) collect_copy_times();
-  std::copy_n(h_logits_, hp_.vocab, last_logits_.data());
   pos_ += n;
   int moe_layers = 0;
   for (const DevLayer& L : w_.layers) moe_layers += L.is_moe;

@@ -220,7 +220,8 @@ class CudaSession final : public runtime::Engine {
   void reset() override { pos_ = 0; }
   void truncate(int n) override { pos_ = std::min(pos_, std::max(0, n)); }
   Status forward(std::span<const int> tokens, std::vector<float>* all_logits) override;
-  std::span<const float> last_logits() const override { return last_logits_; }
+  // The pinned buffer the step's last copy wrote (no host copy of it per step).
+  std::span<const float> last_logits() const override { return {h_logits_, size_t(hp_.vocab)}; }
   const runtime::PhaseTimes& phases() const override { return phases_; }
   std::vector<uint64_t> router_hist() const override;
   const std::vector<std::vector<float>>& captures() const override { return captures_; }
@@ -353,7 +354,6 @@ class CudaSession final : public runtime::Engine {
   int* ids_flag_dev_ = nullptr;
   Status wait_ids_flag(int k);
   float* h_logits_ = nullptr;
-  std::vector<float> last_logits_;
   runtime::PhaseTimes phases_;
   runtime::Interventions iv_;
   std::vector<int> capture_index_;
