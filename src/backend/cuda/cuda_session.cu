@@ -932,12 +932,13 @@ Status CudaSession::gemm(const DevMatrix& w, const void* x, int n, float* y, boo
   cudaDataType_t t = w.dtype == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
   if (dtype_is_quantized(w.dtype)) {
     if (size_t(w.rows * w.cols) * 2 > wtmp_bytes_) return make_error("internal: dequant scratch");
-    if (w.dtype == DType::kQ8_0) {
-      Q8Dequant q;
+    if (w.dtype == DType::kQ8_0 || w.dtype == DType::kQ4_K) {
+      ExpertDequant q;
+      q.type = w.dtype;
       q.direct[0] = w.data;
       q.blocks[0] = w.rows * w.cols / 32;
       q.dst = wtmp_;
-      dequantize_q8_bf16(q, stream_);
+      dequantize_experts_bf16(q, stream_);
     } else {
       dequantize_bf16(w, wtmp_, stream_);
     }

@@ -124,12 +124,17 @@ Status CudaSession::moe_block(int layer, int n) {
 
 // Rows per used expert (one 64-row tile) from which a chunk's Q8_0 experts are dequantized
 // to BF16 and run through the BF16 grouped kernel: docs/PERF.md measured it faster than the
-// Q8_0 kernel from 512-token prompts up (prefill 1.2x at 512 tokens, 1.46x at 4096).
+// Q8_0 kernel from 512-token prompts up (prefill 1.2x at 512 tokens, 1.46x at 4096). Q4_K
+// experts, which no grouped kernel reads in place, are dequantized for every chunk.
 constexpr int kDequantQ8MinRows = 64;
 
 namespace {
-bool all_q8_0(const DevMlp& x) {
-  return x.gate.dtype == DType::kQ8_0 && x.up.dtype == DType::kQ8_0 && x.down.dtype == DType::kQ8_0;
+// Whether the experts can run on BF16 copies (dequantize_experts_bf16): Q8_0 or Q4_K, one type
+// for all three matrices, widths the BF16 grouped kernel takes.
+bool dequantizable(const DevMlp& x) {
+  const DType t = x.gate.dtype;
+  return (t == DType::kQ8_0 || t == DType::kQ4_K) && x.up.dtype == t && x.down.dtype == t &&
+         grouped_supports(DType::kBF16, x.gate.cols) && grouped_supports(DType::kBF16, x.down.cols);
 }
 }  // namespace
 
@@ -172,16 +177,17 @@ Status CudaSession::grouped_experts(int layer, int n) {
   gather_rows(xn_, group_src_, ns, d, xg, gate_in, stream_);
   // BF16 and Q8_0 experts run as two grouped tensor-core launches over tiles of each
   // expert's rows (all experts at once when all are bound together, else expert by expert);
-  // other types run three cuBLAS GEMMs per expert.
-  // (One dtype for all three: both phases run the kernels of the gate's type.)
-  const bool tiled = L.experts[0].up.dtype == L.experts[0].gate.dtype &&
-                     L.experts[0].down.dtype == L.experts[0].gate.dtype &&
-                     grouped_supports(L.experts[0].gate.dtype, d) &&
-                     grouped_supports(L.experts[0].up.dtype, d) &&
-                     grouped_supports(L.experts[0].down.dtype, de);
-  // Long chunks with Q8_0 experts run on BF16 copies of them (kDequantQ8MinRows).
+  // Q4_K experts the same on BF16 copies of them; other types run three cuBLAS GEMMs per
+  // expert. (One dtype for all three: both phases run the kernels of the gate's type.)
+  const DType et = L.experts[0].gate.dtype;
+  const bool in_place = L.experts[0].up.dtype == et && L.experts[0].down.dtype == et &&
+                        grouped_supports(et, d) && grouped_supports(et, de);
+  // Long chunks with Q8_0 experts, and every chunk with Q4_K experts, run on BF16 copies of
+  // them (kDequantQ8MinRows).
   const bool dq =
-      tiled && dq_ && all_q8_0(L.experts[0]) && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used;
+      dq_ && dequantizable(L.experts[0]) &&
+      (et == DType::kQ4_K || (in_place && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used));
+  const bool tiled = in_place || dq;
   std::vector<GroupTile> tiles;
   std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
   if (tiled) {
@@ -226,7 +232,8 @@ Status CudaSession::grouped_experts(int layer, int n) {
   const size_t ne = size_t(hp_.n_experts);
   const void** dq_tab[3] = {dq_tab_, dq_tab_ + ne, dq_tab_ + 2 * ne};
   const auto dq_args = [&] {
-    Q8Dequant q;
+    ExpertDequant q;
+    q.type = et;
     q.blocks[0] = L.experts[0].gate.rows * L.experts[0].gate.cols / 32;
     q.blocks[1] = L.experts[0].up.rows * L.experts[0].up.cols / 32;
     q.blocks[2] = L.experts[0].down.rows * L.experts[0].down.cols / 32;
@@ -289,14 +296,14 @@ Status CudaSession::grouped_experts(int layer, int n) {
           cudaMemcpyAsync(dq_ids_, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_));
       for (size_t g0 = 0; g0 < ids.size(); g0 += size_t(dq_group_)) {
         const size_t g1 = std::min(ids.size(), g0 + size_t(dq_group_));
-        Q8Dequant q = dq_args();
+        ExpertDequant q = dq_args();
         q.experts = dq_ids_ + g0;
         for (int m = 0; m < 3; ++m) {
           q.src_tab[m] = layer_tab[m];
           q.dst_tab[m] = dq_tab[m];
         }
         q.count = int(g1 - g0);
-        dequantize_q8_bf16(q, stream_);
+        dequantize_experts_bf16(q, stream_);
         const int t0 = first_tile[size_t(ids[g0])], t1 = first_tile[size_t(ids[g1 - 1]) + 1];
         run_tiles(t0, t1 - t0, dq_tab, nullptr, DType::kBF16);
       }
@@ -326,11 +333,11 @@ Status CudaSession::grouped_experts(int layer, int n) {
     if (tiled) {
       const int t0 = first_tile[size_t(e)], nt = first_tile[size_t(e) + 1] - t0;
       if (dq) {
-        Q8Dequant q = dq_args();
+        ExpertDequant q = dq_args();
         q.direct[0] = x.gate.data;
         q.direct[1] = x.up.data;
         q.direct[2] = x.down.data;
-        dequantize_q8_bf16(q, stream_);
+        dequantize_experts_bf16(q, stream_);
         const void* copy[3];
         for (int m = 0; m < 3; ++m) copy[m] = dq_ + dq_off_[m];
         run_tiles(t0, nt, nullptr, copy, DType::kBF16);
@@ -363,16 +370,15 @@ Status CudaSession::grouped_experts(int layer, int n) {
 }
 
 Status CudaSession::init_dequant_scratch() {
-  const DevLayer* q8 = nullptr;
+  const DevLayer* dql = nullptr;
   for (const DevLayer& L : w_.layers) {
-    if (L.is_moe && all_q8_0(L.experts[0]) && grouped_supports(DType::kQ8_0, hp_.d_model) &&
-        grouped_supports(DType::kQ8_0, hp_.d_expert)) {
-      q8 = &L;
+    if (L.is_moe && dequantizable(L.experts[0])) {
+      dql = &L;
       break;
     }
   }
-  if (!q8) return {};
-  const DevMlp& x = q8->experts[0];
+  if (!dql) return {};
+  const DevMlp& x = dql->experts[0];
   size_t at = 0;
   for (int m = 0; m < 3; ++m) {
     const DevMatrix& w = m == 0 ? x.gate : m == 1 ? x.up : x.down;

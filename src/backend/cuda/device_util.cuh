@@ -180,6 +180,12 @@ __device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float* s
   }
 }
 
+// A Q4_K weight, d * sc * q - dmin * m, rounded step by step (no contraction into an FMA), so
+// every kernel that dequantizes Q4_K gives the same bits.
+__device__ __forceinline__ float q4k_value(float d, float sc, float dmin, float mn, int q) {
+  return __fsub_rn(__fmul_rn(__fmul_rn(d, sc), float(q)), __fmul_rn(dmin, mn));
+}
+
 // The copies are cp.async (global -> shared without registers): all of a warp's 16-byte
 // pieces are in flight at once, rather than each load waiting for the store before it.
 __device__ __forceinline__ unsigned smem_u32(const void* p) {

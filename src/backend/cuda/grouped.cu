@@ -47,7 +47,7 @@ __device__ float matrix_elem(const uint8_t* w, DType type, size_t row_bytes, int
       const float d = f16_bits(blk[0] | (uint32_t(blk[1]) << 8));
       const float dmin = f16_bits(blk[2] | (uint32_t(blk[3]) << 8));
       const uint8_t q = blk[16 + 32 * (j / 2) + in % 32];
-      return d * sc * float((j & 1) ? q >> 4 : q & 15) - dmin * mn;
+      return q4k_value(d, sc, dmin, mn, (j & 1) ? q >> 4 : q & 15);
     }
   }
   return 0.0f;
@@ -62,26 +62,32 @@ __global__ void dequantize_kernel(const uint8_t* w, DType type, size_t row_bytes
     store_as(dst, dst_type, size_t(i), matrix_elem(w, type, row_bytes, i / cols, i % cols));
 }
 
+// Matrix blockIdx.y of list entry blockIdx.z of a dequantization (its source; block 0's
+// thread 0 also points the entry's table at its copy), and where its copy goes.
+__device__ __forceinline__ const uint8_t* dequant_source(const ExpertDequant& a) {
+  const int m = blockIdx.y, j = blockIdx.z;
+  if (!a.experts) return static_cast<const uint8_t*>(a.direct[m]);
+  const int e = a.experts[j];
+  if (a.dst_tab[m] && blockIdx.x == 0 && threadIdx.x == 0)
+    a.dst_tab[m][e] = static_cast<uint8_t*>(a.dst) + size_t(j) * a.dst_stride + a.dst_off[m];
+  return static_cast<const uint8_t*>(a.src_tab[m][e]);
+}
+__device__ __forceinline__ uint16_t* dequant_dest(const ExpertDequant& a) {
+  return reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(a.dst) +
+                                     size_t(blockIdx.z) * a.dst_stride + a.dst_off[blockIdx.y]);
+}
+
 // Q8_0 -> BF16 by warps of 32 blocks (1,088 bytes in, 2,048 out): the blocks staged in
 // shared memory with 16-byte copies when the source allows, converted a block per lane, and
 // written back 16 bytes per lane in order. grid (ceil(max blocks / 256), 3, count).
 constexpr int kDqWarps = 8;
-__global__ void __launch_bounds__(32 * kDqWarps) dequantize_q8_kernel(Q8Dequant a) {
+__global__ void __launch_bounds__(32 * kDqWarps) dequantize_q8_kernel(ExpertDequant a) {
   pdl_wait();
-  const int m = blockIdx.y, j = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int m = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t nb = a.blocks[m];
   if (nb == 0) return;
-  const uint8_t* src;
-  if (a.experts) {
-    const int e = a.experts[j];
-    src = static_cast<const uint8_t*>(a.src_tab[m][e]);
-    if (a.dst_tab[m] && blockIdx.x == 0 && threadIdx.x == 0)
-      a.dst_tab[m][e] = static_cast<uint8_t*>(a.dst) + size_t(j) * a.dst_stride + a.dst_off[m];
-  } else {
-    src = static_cast<const uint8_t*>(a.direct[m]);
-  }
-  uint16_t* dst = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(a.dst) +
-                                              size_t(j) * a.dst_stride + a.dst_off[m]);
+  const uint8_t* src = dequant_source(a);
+  uint16_t* dst = dequant_dest(a);
   const int64_t b0 = (int64_t(blockIdx.x) * kDqWarps + warp) * 32;
   if (b0 >= nb) return;
   const int n = nb - b0 < 32 ? int(nb - b0) : 32;
@@ -112,6 +118,46 @@ __global__ void __launch_bounds__(32 * kDqWarps) dequantize_q8_kernel(Q8Dequant 
   uint16_t* to = dst + size_t(b0) * 32;
   for (int c = lane; c < n * 4; c += 32)
     reinterpret_cast<uint4*>(to)[c] = reinterpret_cast<const uint4*>(out[warp])[c];
+}
+
+// Q4_K -> BF16 with the Q8_0 kernel's grid: a warp per 4 super-blocks (1,024 values), lane l
+// writing values 8l .. 8l + 7 of each (sub-block l / 4: one scale and min, 8 quants from one
+// 8-byte load where the source allows) as one 16-byte store.
+__global__ void __launch_bounds__(32 * kDqWarps) dequantize_q4k_kernel(ExpertDequant a) {
+  pdl_wait();
+  const int m = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nsb = a.blocks[m] / 8;
+  if (nsb == 0) return;
+  const uint8_t* src = dequant_source(a);
+  uint16_t* dst = dequant_dest(a);
+  const int64_t sb0 = (int64_t(blockIdx.x) * kDqWarps + warp) * 4;
+  const int sub = lane / 4;
+  for (int64_t sb = sb0; sb < nsb && sb < sb0 + 4; ++sb) {
+    const uint8_t* blk = src + size_t(sb) * 144;
+    const float d = f16_bits(blk[0] | (uint32_t(blk[1]) << 8));
+    const float dmin = f16_bits(blk[2] | (uint32_t(blk[3]) << 8));
+    float sc, mn;
+    q4k_scale_min(blk + 4, sub, &sc, &mn);
+    const uint8_t* qp = blk + 16 + 32 * (sub / 2) + 8 * (lane % 4);
+    uint8_t q[8];
+    if ((reinterpret_cast<uintptr_t>(qp) & 7) == 0) {
+      *reinterpret_cast<uint2*>(q) = *reinterpret_cast<const uint2*>(qp);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q[i] = qp[i];
+    }
+    uint4 out;
+    uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int q0 = (sub & 1) ? q[2 * i] >> 4 : q[2 * i] & 15;
+      const int q1 = (sub & 1) ? q[2 * i + 1] >> 4 : q[2 * i + 1] & 15;
+      const __nv_bfloat162 v =
+          __floats2bfloat162_rn(q4k_value(d, sc, dmin, mn, q0), q4k_value(d, sc, dmin, mn, q1));
+      o[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+    *reinterpret_cast<uint4*>(dst + size_t(sb) * 256 + 8 * lane) = out;
+  }
 }
 
 __global__ void slot_sum_kernel(const float* rows, const int* row_of, const float* weights, int k,
@@ -311,7 +357,7 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedArgs a) {
 // pipe (docs/PERF.md). Steps of 32 columns through kMmaStages cp.async buffers (zero-filled
 // past the edges), one barrier a step. Q8_0 weights stay on the kernel above when read in
 // place (this one's Q8_0 loader, a thread per weight row, measured slower); long chunks run
-// it on BF16 copies of them (dequantize_q8_bf16).
+// it on BF16 copies of them (dequantize_experts_bf16).
 constexpr int kMmaN = 128, kMmaLd = kGK + 8;  // 80-byte rows: ldmatrix without bank conflicts
 // BF16 elements per stage: x, w0 and (gate|up only) w1 tiles.
 template <bool kGateUp>
@@ -458,11 +504,12 @@ void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s) {
       DType::kBF16);
 }
 
-void dequantize_q8_bf16(const Q8Dequant& a, cudaStream_t s) {
+void dequantize_experts_bf16(const ExpertDequant& a, cudaStream_t s) {
   const int64_t most = std::max({a.blocks[0], a.blocks[1], a.blocks[2]});
   if (most == 0 || a.count == 0) return;
   const dim3 grid(unsigned((most + 32 * kDqWarps - 1) / (32 * kDqWarps)), 3, unsigned(a.count));
-  launch_kernel(dequantize_q8_kernel, grid, 32 * kDqWarps, 0, s, a);
+  launch_kernel(a.type == DType::kQ4_K ? dequantize_q4k_kernel : dequantize_q8_kernel, grid,
+                32 * kDqWarps, 0, s, a);
 }
 
 void to_f32(const DevMatrix& w, float* dst, cudaStream_t s) {

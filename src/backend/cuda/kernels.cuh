@@ -209,13 +209,15 @@ void gather_rows(const float* src, const int* src_row, int n_rows, int d, void* 
 void convert_f32(const float* src, void* dst, DType dst_type, int64_t n, cudaStream_t s);
 // Any matrix -> BF16 [rows, cols].
 void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s);
-// BF16 copies of Q8_0 matrices, the values dequantize_bf16 gives (d * q rounded to BF16),
-// for the grouped GEMMs of long prefill chunks and cuBLAS: up to three matrices (gate, up,
-// down) of each of `count` experts, or of one set of `direct` matrices. Expert j of the list
-// lands at dst + j * dst_stride + dst_off[m] (all three 16-byte aligned), and with dst_tab
-// set, dst_tab[m][experts[j]] receives that address (the table the grouped GEMMs read).
-// Sources need only 2-byte alignment (16-byte aligned ones are staged by cp.async).
-struct Q8Dequant {
+// BF16 copies of Q8_0 or Q4_K matrices, the values dequantize_bf16 gives (rounded to BF16),
+// for the grouped GEMMs of prefill chunks and cuBLAS: up to three matrices (gate, up, down) of
+// each of `count` experts, or of one set of `direct` matrices. Expert j of the list lands at
+// dst + j * dst_stride + dst_off[m] (all three 16-byte aligned), and with dst_tab set,
+// dst_tab[m][experts[j]] receives that address (the table the grouped GEMMs read). Sources
+// need only 2-byte alignment (Q8_0: 16-byte aligned ones are staged by cp.async; Q4_K:
+// 8-byte aligned ones are read 8 quants at a time).
+struct ExpertDequant {
+  DType type = DType::kQ8_0;           // Q8_0 or Q4_K (super-blocks of 256: rows of 256k)
   const int* experts = nullptr;        // device ids [count]; null: direct
   const void* const* src_tab[3] = {};  // per-expert addresses (device tables)
   const void* direct[3] = {};          // the matrices when experts is null
@@ -226,7 +228,7 @@ struct Q8Dequant {
   const void** dst_tab[3] = {};  // device tables, [n_experts] each
   int count = 1;
 };
-void dequantize_q8_bf16(const Q8Dequant& a, cudaStream_t s);
+void dequantize_experts_bf16(const ExpertDequant& a, cudaStream_t s);
 // out[t] = sum over r in rank order of weights[t, r] * rows[row_of[t * k + r]].
 void slot_sum(const float* rows, const int* row_of, const float* weights, int n, int k, int d,
               float* out, cudaStream_t s);

@@ -248,11 +248,52 @@ TEST_P(CudaExpertCache, WarmStartFromARouterHistogram) {
 INSTANTIATE_TEST_SUITE_P(Models, CudaExpertCache, ::testing::ValuesIn(fixture_names()),
                          [](const auto& info) { return info.param; });
 
-// BF16 and Q8_0 experts take the grouped tensor-core kernels in prefill (the fixtures' F32
-// experts take cuBLAS): a small synthetic model with every token's experts drawn afresh, so
-// every expert is used and most are misses. Host mode with 1 / 4 / 16 slots, with and
-// without the whole-layer prefetch, must equal resident byte for byte; and the grouped
-// prefill must agree with the per-token GEMV kernels (chunks of 8) to BF16 precision.
+// BF16 and Q8_0 experts take the grouped tensor-core kernels in prefill (Q4_K experts the
+// same on BF16 copies; the fixtures' F32 experts take cuBLAS): a small synthetic model with
+// every token's experts drawn afresh, so every expert is used and most are misses. Host mode
+// with 1 / 4 / 16 slots, with and without the whole-layer prefetch, must equal resident byte
+// for byte; and the grouped prefill must agree with the per-token GEMV kernels (chunks of 8)
+// to BF16 precision.
+void check_grouped_prefill(const std::string& cfg, ts::DType t, int n_prompt) {
+  auto hp = ts::model::parse_hparams(cfg, "test config");
+  ASSERT_TRUE(hp.ok()) << hp.error().message;
+  const int vocab = hp.value().vocab;
+  std::vector<int> prompt;
+  for (int i = 0; i < n_prompt; ++i) prompt.push_back((i * 37 + 11) % vocab);
+  const auto run = [&](ts::runtime::GpuExpertOptions g, int chunk) {
+    ts::runtime::SessionOptions o{.n_ctx = 512, .prefill_chunk = chunk};
+    o.gpu_experts = g;
+    auto e = ts::cuda::make_synthetic_cuda_session(
+        hp.value(), std::move(o), 0, {.dtype = t, .seed = 5, .sampled_routing = true});
+    EXPECT_TRUE(e.ok()) << e.error().message;
+    std::vector<float> logits;
+    if (e.ok()) {
+      EXPECT_TRUE(e.value()->forward(prompt, &logits).ok());
+    }
+    return logits;
+  };
+  const std::vector<float> resident = run({}, n_prompt);
+  ASSERT_EQ(resident.size(), prompt.size() * size_t(vocab));
+  for (int slots : {1, 4, 16})
+    for (bool prefetch : {true, false}) {
+      const std::vector<float> host = run(
+          {.residency = GpuResidency::kHost, .slots_per_layer = slots, .layer_prefetch = prefetch},
+          n_prompt);
+      ASSERT_EQ(host.size(), resident.size());
+      EXPECT_EQ(0, std::memcmp(host.data(), resident.data(), host.size() * 4))
+          << ts::dtype_name(t) << " host, " << slots << " slots, prefetch " << prefetch;
+    }
+  const std::vector<float> gemv = run({}, 8);
+  ASSERT_EQ(gemv.size(), resident.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < gemv.size(); ++i) {
+    num = std::max(num, double(std::fabs(gemv[i] - resident[i])));
+    den = std::max(den, double(std::fabs(gemv[i])));
+  }
+  EXPECT_LE(num / den, 3e-2) << ts::dtype_name(t) << ": grouped vs GEMV prefill";
+  EXPECT_GT(num, 0.0) << "the two paths should round differently";
+}
+
 TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string cfg = R"({"model_type": "qwen3_moe", "hidden_size": 256,
@@ -260,48 +301,28 @@ TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
     "vocab_size": 512, "num_experts": 16, "num_experts_per_tok": 4,
     "moe_intermediate_size": 96, "intermediate_size": 512, "norm_topk_prob": true,
     "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
-  auto hp = ts::model::parse_hparams(cfg, "test config");
-  ASSERT_TRUE(hp.ok()) << hp.error().message;
   // 100 tokens: 25 rows per expert (Q8_0 experts read as blocks by the grouped kernel);
   // 400: 100 rows per expert (Q8_0 experts dequantized to BF16 for the chunk first).
   for (const int n_prompt : {100, 400})
     for (ts::DType t : {ts::DType::kBF16, ts::DType::kQ8_0}) {
-      std::vector<int> prompt;
-      for (int i = 0; i < n_prompt; ++i) prompt.push_back((i * 37 + 11) % 512);
-      const auto run = [&](ts::runtime::GpuExpertOptions g, int chunk) {
-        ts::runtime::SessionOptions o{.n_ctx = 512, .prefill_chunk = chunk};
-        o.gpu_experts = g;
-        auto e = ts::cuda::make_synthetic_cuda_session(
-            hp.value(), std::move(o), 0, {.dtype = t, .seed = 5, .sampled_routing = true});
-        EXPECT_TRUE(e.ok()) << e.error().message;
-        std::vector<float> logits;
-        if (e.ok()) {
-          EXPECT_TRUE(e.value()->forward(prompt, &logits).ok());
-        }
-        return logits;
-      };
-      const std::vector<float> resident = run({}, n_prompt);
-      ASSERT_EQ(resident.size(), prompt.size() * 512);
-      for (int slots : {1, 4, 16})
-        for (bool prefetch : {true, false}) {
-          const std::vector<float> host = run({.residency = GpuResidency::kHost,
-                                               .slots_per_layer = slots,
-                                               .layer_prefetch = prefetch},
-                                              n_prompt);
-          ASSERT_EQ(host.size(), resident.size());
-          EXPECT_EQ(0, std::memcmp(host.data(), resident.data(), host.size() * 4))
-              << ts::dtype_name(t) << " host, " << slots << " slots, prefetch " << prefetch;
-        }
-      const std::vector<float> gemv = run({}, 8);
-      ASSERT_EQ(gemv.size(), resident.size());
-      double num = 0, den = 0;
-      for (size_t i = 0; i < gemv.size(); ++i) {
-        num = std::max(num, double(std::fabs(gemv[i] - resident[i])));
-        den = std::max(den, double(std::fabs(gemv[i])));
-      }
-      EXPECT_LE(num / den, 3e-2) << ts::dtype_name(t) << ": grouped vs GEMV prefill";
-      EXPECT_GT(num, 0.0) << "the two paths should round differently";
+      SCOPED_TRACE(std::string(ts::dtype_name(t)) + ", " + std::to_string(n_prompt) + " tokens");
+      check_grouped_prefill(cfg, t, n_prompt);
     }
+}
+
+// Q4_K experts (rows of 256-multiples) on BF16 copies for every chunk, 25 and 100 rows per
+// expert; the dense Q4_K matrices through the same dequantization for cuBLAS.
+TEST(CudaExpertCacheGrouped, Q4KExpertsPrefillOnBf16CopiesMatchesResidentAndGemvPath) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string cfg = R"({"model_type": "qwen3_moe", "hidden_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "vocab_size": 512, "num_experts": 16, "num_experts_per_tok": 4,
+    "moe_intermediate_size": 256, "intermediate_size": 512, "norm_topk_prob": true,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
+  for (const int n_prompt : {100, 400}) {
+    SCOPED_TRACE(std::to_string(n_prompt) + " tokens");
+    check_grouped_prefill(cfg, ts::DType::kQ4_K, n_prompt);
+  }
 }
 
 TEST(CudaExpertCacheErrors, CacheSmallerThanOneExpertIsAClearError) {
