@@ -128,8 +128,11 @@ constexpr int kGemvMaxTokens = 8;
 // this many (vocab 151,936: 156 MB), not a chunk's worth (4,096 rows: 2.5 GB).
 constexpr size_t kLogitRows = 256;
 
-// Q8_0 weights in GEMVs take Q8 activations (dp4a) when rows fit the tile path.
-inline bool q8_activations(DType w, int64_t cols) { return w == DType::kQ8_0 && cols % 256 == 0; }
+// Q8_0 and Q4_K weights in GEMVs take Q8 activations (dp4a) when rows are whole 256-column
+// tiles / super-blocks.
+inline bool q8_activations(DType w, int64_t cols) {
+  return (w == DType::kQ8_0 || w == DType::kQ4_K) && cols % 256 == 0;
+}
 
 inline size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 

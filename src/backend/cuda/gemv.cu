@@ -193,12 +193,58 @@ __device__ __forceinline__ void row_dot_q8q8(const uint8_t* row, const int8_t* x
   }
 }
 
+// acc[t] += row . x[t] for Q4_K weights and Q8 activations (xq int8 [t][cols], xd one scale
+// per 32 values), rows 16-byte aligned with cols % 256 == 0 (in global or shared memory).
+// Lane p takes pairs of sub-blocks p, p + 32, ...: pair p is sub-blocks 2(p % 4) and
+// 2(p % 4) + 1 of super-block p / 4, the low and high nibbles of the same 32 bytes (two
+// 16-byte loads). Per sub-block, as the CPU's int8 kernels: d_x * (d * sc * sum(q * q_x) -
+// dmin * m * sum(q_x)), the integer sums by dp4a.
+template <int NT>
+__device__ __forceinline__ void q4k_q8_dot(const uint8_t* row, const int8_t* xq, const float* xd,
+                                           int cols, int nt, float (&acc)[NT], int lane) {
+  const int pairs = cols / 64, nb = cols / 32;
+  for (int p = lane; p < pairs; p += 32) {
+    const uint8_t* blk = row + size_t(p / 4) * 144;
+    const int j = 2 * (p % 4);
+    const uint4 h = *reinterpret_cast<const uint4*>(blk);  // d, dmin, scales[12]
+    const uint16_t* hd16 = reinterpret_cast<const uint16_t*>(&h);
+    const float d = f16_bits(hd16[0]), dmin = f16_bits(hd16[1]);
+    float sc0, mn0, sc1, mn1;
+    q4k_scale_min(reinterpret_cast<const uint8_t*>(&h) + 4, j, &sc0, &mn0);
+    q4k_scale_min(reinterpret_cast<const uint8_t*>(&h) + 4, j + 1, &sc1, &mn1);
+    const uint4* qv = reinterpret_cast<const uint4*>(blk + 16 + 32 * (p % 4));
+    const uint4 q0 = qv[0], q1 = qv[1];
+    const int qw[8] = {int(q0.x), int(q0.y), int(q0.z), int(q0.w),
+                       int(q1.x), int(q1.y), int(q1.z), int(q1.w)};
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < nt) {
+        const int4* xv = reinterpret_cast<const int4*>(xq + size_t(t) * cols + size_t(p) * 64);
+        const int4 x0 = xv[0], x1 = xv[1], x2 = xv[2], x3 = xv[3];
+        const int xa[16] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w,
+                            x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+        int s0 = 0, s1 = 0, m0 = 0, m1 = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          s0 = __dp4a(qw[i] & 0x0f0f0f0f, xa[i], s0);
+          s1 = __dp4a((qw[i] >> 4) & 0x0f0f0f0f, xa[8 + i], s1);
+          m0 = __dp4a(0x01010101, xa[i], m0);
+          m1 = __dp4a(0x01010101, xa[8 + i], m1);
+        }
+        const float* xs = xd + size_t(t) * nb + 2 * p;
+        acc[t] += xs[0] * (d * sc0 * float(s0) - dmin * mn0 * float(m0)) +
+                  xs[1] * (d * sc1 * float(s1) - dmin * mn1 * float(m1));
+      }
+  }
+}
+
 // Rows staged whole by the MoE kernels: up to this many bytes per warp (8 down rows of 1,024
 // columns, or a gate and an up row of 4,096), all copies in flight at once. Same lane order
 // as row_dot_q8q8, so the same sums to the bit.
 constexpr int kStagedBytes = 8 * 1088;
 
-// row . x for any weight type; Q8_0 rows take the Q8 activations (xq, xd) when given.
+// row . x for any weight type; Q8_0 and Q4_K rows take the Q8 activations (xq, xd) when
+// given.
 template <DType T, int NT>
 __device__ __forceinline__ void row_dot_any(const uint8_t* row, const float* x, const int8_t* xq,
                                             const float* xd, int cols, int nt,
@@ -206,6 +252,12 @@ __device__ __forceinline__ void row_dot_any(const uint8_t* row, const float* x, 
   if constexpr (T == DType::kQ8_0) {
     if (xq) {
       row_dot_q8q8<NT>(row, xq, xd, cols, nt, acc, lane);
+      return;
+    }
+  }
+  if constexpr (T == DType::kQ4_K) {
+    if (xq) {
+      q4k_q8_dot<NT>(row, xq, xd, cols, nt, acc, lane);
       return;
     }
   }
@@ -262,7 +314,7 @@ struct GemvParams {
   size_t row_bytes;
   int cols;
   const float* x;
-  const int8_t* xq;  // x as Q8 blocks (Q8_0 weights only), or null
+  const int8_t* xq;  // x as Q8 blocks (Q8_0 and Q4_K weights only), or null
   const float* xd;
   int n;
   bool accumulate;
@@ -297,8 +349,9 @@ __global__ void gemv_kernel(GemvParams p) {
 // on the kernels before, so it overlaps the previous kernel: programmatic dependent launch,
 // pdl_wait). Q8_0 (with Q8 activations): lane j takes blocks j, j + 32, ... in order, as
 // row_dot_q8q8 (which stages 64 blocks at a time, so a 4,096-column row such as
-// qwen3-30b-a3b's wo waited on two copies one after the other); BF16 / F16 in row_dot's
-// order (staged_row_dot). The same sums as gemv_kernel either way.
+// qwen3-30b-a3b's wo waited on two copies one after the other); Q4_K (with Q8 activations)
+// as q4k_q8_dot; BF16 / F16 in row_dot's order (staged_row_dot). The same sums as gemv_kernel
+// either way.
 template <DType T>
 __global__ void gemv_staged_kernel(GemvParams p) {
   extern __shared__ float4 gemv_smem[];
@@ -319,6 +372,10 @@ __global__ void gemv_staged_kernel(GemvParams p) {
     float acc[1] = {};
     q8q8_tile_dot<1>(tile, 0, p.cols / 32, p.xq, p.xd, p.cols, 1, acc, lane);
     v = warp_sum(acc[0]);
+  } else if constexpr (T == DType::kQ4_K) {
+    float acc[1] = {};
+    q4k_q8_dot<1>(tile, p.xq, p.xd, p.cols, 1, acc, lane);
+    v = warp_sum(acc[0]);
   } else {
     v = warp_sum(staged_row_dot<T>(tile, p.x, p.cols, lane));
   }
@@ -328,11 +385,12 @@ __global__ void gemv_staged_kernel(GemvParams p) {
   }
 }
 
-// Whether a GEMV takes gemv_staged_kernel: one token; Q8_0 with Q8 activations and rows of
-// a multiple of 256 columns, or BF16 / F16 rows of a multiple of 8; rows within kStagedBytes.
+// Whether a GEMV takes gemv_staged_kernel: one token; Q8_0 or Q4_K with Q8 activations and
+// rows of a multiple of 256 columns, or BF16 / F16 rows of a multiple of 8; rows within
+// kStagedBytes.
 bool gemv_staged(DType t, const GemvParams& p) {
   if (p.n != 1 || p.row_bytes > size_t(kStagedBytes)) return false;
-  if (t == DType::kQ8_0) return p.xq && p.cols % 256 == 0;
+  if (t == DType::kQ8_0 || t == DType::kQ4_K) return p.xq && p.cols % 256 == 0;
   return (t == DType::kBF16 || t == DType::kF16) && p.cols % 8 == 0;
 }
 
@@ -681,7 +739,7 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
 // Warp k stages rank k's rows r0 .. r0 + kRankRows - 1 and computes their dot products
 // (BF16/F16: lane j takes 8-column chunks j, j + 32, ..., as row_dot; Q8_0: blocks j, j + 32,
 // ..., with Q8 h as moe_down_sum_kernel's staged path, with F32 h (no hq) each block's
-// weights times h), each reduced by warp_sum; the sums meet in
+// weights times h; Q4_K: with Q8 h as q4k_q8_dot), each reduced by warp_sum; the sums meet in
 // shared memory and thread j adds row j's, weighted, in rank order. Per token the sum is over
 // ranks in order whatever the residency. kRankRows rows per warp keep qwen3-30b-a3b's grid
 // to one wave (512 blocks; a row per warp was 2,048 blocks, ~2 waves).
@@ -715,7 +773,16 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeAr
   __shared__ float sums[kRankRows][kMaxRankWarps];
   float acc[kRankRows] = {};
   warp_copy_wait();
-  if constexpr (T == DType::kQ8_0) {
+  if constexpr (T == DType::kQ4_K) {
+#pragma unroll
+    for (int j = 0; j < kRankRows; ++j) {
+      float aj[1] = {};
+      if (j < rows)
+        q4k_q8_dot<1>(staged + size_t(j) * rb, a.hq + size_t(s) * a.d_expert,
+                      a.hd + size_t(s) * (a.d_expert / 32), a.d_expert, 1, aj, lane);
+      acc[j] = aj[0];
+    }
+  } else if constexpr (T == DType::kQ8_0) {
     const int nb = a.d_expert / 32;
     if (a.hq) {
 #pragma unroll
@@ -795,6 +862,7 @@ size_t moe_down_rank_smem(const MoeArgs& a) {
 bool moe_down_by_rank(const MoeArgs& a) {
   if (a.top_k < 1 || a.top_k > kMaxRankWarps || moe_down_rank_smem(a) > kRankMaxSmem) return false;
   if (a.down_dtype == DType::kBF16 || a.down_dtype == DType::kF16) return a.d_expert % 8 == 0;
+  if (a.down_dtype == DType::kQ4_K) return a.hq && a.d_expert % 256 == 0;
   return a.down_dtype == DType::kQ8_0 && (a.hq || a.h) && a.d_expert % 256 == 0 &&
          dtype_row_bytes(DType::kQ8_0, a.d_expert) <= size_t(kRankRowBytes);
 }
@@ -821,7 +889,7 @@ namespace {
 // One dtype's GEMV: gemv_staged_kernel where it applies (gemv_staged), else gemv_kernel.
 template <DType T, int NT>
 void launch_gemv_as(const GemvParams& p, dim3 grid, cudaStream_t s) {
-  if constexpr (T == DType::kF16 || T == DType::kBF16 || T == DType::kQ8_0) {
+  if constexpr (T == DType::kF16 || T == DType::kBF16 || T == DType::kQ8_0 || T == DType::kQ4_K) {
     if (gemv_staged(T, p)) {
       launch_kernel(gemv_staged_kernel<T>, grid, 32 * kWarps, size_t(kWarps) * p.row_bytes, s, p);
       return;
@@ -973,9 +1041,10 @@ void moe_down_sum(const MoeArgs& a, cudaStream_t s) {
     const dim3 grid(unsigned((a.d_model + kRankRows - 1) / kRankRows), unsigned(a.n));
     const unsigned block = unsigned(32 * a.top_k);
     const size_t smem = moe_down_rank_smem(a);
-    const auto kernel = a.down_dtype == DType::kBF16  ? moe_down_rank_kernel<DType::kBF16>
-                        : a.down_dtype == DType::kF16 ? moe_down_rank_kernel<DType::kF16>
-                                                      : moe_down_rank_kernel<DType::kQ8_0>;
+    const auto kernel = a.down_dtype == DType::kBF16   ? moe_down_rank_kernel<DType::kBF16>
+                        : a.down_dtype == DType::kF16  ? moe_down_rank_kernel<DType::kF16>
+                        : a.down_dtype == DType::kQ4_K ? moe_down_rank_kernel<DType::kQ4_K>
+                                                       : moe_down_rank_kernel<DType::kQ8_0>;
     // Per device, so set at every launch (a host-side call); a failure shows at the launch.
     if (smem > 32 * 1024)
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));

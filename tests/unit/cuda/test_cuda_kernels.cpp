@@ -88,6 +88,24 @@ std::vector<uint8_t> make_matrix(DType type, int64_t rows, int64_t cols, uint32_
   return out;
 }
 
+// make_matrix for the Q8-activation tests: Q4_K matrices as random super-blocks (d and dmin
+// in [0.002, 0.02), random 6-bit scales and mins and 4-bit quants) instead of the CPU's
+// quantizer, which takes minutes for the largest shapes; other types as make_matrix.
+std::vector<uint8_t> make_q8act_matrix(DType type, int64_t rows, int64_t cols, uint32_t seed) {
+  if (type != DType::kQ4_K) return make_matrix(type, rows, cols, seed);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> scale(0.002f, 0.02f);
+  std::vector<uint8_t> out(size_t(rows) * ts::dtype_row_bytes(type, cols));
+  for (size_t b = 0; b < out.size() / 144; ++b) {
+    uint8_t* blk = &out[b * 144];
+    const uint16_t d = ts::f32_to_f16(scale(rng)), dmin = ts::f32_to_f16(scale(rng));
+    std::memcpy(blk, &d, 2);
+    std::memcpy(blk + 2, &dmin, 2);
+    for (int i = 4; i < 144; ++i) blk[i] = uint8_t(rng());
+  }
+  return out;
+}
+
 // y = W x on the CPU with F32 activations, the reference for the CUDA kernels that take F32
 // x: the CPU's own Q8_0 / Q4_K kernels quantize x to int8 blocks (backend/cpu/quant.h), so
 // quantized rows are dequantized (the reference conversion) and multiplied in F32.
@@ -100,6 +118,54 @@ void cpu_matvec_f32_x(const void* w, DType t, const float* x, float* y, int64_t 
     ts::cpu::dequantize_row(t, static_cast<const uint8_t*>(w) + size_t(r) * rb,
                             &f[size_t(r * cols)], cols);
   ts::cpu::matvec_rows(f.data(), DType::kF32, x, y, cols, 0, rows);
+}
+
+// x as Q8 blocks, as quantize_act: d = max|x| / 127 per 32 values, round to nearest.
+void quantize_q8_ref(const float* x, int64_t n, std::vector<int8_t>& q, std::vector<float>& d) {
+  q.resize(size_t(n));
+  d.resize(size_t(n / 32));
+  for (int64_t b = 0; b < n / 32; ++b) {
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    d[size_t(b)] = amax / 127.0f;
+    const float id = d[size_t(b)] != 0 ? 1.0f / d[size_t(b)] : 0.0f;
+    for (int i = 0; i < 32; ++i) q[size_t(b * 32 + i)] = int8_t(std::nearbyint(x[b * 32 + i] * id));
+  }
+}
+
+// One Q8_0 or Q4_K weight row . Q8 activations, 32 values at a time in double from integer
+// sums: Q8_0 d * d_x * sum(q * q_x); Q4_K d_x * (d * sc * sum(q * q_x) - dmin * m * sum(q_x)).
+double q8act_row_dot(DType type, const uint8_t* row, const int8_t* q, const float* d,
+                     int64_t cols) {
+  double acc = 0;
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const int8_t* qx = q + b * 32;
+    if (type == DType::kQ8_0) {
+      uint16_t dh;
+      std::memcpy(&dh, row + b * 34, 2);
+      int s = 0;
+      for (int i = 0; i < 32; ++i) s += int(int8_t(row[b * 34 + 2 + i])) * qx[i];
+      acc += double(ts::f16_to_f32(dh)) * d[b] * s;
+      continue;
+    }
+    const uint8_t* blk = row + (b / 8) * 144;
+    const int j = int(b % 8);
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    const uint8_t* sc = blk + 4;
+    const int s6 = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+    const int m6 = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    int s = 0, sx = 0;
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t byte = blk[16 + 32 * (j / 2) + i];
+      s += ((j & 1) ? byte >> 4 : byte & 15) * qx[i];
+      sx += qx[i];
+    }
+    acc +=
+        double(d[b]) * (double(ts::f16_to_f32(dh)) * s6 * s - double(ts::f16_to_f32(mh)) * m6 * sx);
+  }
+  return acc;
 }
 
 double max_rel(const std::vector<float>& got, const std::vector<float>& want) {
@@ -149,57 +215,56 @@ TEST(CudaKernels, GemvMatchesCpuForEveryDtype) {
   }
 }
 
-// Q8_0 weights with Q8 activations (dp4a): against an integer reference that quantizes x
-// the same way (d = max|x| / 127, round to nearest), so only the float scaling can differ.
+// Q8_0 and Q4_K weights with Q8 activations (dp4a): against an integer reference that
+// quantizes x the same way (d = max|x| / 127, round to nearest), so only the float scaling
+// can differ.
 TEST(CudaKernels, GemvQ8ActivationsMatchIntegerReference) {
   SKIP_WITHOUT_GPU();
   // One token with rows of up to 8,192 columns takes the kernel that stages whole rows;
-  // 8,448 and every n = 4 the tile-by-tile kernel. Token 0's x is the same for n = 1 and 4
-  // (one random sequence), and both kernels must give it the same bits.
-  for (int64_t cols : {256, 2048, 4096, 8448}) {
-    const int64_t rows = 21;
-    const std::vector<uint8_t> w = make_matrix(DType::kQ8_0, rows, cols, 17);
-    std::vector<float> one_token;
-    for (int n : {1, 4}) {
-      const std::vector<float> x = randn(size_t(n * cols), 23);
-      std::vector<float> want(size_t(n * rows), 0.0f);
-      const int64_t nb = cols / 32;
-      for (int t = 0; t < n; ++t)
-        for (int64_t b = 0; b < nb; ++b) {
-          const float* xb = &x[size_t(t * cols + b * 32)];
-          float amax = 0;
-          for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-          const float dx = amax / 127.0f, id = dx != 0 ? 1.0f / dx : 0.0f;
-          int8_t qx[32];
-          for (int i = 0; i < 32; ++i) qx[i] = int8_t(std::nearbyint(xb[i] * id));
-          for (int64_t r = 0; r < rows; ++r) {
-            const uint8_t* blk = &w[size_t(r * nb * 34 + b * 34)];
-            uint16_t dh;
-            std::memcpy(&dh, blk, 2);
-            int s = 0;
-            for (int i = 0; i < 32; ++i) s += int(int8_t(blk[2 + i])) * qx[i];
-            want[size_t(t * rows + r)] += ts::f16_to_f32(dh) * dx * float(s);
-          }
+  // 8,448 and every n = 4 the tile-by-tile kernel (Q8_0; Q4_K's rows of 8,448 still stage).
+  // Token 0's x is the same for n = 1 and 4 (one random sequence), and both kernels must give
+  // it the same bits.
+  for (const DType type : {DType::kQ8_0, DType::kQ4_K})
+    for (int64_t cols : {256, 2048, 4096, 8448}) {
+      SCOPED_TRACE(ts::dtype_name(type));
+      const int64_t rows = 21;
+      const std::vector<uint8_t> w = make_q8act_matrix(type, rows, cols, 17);
+      const size_t rb = ts::dtype_row_bytes(type, cols);
+      std::vector<float> one_token;
+      for (int n : {1, 4}) {
+        const std::vector<float> x = randn(size_t(n * cols), 23);
+        std::vector<float> want(size_t(n * rows), 0.0f);
+        const int64_t nb = cols / 32;
+        std::vector<int8_t> qx;
+        std::vector<float> dx_ref;
+        for (int t = 0; t < n; ++t) {
+          quantize_q8_ref(&x[size_t(t * cols)], cols, qx, dx_ref);
+          for (int64_t r = 0; r < rows; ++r)
+            want[size_t(t * rows + r)] =
+                float(q8act_row_dot(type, &w[size_t(r) * rb], qx.data(), dx_ref.data(), cols));
         }
-      Dev dw(w), dx(x), dy(want.size() * 4), dq(size_t(n * cols)), dd(size_t(n * nb) * 4);
-      const ts::cuda::QAct q{dq.as<int8_t>(), dd.as<float>()};
-      ts::cuda::quantize_act(dx.as<float>(), n * cols, q, nullptr);
-      const ts::cuda::DevMatrix m{dw.p, DType::kQ8_0, rows, cols};
-      float* y = dy.as<float>();
-      ts::cuda::gemv_parts(&m, &y, 1, {dx.as<float>(), q}, n, false, nullptr);
-      EXPECT_LE(max_rel(dy.get<float>(), want), 1e-5) << "cols " << cols << " n " << n;
-      const std::vector<float> got = dy.get<float>();
-      if (n == 1)
-        one_token = got;
-      else
-        EXPECT_EQ(std::vector<float>(got.begin(), got.begin() + rows), one_token) << cols;
-      // and within Q8 activation error of the exact F32-activation product
-      std::vector<float> exact(want.size());
-      for (int t = 0; t < n; ++t)
-        cpu_matvec_f32_x(w.data(), DType::kQ8_0, &x[size_t(t * cols)], &exact[size_t(t * rows)], cols, rows);
-      EXPECT_LE(max_rel(dy.get<float>(), exact), 2e-2);
+        Dev dw(w), dx(x), dy(want.size() * 4), dq(size_t(n * cols)), dd(size_t(n * nb) * 4);
+        const ts::cuda::QAct q{dq.as<int8_t>(), dd.as<float>()};
+        ts::cuda::quantize_act(dx.as<float>(), n * cols, q, nullptr);
+        const ts::cuda::DevMatrix m{dw.p, type, rows, cols};
+        float* y = dy.as<float>();
+        ts::cuda::gemv_parts(&m, &y, 1, {dx.as<float>(), q}, n, false, nullptr);
+        // Q4_K: each sub-block's two float terms (d * sc * sum, dmin * m * sum) partly cancel.
+        const double tol = type == DType::kQ4_K ? 5e-5 : 1e-5;
+        EXPECT_LE(max_rel(dy.get<float>(), want), tol) << "cols " << cols << " n " << n;
+        const std::vector<float> got = dy.get<float>();
+        if (n == 1)
+          one_token = got;
+        else
+          EXPECT_EQ(std::vector<float>(got.begin(), got.begin() + rows), one_token) << cols;
+        // and within Q8 activation error of the exact F32-activation product
+        std::vector<float> exact(want.size());
+        for (int t = 0; t < n; ++t)
+          cpu_matvec_f32_x(w.data(), type, &x[size_t(t * cols)], &exact[size_t(t * rows)], cols,
+                           rows);
+        EXPECT_LE(max_rel(dy.get<float>(), exact), 2e-2);
+      }
     }
-  }
 }
 
 TEST(CudaKernels, GemvHandlesColumnsOffTheVectorWidth) {
@@ -791,134 +856,126 @@ TEST(CudaKernels, MoePhasesMatchCpu) {
   }
 }
 
-// The MoE phases on Q8_0 weights with Q8 activations (dp4a), against per-block integer dot
-// products: qwen3's shape (d_expert 768, top 8: every row of a slot staged whole in shared
-// memory), a 4,096-wide model (gate|up's larger staging) and rows too wide to stage (the
-// tiled path). h is checked against the reference's, and the down sum against the reference
-// computed from the kernel's own h, quantized the same way, so it must agree to float
-// rounding of the rank-ordered sum.
+// The MoE phases on Q8_0 and Q4_K weights with Q8 activations (dp4a), against per-block
+// integer dot products: qwen3's shape (d_expert 768, top 8: every row of a slot staged whole
+// in shared memory), a 4,096-wide model (gate|up's larger staging) and rows too wide to stage
+// (the tiled path). h is checked against the reference's, and the down sum against the
+// reference computed from the kernel's own h, quantized the same way, so it must agree to
+// float rounding of the rank-ordered sum.
 TEST(CudaKernels, MoePhasesQ8ActivationsMatchIntegerReference) {
   SKIP_WITHOUT_GPU();
   struct Case {
     int d, de, k;
   };
-  // Q8 blocks of x (d = max|x| / 127, round to nearest), as quantize_act.
-  auto quantize = [](const float* x, int64_t n, std::vector<int8_t>& q, std::vector<float>& d) {
-    q.resize(size_t(n));
-    d.resize(size_t(n / 32));
-    for (int64_t b = 0; b < n / 32; ++b) {
-      float amax = 0;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
-      d[size_t(b)] = amax / 127.0f;
-      const float id = d[size_t(b)] != 0 ? 1.0f / d[size_t(b)] : 0.0f;
-      for (int i = 0; i < 32; ++i) q[size_t(b * 32 + i)] = int8_t(std::nearbyint(x[b * 32 + i] * id));
-    }
-  };
-  // One weight row . quantized activations, block by block in double.
-  auto row_dot = [](const uint8_t* row, const int8_t* q, const float* d, int cols) {
-    double acc = 0;
-    for (int b = 0; b < cols / 32; ++b) {
-      uint16_t dh;
-      std::memcpy(&dh, row + b * 34, 2);
-      int s = 0;
-      for (int i = 0; i < 32; ++i) s += int(int8_t(row[b * 34 + 2 + i])) * q[size_t(b * 32 + i)];
-      acc += double(ts::f16_to_f32(dh)) * d[b] * s;
-    }
-    return acc;
-  };
-  for (const Case c : {Case{512, 768, 8}, Case{4096, 256, 2}, Case{4608, 2048, 3}}) {
-    const int n_experts = 10, n = 2, ns = n * c.k;
-    std::vector<std::vector<uint8_t>> G, U, D;
-    std::vector<Dev*> owned;
-    std::vector<const void*> gp, up, dp;
-    for (int e = 0; e < n_experts; ++e) {
-      G.push_back(make_matrix(DType::kQ8_0, c.de, c.d, uint32_t(400 + e)));
-      U.push_back(make_matrix(DType::kQ8_0, c.de, c.d, uint32_t(500 + e)));
-      D.push_back(make_matrix(DType::kQ8_0, c.d, c.de, uint32_t(600 + e)));
-      for (auto [v, tab] : {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up},
-                             std::pair{&D.back(), &dp}}) {
-        owned.push_back(new Dev(*v));
-        tab->push_back(owned.back()->p);
-      }
-    }
-    std::vector<int> ids;
-    std::vector<float> w;
-    for (int s = 0; s < ns; ++s) {
-      ids.push_back((s * 7 + 3) % n_experts);
-      w.push_back(0.05f + 0.1f * float((s * 5) % c.k) / float(c.k));
-    }
-    const std::vector<float> x = randn(size_t(n * c.d), 19);
-    Dev dg(gp), du(up), dd(dp), di(ids), dw(w), dx(x), dh(size_t(ns * c.de) * 4),
-        dout(size_t(n * c.d) * 4), dxq(size_t(n * c.d)), dxd(size_t(n * c.d / 32) * 4),
-        dhq(size_t(ns * c.de)), dhd(size_t(ns * c.de / 32) * 4);
-    ts::cuda::quantize_act(dx.as<float>(), int64_t(n) * c.d, {dxq.as<int8_t>(), dxd.as<float>()},
-                           nullptr);
-    ts::cuda::MoeArgs a{.gate = dg.as<const void*>(), .up = du.as<const void*>(),
-                        .down = dd.as<const void*>(), .gate_dtype = DType::kQ8_0,
-                        .down_dtype = DType::kQ8_0, .ids = di.as<int>(), .weights = dw.as<float>(),
-                        .xn = dx.as<float>(), .h = dh.as<float>(), .out = dout.as<float>(),
-                        .n = n, .d_model = c.d, .d_expert = c.de, .top_k = c.k};
-    a.xq = dxq.as<int8_t>();
-    a.xd = dxd.as<float>();
-    ts::cuda::moe_gate_up(a, nullptr);
-    ts::cuda::quantize_act(dh.as<float>(), int64_t(ns) * c.de, {dhq.as<int8_t>(), dhd.as<float>()},
-                           nullptr);
-    a.hq = dhq.as<int8_t>();
-    a.hd = dhd.as<float>();
-    ts::cuda::moe_down_sum(a, nullptr);
-    const std::vector<float> h = dh.get<float>(), out = dout.get<float>();
-    std::vector<int8_t> q;
-    std::vector<float> qd;
-    std::vector<float> want_h(h.size()), want(out.size(), 0.0f);
-    for (int s = 0; s < ns; ++s) {
-      const int e = ids[size_t(s)], t = s / c.k;
-      quantize(&x[size_t(t * c.d)], c.d, q, qd);
-      const size_t rb = size_t(c.d / 32 * 34);
-      for (int r = 0; r < c.de; ++r) {
-        const double g = row_dot(&G[size_t(e)][r * rb], q.data(), qd.data(), c.d);
-        const double u = row_dot(&U[size_t(e)][r * rb], q.data(), qd.data(), c.d);
-        want_h[size_t(s * c.de + r)] = float(g / (1 + std::exp(-g)) * u);
-      }
-      quantize(&h[size_t(s * c.de)], c.de, q, qd);  // the kernel's own h
-      const size_t rbd = size_t(c.de / 32 * 34);
-      for (int r = 0; r < c.d; ++r)
-        want[size_t(t * c.d + r)] +=
-            w[size_t(s)] * float(row_dot(&D[size_t(e)][r * rbd], q.data(), qd.data(), c.de));
-    }
-    EXPECT_LE(max_rel(h, want_h), 1e-5) << "d " << c.d << " d_expert " << c.de;
-    EXPECT_LE(max_rel(out, want), 1e-5) << "d " << c.d << " d_expert " << c.de;
-    // Phase 2 on the F32 h itself (no hq; what decode runs where moe_down_f32_h holds: rows of
-    // up to 1,024 columns, else the row kernel), into a poisoned output, against the same sum
-    // in double.
-    ts::cuda::MoeArgs f = a;
-    f.hq = nullptr;
-    f.hd = nullptr;
-    EXPECT_EQ(ts::cuda::moe_down_f32_h(f), c.de <= 1024) << "d_expert " << c.de;
-    Dev dout_f(size_t(n * c.d) * 4);  // NaN until written
-    f.out = dout_f.as<float>();
-    ts::cuda::moe_down_sum(f, nullptr);
-    std::vector<double> want_f(out.size(), 0.0);
-    for (int s = 0; s < ns; ++s) {
-      const int e = ids[size_t(s)], t = s / c.k;
-      const size_t rbd = size_t(c.de / 32 * 34);
-      for (int r = 0; r < c.d; ++r) {
-        const uint8_t* row = &D[size_t(e)][r * rbd];
-        double acc = 0;
-        for (int b = 0; b < c.de / 32; ++b) {
-          uint16_t dh16;
-          std::memcpy(&dh16, row + b * 34, 2);
-          double sb = 0;
-          for (int i = 0; i < 32; ++i)
-            sb += double(int8_t(row[b * 34 + 2 + i])) * h[size_t(s * c.de + b * 32 + i)];
-          acc += double(ts::f16_to_f32(dh16)) * sb;
+  for (const DType type : {DType::kQ8_0, DType::kQ4_K})
+    for (const Case c : {Case{512, 768, 8}, Case{4096, 256, 2}, Case{4608, 2048, 3}}) {
+      SCOPED_TRACE(std::string(ts::dtype_name(type)) + " d " + std::to_string(c.d) + " d_expert " +
+                   std::to_string(c.de));
+      const int n_experts = 10, n = 2, ns = n * c.k;
+      std::vector<std::vector<uint8_t>> G, U, D;
+      std::vector<Dev*> owned;
+      std::vector<const void*> gp, up, dp;
+      for (int e = 0; e < n_experts; ++e) {
+        G.push_back(make_q8act_matrix(type, c.de, c.d, uint32_t(400 + e)));
+        U.push_back(make_q8act_matrix(type, c.de, c.d, uint32_t(500 + e)));
+        D.push_back(make_q8act_matrix(type, c.d, c.de, uint32_t(600 + e)));
+        for (auto [v, tab] :
+             {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up}, std::pair{&D.back(), &dp}}) {
+          owned.push_back(new Dev(*v));
+          tab->push_back(owned.back()->p);
         }
-        want_f[size_t(t * c.d + r)] += double(w[size_t(s)]) * acc;
       }
+      std::vector<int> ids;
+      std::vector<float> w;
+      for (int s = 0; s < ns; ++s) {
+        ids.push_back((s * 7 + 3) % n_experts);
+        w.push_back(0.05f + 0.1f * float((s * 5) % c.k) / float(c.k));
+      }
+      const std::vector<float> x = randn(size_t(n * c.d), 19);
+      Dev dg(gp), du(up), dd(dp), di(ids), dw(w), dx(x), dh(size_t(ns * c.de) * 4),
+          dout(size_t(n * c.d) * 4), dxq(size_t(n * c.d)), dxd(size_t(n * c.d / 32) * 4),
+          dhq(size_t(ns * c.de)), dhd(size_t(ns * c.de / 32) * 4);
+      ts::cuda::quantize_act(dx.as<float>(), int64_t(n) * c.d, {dxq.as<int8_t>(), dxd.as<float>()},
+                             nullptr);
+      ts::cuda::MoeArgs a{.gate = dg.as<const void*>(),
+                          .up = du.as<const void*>(),
+                          .down = dd.as<const void*>(),
+                          .gate_dtype = type,
+                          .down_dtype = type,
+                          .ids = di.as<int>(),
+                          .weights = dw.as<float>(),
+                          .xn = dx.as<float>(),
+                          .h = dh.as<float>(),
+                          .out = dout.as<float>(),
+                          .n = n,
+                          .d_model = c.d,
+                          .d_expert = c.de,
+                          .top_k = c.k};
+      a.xq = dxq.as<int8_t>();
+      a.xd = dxd.as<float>();
+      ts::cuda::moe_gate_up(a, nullptr);
+      ts::cuda::quantize_act(dh.as<float>(), int64_t(ns) * c.de,
+                             {dhq.as<int8_t>(), dhd.as<float>()}, nullptr);
+      a.hq = dhq.as<int8_t>();
+      a.hd = dhd.as<float>();
+      ts::cuda::moe_down_sum(a, nullptr);
+      const std::vector<float> h = dh.get<float>(), out = dout.get<float>();
+      std::vector<int8_t> q;
+      std::vector<float> qd;
+      std::vector<float> want_h(h.size()), want(out.size(), 0.0f);
+      const size_t rb = ts::dtype_row_bytes(type, c.d), rbd = ts::dtype_row_bytes(type, c.de);
+      for (int s = 0; s < ns; ++s) {
+        const int e = ids[size_t(s)], t = s / c.k;
+        quantize_q8_ref(&x[size_t(t * c.d)], c.d, q, qd);
+        for (int r = 0; r < c.de; ++r) {
+          const double g = q8act_row_dot(type, &G[size_t(e)][r * rb], q.data(), qd.data(), c.d);
+          const double u = q8act_row_dot(type, &U[size_t(e)][r * rb], q.data(), qd.data(), c.d);
+          want_h[size_t(s * c.de + r)] = float(g / (1 + std::exp(-g)) * u);
+        }
+        quantize_q8_ref(&h[size_t(s * c.de)], c.de, q, qd);  // the kernel's own h
+        for (int r = 0; r < c.d; ++r)
+          want[size_t(t * c.d + r)] +=
+              w[size_t(s)] *
+              float(q8act_row_dot(type, &D[size_t(e)][r * rbd], q.data(), qd.data(), c.de));
+      }
+      // Q4_K: each sub-block's two float terms (d * sc * sum, dmin * m * sum) partly cancel.
+      const double tol = type == DType::kQ4_K ? 5e-5 : 1e-5;
+      EXPECT_LE(max_rel(h, want_h), tol);
+      EXPECT_LE(max_rel(out, want), tol);
+      if (type == DType::kQ8_0) {
+        // Phase 2 on the F32 h itself (no hq; what decode runs where moe_down_f32_h holds: rows
+        // of up to 1,024 columns, else the row kernel), into a poisoned output, against the same
+        // sum in double.
+        ts::cuda::MoeArgs f = a;
+        f.hq = nullptr;
+        f.hd = nullptr;
+        EXPECT_EQ(ts::cuda::moe_down_f32_h(f), c.de <= 1024);
+        Dev dout_f(size_t(n * c.d) * 4);  // NaN until written
+        f.out = dout_f.as<float>();
+        ts::cuda::moe_down_sum(f, nullptr);
+        std::vector<double> want_f(out.size(), 0.0);
+        for (int s = 0; s < ns; ++s) {
+          const int e = ids[size_t(s)], t = s / c.k;
+          for (int r = 0; r < c.d; ++r) {
+            const uint8_t* row = &D[size_t(e)][r * rbd];
+            double acc = 0;
+            for (int b = 0; b < c.de / 32; ++b) {
+              uint16_t dh16;
+              std::memcpy(&dh16, row + b * 34, 2);
+              double sb = 0;
+              for (int i = 0; i < 32; ++i)
+                sb += double(int8_t(row[b * 34 + 2 + i])) * h[size_t(s * c.de + b * 32 + i)];
+              acc += double(ts::f16_to_f32(dh16)) * sb;
+            }
+            want_f[size_t(t * c.d + r)] += double(w[size_t(s)]) * acc;
+          }
+        }
+        EXPECT_LE(max_rel(dout_f.get<float>(), std::vector<float>(want_f.begin(), want_f.end())),
+                  1e-5)
+            << "F32 h";
+      }
+      for (Dev* p : owned) delete p;
     }
-    EXPECT_LE(max_rel(dout_f.get<float>(), std::vector<float>(want_f.begin(), want_f.end())), 1e-5)
-        << "F32 h, d " << c.d << " d_expert " << c.de;
-    for (Dev* p : owned) delete p;
-  }
 }
 
 TEST(CudaKernels, QuantizeQ8_0MatchesCpuBytes) {
