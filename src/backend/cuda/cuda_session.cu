@@ -336,13 +336,14 @@ Status CudaSession::synthesize(const SyntheticOptions& syn) {
     }
     if (streamed()) return make_error("synthetic weights have no files to stream from: use "
                                       "--residency host or resident");
-    set_expert_layout(D, syn.dtype, syn.dtype, hp_.d_expert, d);
+    const DType down_t = syn.expert_down_dtype.value_or(syn.dtype);
+    set_expert_layout(D, syn.dtype, down_t, hp_.d_expert, d);
     TS_ASSIGN(uint8_t* base, expert_layer_memory(D));
     for (int e = 0; e < hp_.n_experts; ++e) {
       uint8_t* at = base + size_t(e) * D.expert_bytes;
       TS_TRY(up.fill_random(syn.dtype, hp_.d_expert, d, ++seed, at));
       TS_TRY(up.fill_random(syn.dtype, hp_.d_expert, d, ++seed, at + D.up_off));
-      TS_TRY(up.fill_random(syn.dtype, d, hp_.d_expert, ++seed, at + D.down_off));
+      TS_TRY(up.fill_random(down_t, d, hp_.d_expert, ++seed, at + D.down_off));
     }
     TS_TRY(finish_expert_layer(l, base));
   }
@@ -934,7 +935,7 @@ Status CudaSession::gemm(const DevMatrix& w, const void* x, int n, float* y, boo
     if (size_t(w.rows * w.cols) * 2 > wtmp_bytes_) return make_error("internal: dequant scratch");
     if (w.dtype == DType::kQ8_0 || w.dtype == DType::kQ4_K) {
       ExpertDequant q;
-      q.type = w.dtype;
+      q.type[0] = w.dtype;
       q.direct[0] = w.data;
       q.blocks[0] = w.rows * w.cols / 32;
       q.dst = wtmp_;

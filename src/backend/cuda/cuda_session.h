@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "core/dtype.h"
 #include "core/status.h"
@@ -31,6 +32,9 @@ struct SyntheticOptions {
   // popularity: the expert of rank r (a random order per layer) has weight (r + 1)^-S.
   bool sampled_routing = false;
   double zipf = 0;
+  // The routed experts' down matrices in another type than `dtype` (a Q4_K_M GGUF's Q6_K
+  // down matrices arrive as Q8_0), for tests.
+  std::optional<DType> expert_down_dtype;
 };
 Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
     const model::HParams& hp, runtime::SessionOptions options, int device,

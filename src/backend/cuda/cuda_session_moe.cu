@@ -129,12 +129,18 @@ Status CudaSession::moe_block(int layer, int n) {
 constexpr int kDequantQ8MinRows = 64;
 
 namespace {
-// Whether the experts can run on BF16 copies (dequantize_experts_bf16): Q8_0 or Q4_K, one type
-// for all three matrices, widths the BF16 grouped kernel takes.
+// Whether the experts can run on BF16 copies (dequantize_experts_bf16): each matrix Q8_0 or
+// Q4_K (a Q4_K_M GGUF mixes Q4_K gate / up with Q6_K down, requantized to Q8_0 at load), of
+// widths the BF16 grouped kernel takes.
 bool dequantizable(const DevMlp& x) {
-  const DType t = x.gate.dtype;
-  return (t == DType::kQ8_0 || t == DType::kQ4_K) && x.up.dtype == t && x.down.dtype == t &&
-         grouped_supports(DType::kBF16, x.gate.cols) && grouped_supports(DType::kBF16, x.down.cols);
+  for (const DevMatrix* w : {&x.gate, &x.up, &x.down})
+    if ((w->dtype != DType::kQ8_0 && w->dtype != DType::kQ4_K) ||
+        !grouped_supports(DType::kBF16, w->cols))
+      return false;
+  return true;
+}
+bool any_q4_k(const DevMlp& x) {
+  return x.gate.dtype == DType::kQ4_K || x.up.dtype == DType::kQ4_K || x.down.dtype == DType::kQ4_K;
 }
 }  // namespace
 
@@ -177,16 +183,17 @@ Status CudaSession::grouped_experts(int layer, int n) {
   gather_rows(xn_, group_src_, ns, d, xg, gate_in, stream_);
   // BF16 and Q8_0 experts run as two grouped tensor-core launches over tiles of each
   // expert's rows (all experts at once when all are bound together, else expert by expert);
-  // Q4_K experts the same on BF16 copies of them; other types run three cuBLAS GEMMs per
+  // Q4_K experts (or a mix of Q4_K and Q8_0) the same on BF16 copies of them; other types
+  // run three cuBLAS GEMMs per
   // expert. (One dtype for all three: both phases run the kernels of the gate's type.)
   const DType et = L.experts[0].gate.dtype;
   const bool in_place = L.experts[0].up.dtype == et && L.experts[0].down.dtype == et &&
                         grouped_supports(et, d) && grouped_supports(et, de);
-  // Long chunks with Q8_0 experts, and every chunk with Q4_K experts, run on BF16 copies of
-  // them (kDequantQ8MinRows).
+  // Long chunks with Q8_0 experts, and every chunk with Q4_K among them, run on BF16 copies
+  // of them (kDequantQ8MinRows).
   const bool dq =
       dq_ && dequantizable(L.experts[0]) &&
-      (et == DType::kQ4_K || (in_place && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used));
+      (any_q4_k(L.experts[0]) || (in_place && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used));
   const bool tiled = in_place || dq;
   std::vector<GroupTile> tiles;
   std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
@@ -233,7 +240,9 @@ Status CudaSession::grouped_experts(int layer, int n) {
   const void** dq_tab[3] = {dq_tab_, dq_tab_ + ne, dq_tab_ + 2 * ne};
   const auto dq_args = [&] {
     ExpertDequant q;
-    q.type = et;
+    q.type[0] = L.experts[0].gate.dtype;
+    q.type[1] = L.experts[0].up.dtype;
+    q.type[2] = L.experts[0].down.dtype;
     q.blocks[0] = L.experts[0].gate.rows * L.experts[0].gate.cols / 32;
     q.blocks[1] = L.experts[0].up.rows * L.experts[0].up.cols / 32;
     q.blocks[2] = L.experts[0].down.rows * L.experts[0].down.cols / 32;

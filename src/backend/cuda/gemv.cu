@@ -745,10 +745,10 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
 // to one wave (512 blocks; a row per warp was 2,048 blocks, ~2 waves).
 //
 // The rows' copies start before the wait: the ids were written by the router, a kernel
-// before the one before this (complete once that one has passed its own wait, which it has
-// when this one launches), the tables and the rows are weights, and with the GPU expert
-// cache this launch also waits on the copies' event. Only h (and its Q8 copy), written by
-// the kernel before, is read after the wait.
+// before the one before this (phase 1, and for Q4_K h's quantization after it), so complete
+// once that one has passed its own wait, which it has when this one launches, the tables and the
+// rows are weights, and with the GPU expert cache this launch also waits on the copies' event. Only
+// h (and its Q8 copy), written by the kernel before, is read after the wait.
 constexpr int kMaxRankWarps = 8;
 constexpr int kRankRows = 4;
 constexpr int kRankRowBytes = 1088;  // Q8_0 rows staged per warp: up to 1,024 columns

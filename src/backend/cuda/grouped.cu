@@ -81,8 +81,7 @@ __device__ __forceinline__ uint16_t* dequant_dest(const ExpertDequant& a) {
 // shared memory with 16-byte copies when the source allows, converted a block per lane, and
 // written back 16 bytes per lane in order. grid (ceil(max blocks / 256), 3, count).
 constexpr int kDqWarps = 8;
-__global__ void __launch_bounds__(32 * kDqWarps) dequantize_q8_kernel(ExpertDequant a) {
-  pdl_wait();
+__device__ __forceinline__ void dequantize_q8_blocks(const ExpertDequant& a) {
   const int m = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t nb = a.blocks[m];
   if (nb == 0) return;
@@ -120,11 +119,10 @@ __global__ void __launch_bounds__(32 * kDqWarps) dequantize_q8_kernel(ExpertDequ
     reinterpret_cast<uint4*>(to)[c] = reinterpret_cast<const uint4*>(out[warp])[c];
 }
 
-// Q4_K -> BF16 with the Q8_0 kernel's grid: a warp per 4 super-blocks (1,024 values), lane l
+// Q4_K -> BF16 with the Q8_0 code's grid: a warp per 4 super-blocks (1,024 values), lane l
 // writing values 8l .. 8l + 7 of each (sub-block l / 4: one scale and min, 8 quants from one
 // 8-byte load where the source allows) as one 16-byte store.
-__global__ void __launch_bounds__(32 * kDqWarps) dequantize_q4k_kernel(ExpertDequant a) {
-  pdl_wait();
+__device__ __forceinline__ void dequantize_q4k_blocks(const ExpertDequant& a) {
   const int m = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t nsb = a.blocks[m] / 8;
   if (nsb == 0) return;
@@ -158,6 +156,15 @@ __global__ void __launch_bounds__(32 * kDqWarps) dequantize_q4k_kernel(ExpertDeq
     }
     *reinterpret_cast<uint4*>(dst + size_t(sb) * 256 + 8 * lane) = out;
   }
+}
+
+// Each block dequantizes its matrix (blockIdx.y) by that matrix's type.
+__global__ void __launch_bounds__(32 * kDqWarps) dequantize_experts_kernel(ExpertDequant a) {
+  pdl_wait();
+  if (a.type[blockIdx.y] == DType::kQ4_K)
+    dequantize_q4k_blocks(a);
+  else
+    dequantize_q8_blocks(a);
 }
 
 __global__ void slot_sum_kernel(const float* rows, const int* row_of, const float* weights, int k,
@@ -508,8 +515,7 @@ void dequantize_experts_bf16(const ExpertDequant& a, cudaStream_t s) {
   const int64_t most = std::max({a.blocks[0], a.blocks[1], a.blocks[2]});
   if (most == 0 || a.count == 0) return;
   const dim3 grid(unsigned((most + 32 * kDqWarps - 1) / (32 * kDqWarps)), 3, unsigned(a.count));
-  launch_kernel(a.type == DType::kQ4_K ? dequantize_q4k_kernel : dequantize_q8_kernel, grid,
-                32 * kDqWarps, 0, s, a);
+  launch_kernel(dequantize_experts_kernel, grid, 32 * kDqWarps, 0, s, a);
 }
 
 void to_f32(const DevMatrix& w, float* dst, cudaStream_t s) {

@@ -217,7 +217,8 @@ void dequantize_bf16(const DevMatrix& w, void* dst, cudaStream_t s);
 // need only 2-byte alignment (Q8_0: 16-byte aligned ones are staged by cp.async; Q4_K:
 // 8-byte aligned ones are read 8 quants at a time).
 struct ExpertDequant {
-  DType type = DType::kQ8_0;           // Q8_0 or Q4_K (super-blocks of 256: rows of 256k)
+  // Each matrix's type: Q8_0 or Q4_K (super-blocks of 256 values: rows of 256-multiples).
+  DType type[3] = {DType::kQ8_0, DType::kQ8_0, DType::kQ8_0};
   const int* experts = nullptr;        // device ids [count]; null: direct
   const void* const* src_tab[3] = {};  // per-expert addresses (device tables)
   const void* direct[3] = {};          // the matrices when experts is null

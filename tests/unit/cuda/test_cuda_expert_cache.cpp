@@ -254,7 +254,8 @@ INSTANTIATE_TEST_SUITE_P(Models, CudaExpertCache, ::testing::ValuesIn(fixture_na
 // with 1 / 4 / 16 slots, with and without the whole-layer prefetch, must equal resident byte
 // for byte; and the grouped prefill must agree with the per-token GEMV kernels (chunks of 8)
 // to BF16 precision.
-void check_grouped_prefill(const std::string& cfg, ts::DType t, int n_prompt) {
+void check_grouped_prefill(const std::string& cfg, ts::DType t, int n_prompt,
+                           std::optional<ts::DType> down_t = std::nullopt) {
   auto hp = ts::model::parse_hparams(cfg, "test config");
   ASSERT_TRUE(hp.ok()) << hp.error().message;
   const int vocab = hp.value().vocab;
@@ -264,7 +265,8 @@ void check_grouped_prefill(const std::string& cfg, ts::DType t, int n_prompt) {
     ts::runtime::SessionOptions o{.n_ctx = 512, .prefill_chunk = chunk};
     o.gpu_experts = g;
     auto e = ts::cuda::make_synthetic_cuda_session(
-        hp.value(), std::move(o), 0, {.dtype = t, .seed = 5, .sampled_routing = true});
+        hp.value(), std::move(o), 0,
+        {.dtype = t, .seed = 5, .sampled_routing = true, .expert_down_dtype = down_t});
     EXPECT_TRUE(e.ok()) << e.error().message;
     std::vector<float> logits;
     if (e.ok()) {
@@ -311,7 +313,8 @@ TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
 }
 
 // Q4_K experts (rows of 256-multiples) on BF16 copies for every chunk, 25 and 100 rows per
-// expert; the dense Q4_K matrices through the same dequantization for cuBLAS.
+// expert, alone and with Q8_0 down matrices (a Q4_K_M file's Q6_K ones requantized at load);
+// the dense Q4_K matrices through the same dequantization for cuBLAS.
 TEST(CudaExpertCacheGrouped, Q4KExpertsPrefillOnBf16CopiesMatchesResidentAndGemvPath) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string cfg = R"({"model_type": "qwen3_moe", "hidden_size": 256,
@@ -319,10 +322,12 @@ TEST(CudaExpertCacheGrouped, Q4KExpertsPrefillOnBf16CopiesMatchesResidentAndGemv
     "vocab_size": 512, "num_experts": 16, "num_experts_per_tok": 4,
     "moe_intermediate_size": 256, "intermediate_size": 512, "norm_topk_prob": true,
     "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
-  for (const int n_prompt : {100, 400}) {
-    SCOPED_TRACE(std::to_string(n_prompt) + " tokens");
-    check_grouped_prefill(cfg, ts::DType::kQ4_K, n_prompt);
-  }
+  for (const int n_prompt : {100, 400})
+    for (const bool q8_down : {false, true}) {
+      SCOPED_TRACE(std::to_string(n_prompt) + " tokens, down " + (q8_down ? "Q8_0" : "Q4_K"));
+      check_grouped_prefill(cfg, ts::DType::kQ4_K, n_prompt,
+                            q8_down ? std::optional(ts::DType::kQ8_0) : std::nullopt);
+    }
 }
 
 TEST(CudaExpertCacheErrors, CacheSmallerThanOneExpertIsAClearError) {

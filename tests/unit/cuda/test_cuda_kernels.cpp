@@ -1025,25 +1025,25 @@ TEST(CudaKernels, DequantizeMatchesCpuReference) {
   }
 }
 
-// DequantizeExpertsToBf16MatchesDequantizeBf16 for one type.
-void check_expert_dequant(DType type) {
+// DequantizeExpertsToBf16MatchesDequantizeBf16 for one type per matrix (gate, up, down).
+void check_expert_dequant(const DType (&types)[3]) {
   // Q8_0: gate / up [42, 256]: 336 blocks (a warp's 32 and a tail of 16); down [256, 64]: 512.
   // Q4_K: gate / up [42, 256]: 42 super-blocks (a warp's 4 and a tail of 2); down [256, 256].
   const int n_experts = 3;
-  const int64_t down_cols = type == DType::kQ4_K ? 256 : 64;
+  const int64_t down_cols = types[2] == DType::kQ4_K ? 256 : 64;
   const int64_t shape[3][2] = {{42, 256}, {42, 256}, {256, down_cols}};
   std::vector<std::vector<uint8_t>> w[3];
   std::vector<Dev*> owned;
   std::vector<const void*> tab[3];
   for (int m = 0; m < 3; ++m)
     for (int e = 0; e < n_experts; ++e) {
-      w[m].push_back(make_matrix(type, shape[m][0], shape[m][1], uint32_t(70 + 10 * m + e)));
+      w[m].push_back(make_matrix(types[m], shape[m][0], shape[m][1], uint32_t(70 + 10 * m + e)));
       owned.push_back(new Dev(w[m].back()));
       tab[m].push_back(owned.back()->p);
     }
   const auto want_of = [&](int m, int e) {
     Dev dw(w[m][size_t(e)]), db(size_t(shape[m][0] * shape[m][1]) * 2);
-    ts::cuda::dequantize_bf16({dw.p, type, shape[m][0], shape[m][1]}, db.p, nullptr);
+    ts::cuda::dequantize_bf16({dw.p, types[m], shape[m][0], shape[m][1]}, db.p, nullptr);
     return db.get<uint16_t>();
   };
   // Each matrix followed by a 256-byte gap; experts 512 bytes apart beyond that.
@@ -1057,7 +1057,7 @@ void check_expert_dequant(DType type) {
   Dev dids(ids), dtab0(tab[0]), dtab1(tab[1]), dtab2(tab[2]);
   Dev dst(stride * 3), out_tab(size_t(3 * n_experts) * sizeof(void*));
   ts::cuda::ExpertDequant q;
-  q.type = type;
+  for (int m = 0; m < 3; ++m) q.type[m] = types[m];
   q.experts = dids.as<int>();
   q.src_tab[0] = dtab0.as<const void*>();
   q.src_tab[1] = dtab1.as<const void*>();
@@ -1102,7 +1102,7 @@ void check_expert_dequant(DType type) {
   shifted.insert(shifted.end(), w[2][1].begin(), w[2][1].end());
   Dev dshift(shifted), one(size_t(shape[2][0] * shape[2][1]) * 2);
   ts::cuda::ExpertDequant q1;
-  q1.type = type;
+  q1.type[0] = types[2];
   q1.direct[0] = dshift.as<uint8_t>() + 2;
   q1.blocks[0] = shape[2][0] * shape[2][1] / 32;
   q1.dst = one.p;
@@ -1111,16 +1111,19 @@ void check_expert_dequant(DType type) {
   for (Dev* p : owned) delete p;
 }
 
-// dequantize_experts_bf16: per-expert Q8_0 and Q4_K matrices through address tables into one
-// scratch (expert j of the list at j * stride + offset, dst_tab[m][e] set), and one direct
-// matrix 2 bytes off 16-byte alignment (the unstaged / byte-load path): byte for byte what
-// dequantize_bf16 gives, with the scratch's gaps and the tables' other entries untouched
-// (poisoned).
+// dequantize_experts_bf16: per-expert Q8_0 and Q4_K matrices (and a mix of the two, as in
+// Q4_K_M files) through address tables into one scratch (expert j of the list at j * stride +
+// offset, dst_tab[m][e] set), and one direct matrix 2 bytes off 16-byte alignment (the unstaged /
+// byte-load path): byte for byte what dequantize_bf16 gives, with the scratch's gaps and the
+// tables' other entries untouched (poisoned).
 TEST(CudaKernels, DequantizeExpertsToBf16MatchesDequantizeBf16) {
   SKIP_WITHOUT_GPU();
-  for (const DType type : {DType::kQ8_0, DType::kQ4_K}) {
-    SCOPED_TRACE(ts::dtype_name(type));
-    check_expert_dequant(type);
+  using enum DType;
+  const DType cases[][3] = {{kQ8_0, kQ8_0, kQ8_0}, {kQ4_K, kQ4_K, kQ4_K}, {kQ4_K, kQ4_K, kQ8_0}};
+  for (const auto& types : cases) {
+    SCOPED_TRACE(std::string(ts::dtype_name(types[0])) + " gate/up, " +
+                 std::string(ts::dtype_name(types[2])) + " down");
+    check_expert_dequant(types);
   }
 }
 
