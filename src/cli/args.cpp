@@ -118,4 +118,26 @@ Result<std::vector<int>> parse_token_list(const std::string& s) {
   return out;
 }
 
+Result<std::vector<std::pair<int, float>>> parse_logit_biases(
+    const std::vector<std::string>& items) {
+  std::vector<std::pair<int, float>> out;
+  for (const std::string& item : items) {
+    const size_t eq = item.find('=');
+    const std::string id_s = item.substr(0, eq),
+                      bias_s = eq == std::string::npos ? "" : item.substr(eq + 1);
+    char* end = nullptr;
+    errno = 0;
+    const long long id = std::strtoll(id_s.c_str(), &end, 10);
+    const bool id_ok = !id_s.empty() && !errno && !*end && id >= 0 && id <= 0x7fffffff;
+    errno = 0;
+    const double bias = std::strtod(bias_s.c_str(), &end);
+    const bool bias_ok = !bias_s.empty() && !errno && !*end && bias >= -100 && bias <= 100;
+    if (!id_ok || !bias_ok)
+      return make_error("--logit-bias '" + item +
+                        "': expected TOKEN_ID=BIAS, a non-negative id and a bias from -100 to 100");
+    out.emplace_back(int(id), float(bias));
+  }
+  return out;
+}
+
 }  // namespace ts::cli

@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -39,5 +40,9 @@ class Args {
 
 // "1,2,3" -> ids. Errors name the bad element.
 Result<std::vector<int>> parse_token_list(const std::string& s);
+
+// --logit-bias values "ID=BIAS" (BIAS in [-100, 100]) -> (id, bias) pairs. Errors name the item.
+Result<std::vector<std::pair<int, float>>> parse_logit_biases(
+    const std::vector<std::string>& items);
 
 }  // namespace ts::cli

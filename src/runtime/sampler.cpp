@@ -16,8 +16,10 @@ int argmax(std::span<const float> v) {
 
 int Sampler::sample(std::span<const float> logits) {
   const bool penalize = opt_.presence_penalty != 0.0f || opt_.frequency_penalty != 0.0f;
-  if (penalize && !counts_.empty()) {
+  if ((penalize && !counts_.empty()) || !opt_.logit_bias.empty()) {
     penalized_.assign(logits.begin(), logits.end());
+    for (const auto& [id, bias] : opt_.logit_bias)
+      if (id >= 0 && size_t(id) < penalized_.size()) penalized_[size_t(id)] += bias;
     for (const auto& [id, n] : counts_)
       if (size_t(id) < penalized_.size())
         penalized_[size_t(id)] -= opt_.presence_penalty + opt_.frequency_penalty * float(n);

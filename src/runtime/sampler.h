@@ -1,5 +1,6 @@
-// Next-token sampling. Order: repetition penalties on the logits (OpenAI's presence and
-// frequency penalties, over the tokens this sampler has returned so far), then greedy at
+// Next-token sampling. Order: logit biases and repetition penalties on the logits (OpenAI's
+// logit_bias, presence and frequency penalties, over the tokens this sampler has returned so
+// far), then greedy at
 // temperature 0 (lowest id on ties), else temperature -> top-k -> top-p (nucleus) -> min-p
 // -> a draw from a seeded generator, so a seed reproduces a run.
 #pragma once
@@ -8,6 +9,7 @@
 #include <random>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace ts::runtime {
@@ -22,6 +24,9 @@ struct SamplerOptions {
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
   uint64_t seed = 0;
+  // logit[id] += bias before everything else (OpenAI's logit_bias: -100 in effect bans a
+  // token, +100 in effect forces it); ids past the logits are ignored.
+  std::vector<std::pair<int, float>> logit_bias;
 };
 
 class Sampler {
@@ -35,7 +40,7 @@ class Sampler {
   SamplerOptions opt_;
   std::mt19937_64 rng_;
   std::unordered_map<int, int> counts_;  // returned tokens, for the penalties
-  std::vector<float> penalized_;
+  std::vector<float> penalized_;         // the logits with biases and penalties
 };
 
 int argmax(std::span<const float> v);

@@ -1,4 +1,5 @@
 // Request bodies -> GenRequest. Each check names the field it is about.
+#include <charconv>
 #include <random>
 
 #include "server/api.h"
@@ -135,8 +136,26 @@ void read_max_tokens(Fields& f, GenRequest& r, bool chat, int64_t min = 1) {
   }
 }
 
+// "logit_bias": {"<token id>": bias, ...}, each bias in [-100, 100] (OpenAI's). Ids are checked
+// against the vocabulary once the tokenizer is at hand (Server::Impl::tokenize).
+void read_logit_bias(Fields& f, GenRequest& r) {
+  const json* v = f.get("logit_bias");
+  if (!v) return;
+  if (!v->is_object()) return f.fail("logit_bias", "must be an object of token ids to numbers");
+  for (const auto& [key, bias] : v->items()) {
+    int id = -1;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+    if (ec != std::errc() || end != key.data() + key.size() || id < 0)
+      return f.fail("logit_bias", "has key '" + key + "', which is not a token id");
+    if (!bias.is_number() || !(bias.get<double>() >= -100 && bias.get<double>() <= 100))
+      return f.fail("logit_bias", "maps token " + key + " to " + bias.dump() +
+                                      "; a bias is a number between -100 and 100");
+    r.sampling.logit_bias.emplace_back(id, bias.get<float>());
+  }
+}
+
 // What /v1/chat/completions and /v1/completions read alike: streaming, sampling with the
-// OpenAI penalties, the token budget, stop strings, and n (one choice only).
+// OpenAI penalties and logit biases, the token budget, stop strings, and n (one choice only).
 void read_openai_options(Fields& f, GenRequest& r, bool chat) {
   r.stream = f.boolean("stream").value_or(false);
   if (const json* so = f.get("stream_options")) {
@@ -148,6 +167,7 @@ void read_openai_options(Fields& f, GenRequest& r, bool chat) {
   read_sampling(f, r, 2.0);
   if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
   if (auto p = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = float(*p);
+  read_logit_bias(f, r);
   read_max_tokens(f, r, chat, chat ? 1 : 0);
   read_stops(f, "stop", /*allow_string=*/true, r);
   f.integer("n", 1, 1);  // one choice per request

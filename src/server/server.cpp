@@ -178,6 +178,11 @@ Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
                                  ", outside the vocabulary of " + std::to_string(tok.vocab_size()),
                       .param = param};
   if (ids.empty()) return ApiError{.message = "the prompt encodes to no tokens", .param = param};
+  for (const auto& [id, bias] : r.sampling.logit_bias)
+    if (id >= tok.vocab_size())
+      return ApiError{.message = "'logit_bias' names token id " + std::to_string(id) +
+                                 ", outside the vocabulary of " + std::to_string(tok.vocab_size()),
+                      .param = "logit_bias"};
   const int64_t n_ctx = engine.n_ctx();
   if (int64_t(ids.size()) >= n_ctx)
     return ApiError{.message = "the prompt is " + std::to_string(ids.size()) +

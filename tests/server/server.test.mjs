@@ -294,6 +294,31 @@ test('sampling: a seed reproduces, penalties and min_p are accepted', async () =
   assert.equal(await ask(7, { presence_penalty: 1.5, frequency_penalty: 1.0, min_p: 0.05 }), pen);
 });
 
+test('logit_bias: the same reply as the CLI with the same biases; ids past the vocabulary are a 400', async () => {
+  const prompt = 'the cat is on the mat';
+  const plain = cliRun(['--prompt', prompt, '-n', '8']);
+  for (const bias of [{ 300: 100 }, { 300: 100, 301: -5 }, { 17: -100, 42: -100 }]) {
+    const flags = Object.entries(bias).flatMap(([id, b]) => ['--logit-bias', `${id}=${b}`]);
+    const want = cliRun(['--prompt', prompt, '-n', '8', ...flags]);
+    const r = await openai.completions.create({ model: MODEL, prompt, max_tokens: 8, logit_bias: bias });
+    assert.equal(r.choices[0].text, want, JSON.stringify(bias));
+    const c = await openai.chat.completions.create({
+      model: MODEL, messages: HELLO, max_tokens: 8, logit_bias: bias,
+    });
+    assert.equal(c.choices[0].message.content,
+      cliRun(['--messages', messagesFile(HELLO), '-n', '8', ...flags]), JSON.stringify(bias));
+  }
+  // +100 on one token: greedy takes it every time, so the reply differs from the plain one.
+  assert.notEqual(cliRun(['--prompt', prompt, '-n', '8', '--logit-bias', '300=100']), plain);
+  for (const [bias, needle] of [[{ 512: 1 }, 'outside the vocabulary'], [{ x: 1 }, 'not a token id'],
+    [{ 3: 200 }, 'between -100 and 100']]) {
+    const r = await post(main.base, '/v1/completions', { prompt, max_tokens: 2, logit_bias: bias });
+    assert.equal(r.status, 400, r.text);
+    assert.equal(r.json.error.param, 'logit_bias');
+    assert.ok(r.json.error.message.includes(needle), r.json.error.message);
+  }
+});
+
 test('stop strings cut the reply (OpenAI and Anthropic)', async () => {
   const full = (await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N })).choices[0].message.content;
   // A two-character stop taken from the middle of the greedy reply.

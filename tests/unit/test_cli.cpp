@@ -114,6 +114,27 @@ TEST_F(Cli, GenerateGreedyPrintsNIdsOnOneLine) {
   EXPECT_EQ(a.out, b.out);
 }
 
+// --logit-bias ID=BIAS: -100 on greedy's first token makes it another; +100 on a token makes
+// greedy start with it; a malformed item or an id past the vocabulary is a one-line error.
+TEST_F(Cli, GenerateLogitBias) {
+  const std::string base = "generate --model " + model_ + " --tokens 5,6,7 -n 1";
+  RunResult plain = run(base);
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  const int first = std::stoi(plain.out);
+  RunResult banned = run(base + " --logit-bias " + std::to_string(first) + "=-100");
+  ASSERT_EQ(banned.code, 0) << banned.err;
+  EXPECT_NE(std::stoi(banned.out), first);
+  const int forced = first == 300 ? 301 : 300;
+  RunResult lifted =
+      run(base + " --logit-bias 11=0.5 --logit-bias " + std::to_string(forced) + "=100");
+  ASSERT_EQ(lifted.code, 0) << lifted.err;
+  EXPECT_EQ(std::stoi(lifted.out), forced);
+  expect_error(run(base + " --logit-bias 12"), "--logit-bias '12'");
+  expect_error(run(base + " --logit-bias x=1"), "--logit-bias 'x=1'");
+  expect_error(run(base + " --logit-bias 3=101"), "--logit-bias '3=101'");
+  expect_error(run(base + " --logit-bias 512=1"), "outside the vocabulary of 512");
+}
+
 TEST_F(Cli, InspectJsonCountsExperts) {
   RunResult r = run("inspect --model " + model_ + " --json");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -2,6 +2,7 @@
 // OpenAI and Anthropic conversations for the chat template, responses and SSE sequences.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 
@@ -65,6 +66,11 @@ TEST(ServerApi, ChatErrorsNameTheField) {
       {{{"messages", kUser}, {"stream", "yes"}}, 400, "stream"},
       {{{"messages", kUser}, {"n", 2}}, 400, "n"},
       {{{"messages", kUser}, {"presence_penalty", 5}}, 400, "presence_penalty"},
+      {{{"messages", kUser}, {"logit_bias", json::array({1})}}, 400, "logit_bias"},
+      {{{"messages", kUser}, {"logit_bias", {{"abc", 1}}}}, 400, "logit_bias"},
+      {{{"messages", kUser}, {"logit_bias", {{"-3", 1}}}}, 400, "logit_bias"},
+      {{{"messages", kUser}, {"logit_bias", {{"7", 101}}}}, 400, "logit_bias"},
+      {{{"messages", kUser}, {"logit_bias", {{"7", "up"}}}}, 400, "logit_bias"},
       {{{"messages", json::array({{{"content", "x"}}})}}, 400, "messages[0].role"},
       {{{"messages", json::array({{{"role", "robot"}, {"content", "x"}}})}},
        400,
@@ -110,6 +116,7 @@ TEST(ServerApi, ChatFieldsAndRendering) {
        {"seed", 42},
        {"presence_penalty", 0.5},
        {"frequency_penalty", -0.25},
+       {"logit_bias", {{"5", -100}, {"17", 2.5}}},
        {"max_completion_tokens", 17},
        {"stop", "END"},
        {"stream", true},
@@ -124,6 +131,9 @@ TEST(ServerApi, ChatFieldsAndRendering) {
   EXPECT_TRUE(r.seed_given);
   EXPECT_FLOAT_EQ(r.sampling.presence_penalty, 0.5f);
   EXPECT_FLOAT_EQ(r.sampling.frequency_penalty, -0.25f);
+  std::vector<std::pair<int, float>> bias = r.sampling.logit_bias;
+  std::sort(bias.begin(), bias.end());
+  EXPECT_EQ(bias, (std::vector<std::pair<int, float>>{{5, -100.0f}, {17, 2.5f}}));
   EXPECT_EQ(r.max_tokens, 17);
   EXPECT_EQ(r.stops, std::vector<std::string>{"END"});
   EXPECT_TRUE(r.stream && r.include_usage);

@@ -11,6 +11,7 @@
 #include "core/thread_pool.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
+#include "runtime/sampler.h"
 #include "runtime/session.h"
 
 namespace ts::cli {
@@ -137,7 +138,15 @@ inline Result<Loaded> load_model(const ModelFlags& flags) {
   return out;
 }
 
-// The session for the --device flag.
+// --logit-bias ids against the model's vocabulary.
+inline Status check_logit_bias(const runtime::SamplerOptions& so, int64_t vocab) {
+  for (const auto& [id, bias] : so.logit_bias)
+    if (id >= vocab)
+      return make_error("--logit-bias names token id " + std::to_string(id) +
+                        ", outside the vocabulary of " + std::to_string(vocab));
+  return {};
+}
+
 // --cache-warm: a router histogram (--router-hist's JSON) for this model, as counts per
 // [layer][expert]; errors name the file and the field.
 Result<std::vector<std::vector<uint64_t>>> read_cache_warm(const std::string& path,

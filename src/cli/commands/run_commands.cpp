@@ -54,9 +54,11 @@ Status cmd_generate(const Args& args) {
   so.top_k = int(top_k);
   so.top_p = float(top_p);
   so.seed = uint64_t(seed);
+  TS_ASSIGN(so.logit_bias, parse_logit_biases(args.all("logit-bias")));
   TS_ASSIGN(ModelFlags flags, read_model_flags(args));
   TS_TRY(args.check_all_used());
   TS_ASSIGN(Loaded m, load_model(flags));
+  TS_TRY(check_logit_bias(so, m.model->hp().vocab));
   const int64_t n_ctx = int64_t(tokens.size()) + n;
   TS_TRY(check_positions(n_ctx, "prompt + n", m));
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));

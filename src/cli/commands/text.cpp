@@ -39,6 +39,7 @@ Result<GenFlags> read_gen_flags(const Args& args) {
   TS_ASSIGN(int64_t seed, args.integer_or("seed", 0, 0, INT64_MAX));
   g.sampler = {.temperature = float(temperature), .top_k = int(top_k), .top_p = float(top_p),
                .seed = uint64_t(seed)};
+  TS_ASSIGN(g.sampler.logit_bias, parse_logit_biases(args.all("logit-bias")));
   g.stops = args.all("stop");
   for (const std::string& s : g.stops)
     if (s.empty()) return make_error("--stop: an empty stop string would stop at once");
@@ -127,6 +128,7 @@ Status cmd_run(const Args& args) {
   }
   if (ids.empty()) return make_error("the prompt encodes to no tokens");
   TS_ASSIGN(Loaded m, load_model(flags));
+  TS_TRY(check_logit_bias(g.sampler, m.model->hp().vocab));
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
   const int ctx = n_ctx ? int(n_ctx) : int(std::min<int64_t>(m.model->hp().max_positions,
                                                              int64_t(ids.size()) + g.max_tokens));
@@ -151,6 +153,7 @@ Status cmd_chat(const Args& args) {
   TS_ASSIGN(std::unique_ptr<tokenizer::Tokenizer> tok, tokenizer::Tokenizer::load(flags.dir));
   TS_ASSIGN(tokenizer::ChatTemplate tmpl, tokenizer::ChatTemplate::load(flags.dir));
   TS_ASSIGN(Loaded m, load_model(flags));
+  TS_TRY(check_logit_bias(g.sampler, m.model->hp().vocab));
   const int ctx = int(std::min<int64_t>(n_ctx, m.model->hp().max_positions));
   TS_ASSIGN(std::unique_ptr<runtime::Engine> engine, make_session(flags, m, {.n_ctx = ctx}));
   runtime::Engine& session = *engine;
