@@ -180,6 +180,21 @@ __device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float* s
   }
 }
 
+// q4k_scale_min from the 12 scale bytes held as three words (bytes 0-3, 4-7, 8-11), with
+// shifts instead of indexing, so they stay in registers.
+__device__ __forceinline__ void q4k_scale_min_words(uint32_t w0, uint32_t w1, uint32_t w2, int j,
+                                                    float* s, float* m) {
+  const auto byte = [](uint32_t w, int i) { return (w >> (8 * i)) & 255u; };
+  if (j < 4) {
+    *s = float(byte(w0, j) & 63);
+    *m = float(byte(w1, j) & 63);
+  } else {
+    const int k = j - 4;
+    *s = float((byte(w2, k) & 15) | ((byte(w0, k) >> 6) << 4));
+    *m = float((byte(w2, k) >> 4) | ((byte(w1, k) >> 6) << 4));
+  }
+}
+
 // A Q4_K weight, d * sc * q - dmin * m, rounded step by step (no contraction into an FMA), so
 // every kernel that dequantizes Q4_K gives the same bits.
 __device__ __forceinline__ float q4k_value(float d, float sc, float dmin, float mn, int q) {

@@ -207,11 +207,10 @@ __device__ __forceinline__ void q4k_q8_dot(const uint8_t* row, const int8_t* xq,
     const uint8_t* blk = row + size_t(p / 4) * 144;
     const int j = 2 * (p % 4);
     const uint4 h = *reinterpret_cast<const uint4*>(blk);  // d, dmin, scales[12]
-    const uint16_t* hd16 = reinterpret_cast<const uint16_t*>(&h);
-    const float d = f16_bits(hd16[0]), dmin = f16_bits(hd16[1]);
+    const float d = f16_bits(h.x & 0xffff), dmin = f16_bits(h.x >> 16);
     float sc0, mn0, sc1, mn1;
-    q4k_scale_min(reinterpret_cast<const uint8_t*>(&h) + 4, j, &sc0, &mn0);
-    q4k_scale_min(reinterpret_cast<const uint8_t*>(&h) + 4, j + 1, &sc1, &mn1);
+    q4k_scale_min_words(h.y, h.z, h.w, j, &sc0, &mn0);
+    q4k_scale_min_words(h.y, h.z, h.w, j + 1, &sc1, &mn1);
     const uint4* qv = reinterpret_cast<const uint4*>(blk + 16 + 32 * (p % 4));
     const uint4 q0 = qv[0], q1 = qv[1];
     const int qw[8] = {int(q0.x), int(q0.y), int(q0.z), int(q0.w),
@@ -991,7 +990,8 @@ namespace {
 // BF16 / F16 phase 1 takes the 40-register kernel when that turns a grid of more than one
 // wave into one (qwen3-30b-a3b: 1,536 blocks, 10 -> 12 blocks per SM on 132 SMs); grids of
 // several waves either way keep the default kernel, which measured faster on them (Mixtral,
-// docs/PERF.md). Same arithmetic in both.
+// docs/PERF.md). Same arithmetic in both. (Q4_K's phase 1, 54 registers, measured slower
+// held to 40: it spills; docs/PERF.md.)
 template <DType T>
 bool gate_up_wide(const MoeArgs& a, unsigned blocks) {
   if (a.force_wide >= 0) return a.force_wide == 1;
