@@ -64,6 +64,9 @@ struct GenRequest {
   // Completions: the prompt comes back before the completion (with logprobs, its tokens' too;
   // the first has none). max_tokens may then be 0: score the prompt only. Not with stream.
   bool echo = false;
+  // response_format {"type": "json_object"}: the reply is one JSON object (constrained
+  // decoding, runtime/json_constraint.h).
+  bool json_object = false;
 };
 
 Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTemplate& tmpl,

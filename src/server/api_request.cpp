@@ -154,6 +154,26 @@ void read_logit_bias(Fields& f, GenRequest& r) {
   }
 }
 
+// "response_format": {"type": "text"} or {"type": "json_object"} (the reply constrained to one
+// JSON object); "json_schema" is refused by name rather than ignored.
+void read_response_format(Fields& f, GenRequest& r) {
+  const json* v = f.get("response_format");
+  if (!v) return;
+  const json* type = v->is_object() && v->contains("type") ? &(*v)["type"] : nullptr;
+  if (!type || !type->is_string())
+    return f.fail("response_format", "must be an object with a string 'type'");
+  const std::string t = type->get<std::string>();
+  if (t == "json_object") {
+    r.json_object = true;
+  } else if (t == "json_schema") {
+    f.fail("response_format",
+           "type 'json_schema' is not supported; 'json_object' constrains the reply to a JSON "
+           "object");
+  } else if (t != "text") {
+    f.fail("response_format", "type '" + t + "' is not one of text, json_object");
+  }
+}
+
 // What /v1/chat/completions and /v1/completions read alike: streaming, sampling with the
 // OpenAI penalties and logit biases, the token budget, stop strings, and n (one choice only).
 void read_openai_options(Fields& f, GenRequest& r, bool chat) {
@@ -168,6 +188,7 @@ void read_openai_options(Fields& f, GenRequest& r, bool chat) {
   if (auto p = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = float(*p);
   if (auto p = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = float(*p);
   read_logit_bias(f, r);
+  read_response_format(f, r);
   read_max_tokens(f, r, chat, chat ? 1 : 0);
   read_stops(f, "stop", /*allow_string=*/true, r);
   f.integer("n", 1, 1);  // one choice per request

@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <optional>
 
+#include "runtime/json_constraint.h"
 #include "tokenizer/tokenizer.h"
 
 namespace ts::server {
@@ -139,15 +141,34 @@ Result<runtime::Generation> Engine::generate(Job& job) {
   size_t forced_at = 0;
   const std::vector<int>& forced = opt_.forced_reply;
   const std::vector<int>& eos = opt_.tokenizer->eos_ids();
+  std::optional<runtime::JsonConstraint> json;
+  std::vector<float> masked;
+  if (job.json_object) {
+    if (token_bytes_.empty()) {
+      const tokenizer::Tokenizer& t = *opt_.tokenizer;
+      token_bytes_.resize(size_t(t.vocab_size()));
+      for (int id = 0; id < t.vocab_size(); ++id)
+        if (!t.is_special(id)) token_bytes_[size_t(id)] = t.token_bytes(id);
+    }
+    json.emplace(token_bytes_, eos);
+  }
+  // A draw: from the logits with the tokens JSON mode refuses at -inf, when it is on (should
+  // no token be left, which the automaton's alphabet rules out, the reply ends).
+  const auto draw = [&](std::span<const float> logits) {
+    if (!json) return sampler.sample(logits);
+    json->mask(logits, masked);
+    const int tok = sampler.sample(masked);
+    return json->accept(tok) || eos.empty() ? tok : eos[0];
+  };
   runtime::GenerateParams params{
       .max_tokens = job.max_tokens,
       .stops = job.stops,
       .next_token =
           [&](std::span<const float> logits) {
-            const int tok = !forced.empty()               ? forced_at < forced.size()
-                                                                ? forced[forced_at++]
-                                                                : (eos.empty() ? forced.back() : eos[0])
-                                                          : sampler.sample(logits);
+            const int tok = !forced.empty() ? forced_at < forced.size()
+                                                  ? forced[forced_at++]
+                                                  : (eos.empty() ? forced.back() : eos[0])
+                                            : draw(logits);
             // An end-of-generation token ends the reply without being part of it.
             const bool ends = std::find(eos.begin(), eos.end(), tok) != eos.end();
             if (job.top_logprobs >= 0 && !ends)

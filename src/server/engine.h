@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
@@ -44,6 +45,9 @@ struct Job {
   // With top_logprobs >= 0: the prompt's tokens go first in logprobs (the first without one);
   // the prompt is then prefilled whole, with every row's logits.
   bool echo = false;
+  // response_format json_object: the reply is constrained to one JSON object
+  // (runtime/json_constraint.h) and ends with it.
+  bool json_object = false;
   // Each piece of final text (may be empty); returning false cancels. May be unset.
   std::function<bool(std::string_view)> on_text;
   std::function<void(Result<runtime::Generation>)> on_done;
@@ -86,6 +90,8 @@ class Engine {
   EngineOptions opt_;
   std::unique_ptr<runtime::Engine> session_;
   std::vector<int> cached_;  // tokens whose KV rows the session holds
+  // Every token's bytes (special tokens: none), built by the first JSON-mode request.
+  std::vector<std::string> token_bytes_;
   Metrics metrics_;
   mutable std::mutex mu_;
   std::condition_variable cv_;

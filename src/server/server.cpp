@@ -178,6 +178,11 @@ Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
                                  ", outside the vocabulary of " + std::to_string(tok.vocab_size()),
                       .param = param};
   if (ids.empty()) return ApiError{.message = "the prompt encodes to no tokens", .param = param};
+  if (r.json_object && tok.eos_ids().empty())
+    return ApiError{.message =
+                        "'response_format' json_object needs an end-of-generation token, "
+                        "and this model's tokenizer names none",
+                    .param = "response_format"};
   for (const auto& [id, bias] : r.sampling.logit_bias)
     if (id >= tok.vocab_size())
       return ApiError{.message = "'logit_bias' names token id " + std::to_string(id) +
@@ -208,6 +213,8 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
                                   : parse_messages_request(body, tmpl, opt.model_id);
   if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(req, res, *e);
   GenRequest& r = std::get<GenRequest>(parsed);
+  // A JSON-mode reply is the object itself: not read for tool calls or reasoning.
+  if (r.json_object) r.parse_tools = false;
   Parsed<std::vector<int>> ids = tokenize(r, api);
   if (auto* e = std::get_if<ApiError>(&ids)) return send_error(req, res, *e);
 
@@ -218,12 +225,14 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   job->sampling = r.sampling;
   job->top_logprobs = r.logprobs;
   job->echo = r.echo;
+  job->json_object = r.json_object;
   if (!r.seed_given) job->sampling.seed = std::random_device{}();
   const int64_t prompt_tokens = int64_t(job->prompt.size());
   const char* prefix = api == Api::kChat ? "chatcmpl-" : api == Api::kCompletion ? "cmpl-" : "msg_";
   const ResponseInfo info{
       .id = make_id(prefix), .model = opt.model_id, .created = std::time(nullptr)};
-  const bool in_reasoning = api != Api::kCompletion && prompt_opens_reasoning(r.prompt_text);
+  const bool in_reasoning =
+      api != Api::kCompletion && !r.json_object && prompt_opens_reasoning(r.prompt_text);
   const ApiError busy{.status = 503, .code = "queue_full", .type = "server_error"};
 
   if (!r.stream) {

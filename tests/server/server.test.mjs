@@ -319,6 +319,36 @@ test('logit_bias: the same reply as the CLI with the same biases; ids past the v
   }
 });
 
+test('response_format json_object: the reply is a JSON object, streamed alike; json_schema is a 400', async () => {
+  // The fixture's tokenizer: '}' is 125, <|im_end|> (EOS) 402. Biases toward them make the
+  // noise model close its object at once; without them it must still keep to JSON.
+  const ask = (extra) => openai.chat.completions.create({
+    model: MODEL, messages: HELLO, max_tokens: 64, response_format: { type: 'json_object' }, ...extra,
+  });
+  const closed = await ask({ logit_bias: { 125: 30, 402: 60 } });
+  assert.equal(closed.choices[0].finish_reason, 'stop');
+  assert.deepEqual(JSON.parse(closed.choices[0].message.content), {});
+  for (const seed of [1, 2, 3]) {
+    const r = await ask({ temperature: 1.0, seed, logit_bias: { 402: 8 } });
+    const text = r.choices[0].message.content;
+    assert.match(text, /^\s*\{/, text);
+    if (r.choices[0].finish_reason === 'stop') {
+      const v = JSON.parse(text);
+      assert.equal(typeof v, 'object');
+      assert.ok(v !== null && !Array.isArray(v), text);
+    }
+    let streamed = '';
+    for await (const c of await ask({ temperature: 1.0, seed, logit_bias: { 402: 8 }, stream: true }))
+      streamed += c.choices[0]?.delta?.content ?? '';
+    assert.equal(streamed, text);
+  }
+  const bad = await post(main.base, '/v1/chat/completions', {
+    messages: HELLO, response_format: { type: 'json_schema', json_schema: { name: 'x', schema: {} } },
+  });
+  assert.equal(bad.status, 400, bad.text);
+  assert.equal(bad.json.error.param, 'response_format');
+});
+
 test('stop strings cut the reply (OpenAI and Anthropic)', async () => {
   const full = (await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N })).choices[0].message.content;
   // A two-character stop taken from the middle of the greedy reply.

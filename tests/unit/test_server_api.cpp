@@ -71,6 +71,11 @@ TEST(ServerApi, ChatErrorsNameTheField) {
       {{{"messages", kUser}, {"logit_bias", {{"-3", 1}}}}, 400, "logit_bias"},
       {{{"messages", kUser}, {"logit_bias", {{"7", 101}}}}, 400, "logit_bias"},
       {{{"messages", kUser}, {"logit_bias", {{"7", "up"}}}}, 400, "logit_bias"},
+      {{{"messages", kUser}, {"response_format", "json"}}, 400, "response_format"},
+      {{{"messages", kUser}, {"response_format", {{"type", "xml"}}}}, 400, "response_format"},
+      {{{"messages", kUser}, {"response_format", {{"type", "json_schema"}}}},
+       400,
+       "response_format"},
       {{{"messages", json::array({{{"content", "x"}}})}}, 400, "messages[0].role"},
       {{{"messages", json::array({{{"role", "robot"}, {"content", "x"}}})}},
        400,
@@ -117,6 +122,7 @@ TEST(ServerApi, ChatFieldsAndRendering) {
        {"presence_penalty", 0.5},
        {"frequency_penalty", -0.25},
        {"logit_bias", {{"5", -100}, {"17", 2.5}}},
+       {"response_format", {{"type", "json_object"}}},
        {"max_completion_tokens", 17},
        {"stop", "END"},
        {"stream", true},
@@ -134,6 +140,8 @@ TEST(ServerApi, ChatFieldsAndRendering) {
   std::vector<std::pair<int, float>> bias = r.sampling.logit_bias;
   std::sort(bias.begin(), bias.end());
   EXPECT_EQ(bias, (std::vector<std::pair<int, float>>{{5, -100.0f}, {17, 2.5f}}));
+  EXPECT_TRUE(r.json_object);
+  EXPECT_FALSE(chat_ok({{"messages", kUser}, {"response_format", {{"type", "text"}}}}).json_object);
   EXPECT_EQ(r.max_tokens, 17);
   EXPECT_EQ(r.stops, std::vector<std::string>{"END"});
   EXPECT_TRUE(r.stream && r.include_usage);
