@@ -67,6 +67,9 @@ struct GenRequest {
   // response_format {"type": "json_object"}: the reply is one JSON object (constrained
   // decoding, runtime/json_constraint.h).
   bool json_object = false;
+  // OpenAI's n: choices generated one after another from the same prompt (choice i samples
+  // with seed + i; without a seed, from a fresh random one); not with stream.
+  int n = 1;
 };
 
 Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTemplate& tmpl,
@@ -121,6 +124,9 @@ json completion_response(const ResponseInfo& info, const runtime::Generation& ge
                          json logprobs = nullptr);
 json messages_response(const ResponseInfo& info, const runtime::Generation& gen,
                        const ReplyParts& reply, const std::vector<std::string>& stops);
+// n choices of one request as one response: the first response with every response's (single)
+// choice in order, index i, and usage summed (the prompt counted once).
+json merge_choices(std::vector<json> responses);
 
 // Turns a stream of reply text into SSE frames ("data: {...}\n\n", Anthropic frames with an
 // "event:" line). begin() once, then text() per piece, then end() with the result.

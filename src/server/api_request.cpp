@@ -175,7 +175,7 @@ void read_response_format(Fields& f, GenRequest& r) {
 }
 
 // What /v1/chat/completions and /v1/completions read alike: streaming, sampling with the
-// OpenAI penalties and logit biases, the token budget, stop strings, and n (one choice only).
+// OpenAI penalties and logit biases, the token budget, stop strings, and n (not streamed).
 void read_openai_options(Fields& f, GenRequest& r, bool chat) {
   r.stream = f.boolean("stream").value_or(false);
   if (const json* so = f.get("stream_options")) {
@@ -191,7 +191,8 @@ void read_openai_options(Fields& f, GenRequest& r, bool chat) {
   read_response_format(f, r);
   read_max_tokens(f, r, chat, chat ? 1 : 0);
   read_stops(f, "stop", /*allow_string=*/true, r);
-  f.integer("n", 1, 1);  // one choice per request
+  if (auto k = f.integer("n", 1, 128)) r.n = int(*k);
+  if (r.n > 1 && r.stream) f.fail("n", "above 1 is not supported with stream: true");
 }
 
 // OpenAI content: a string, null, or an array of {"type": "text", "text": ...} parts, which

@@ -155,6 +155,25 @@ json completion_response(const ResponseInfo& info, const runtime::Generation& ge
           {"usage", openai_usage(gen)}};
 }
 
+json merge_choices(std::vector<json> responses) {
+  json out = std::move(responses.at(0));
+  json choices = json::array();
+  int64_t completion = 0;
+  for (size_t i = 0; i < responses.size(); ++i) {
+    const json& r = i == 0 ? out : responses[i];
+    json c = r.at("choices").at(0);
+    c["index"] = i;
+    choices.push_back(std::move(c));
+    completion += r.at("usage").at("completion_tokens").get<int64_t>();
+  }
+  const int64_t prompt = out.at("usage").at("prompt_tokens").get<int64_t>();
+  out["choices"] = std::move(choices);
+  out["usage"] = {{"prompt_tokens", prompt},
+                  {"completion_tokens", completion},
+                  {"total_tokens", prompt + completion}};
+  return out;
+}
+
 json messages_response(const ResponseInfo& info, const runtime::Generation& gen,
                        const ReplyParts& reply, const std::vector<std::string>& stops) {
   json content = json::array();

@@ -218,16 +218,23 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   Parsed<std::vector<int>> ids = tokenize(r, api);
   if (auto* e = std::get_if<ApiError>(&ids)) return send_error(req, res, *e);
 
-  auto job = std::make_shared<Job>();
-  job->prompt = std::move(std::get<std::vector<int>>(ids));
-  job->max_tokens = r.max_tokens.value_or(engine.n_ctx() - int64_t(job->prompt.size()));
-  job->stops = r.stops;
-  job->sampling = r.sampling;
-  job->top_logprobs = r.logprobs;
-  job->echo = r.echo;
-  job->json_object = r.json_object;
-  if (!r.seed_given) job->sampling.seed = std::random_device{}();
-  const int64_t prompt_tokens = int64_t(job->prompt.size());
+  const std::vector<int> prompt = std::move(std::get<std::vector<int>>(ids));
+  const uint64_t seed = r.seed_given ? r.sampling.seed : uint64_t(std::random_device{}());
+  // The request's job; choice i of n samples with seed + i.
+  const auto make_job = [&](int choice) {
+    auto j = std::make_shared<Job>();
+    j->prompt = prompt;
+    j->max_tokens = r.max_tokens.value_or(engine.n_ctx() - int64_t(prompt.size()));
+    j->stops = r.stops;
+    j->sampling = r.sampling;
+    j->sampling.seed = seed + uint64_t(choice);
+    j->top_logprobs = r.logprobs;
+    j->echo = r.echo;
+    j->json_object = r.json_object;
+    return j;
+  };
+  auto job = make_job(0);
+  const int64_t prompt_tokens = int64_t(prompt.size());
   const char* prefix = api == Api::kChat ? "chatcmpl-" : api == Api::kCompletion ? "cmpl-" : "msg_";
   const ResponseInfo info{
       .id = make_id(prefix), .model = opt.model_id, .created = std::time(nullptr)};
@@ -236,37 +243,42 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   const ApiError busy{.status = 503, .code = "queue_full", .type = "server_error"};
 
   if (!r.stream) {
-    auto done = std::make_shared<std::promise<Result<runtime::Generation>>>();
-    auto result = done->get_future();
-    job->on_done = [done](Result<runtime::Generation> g) { done->set_value(std::move(g)); };
-    if (Status st = engine.submit(job); !st.ok()) {
-      ApiError e = busy;
-      e.message = st.error().message;
-      return send_error(req, res, e);
+    // n choices, one job after another.
+    std::vector<json> choices;
+    for (int i = 0; i < r.n; ++i) {
+      auto one = i == 0 ? job : make_job(i);
+      auto done = std::make_shared<std::promise<Result<runtime::Generation>>>();
+      auto result = done->get_future();
+      one->on_done = [done](Result<runtime::Generation> g) { done->set_value(std::move(g)); };
+      if (Status st = engine.submit(one); !st.ok()) {
+        ApiError e = busy;
+        e.message = st.error().message;
+        return send_error(req, res, e);
+      }
+      Result<runtime::Generation> gen = result.get();
+      if (!gen.ok())
+        return send_error(req, res,
+                          {.status = 500,
+                           .message = "generation failed: " + gen.error().message,
+                           .type = "server_error"});
+      // (The engine is done with the job: its logprobs are complete.)
+      if (api == Api::kCompletion) {
+        if (r.echo)
+          gen->text =
+              (r.prompt_ids.empty() ? r.prompt_text : tok.decode(r.prompt_ids, false)) + gen->text;
+        choices.push_back(completion_response(
+            info, *gen, r.logprobs >= 0 ? completion_logprobs_json(one->logprobs) : json(nullptr)));
+        continue;
+      }
+      ReplyParts reply = split_reply(gen->text, r.parse_tools, in_reasoning);
+      choices.push_back(
+          api == Api::kChat
+              ? chat_response(info, *gen, reply,
+                              r.logprobs >= 0 ? chat_logprobs_json(one->logprobs) : json(nullptr))
+              : messages_response(info, *gen, reply, r.stops));
     }
-    Result<runtime::Generation> gen = result.get();
-    if (!gen.ok())
-      return send_error(req, res,
-                        {.status = 500,
-                         .message = "generation failed: " + gen.error().message,
-                         .type = "server_error"});
-    // (The engine is done with the job: its logprobs are complete.)
-    if (api == Api::kCompletion) {
-      if (r.echo)
-        gen->text = (r.prompt_ids.empty() ? r.prompt_text : tok.decode(r.prompt_ids, false)) +
-                    gen->text;
-      return send_json(res, 200,
-                       completion_response(info, *gen,
-                                           r.logprobs >= 0 ? completion_logprobs_json(job->logprobs)
-                                                           : json(nullptr)));
-    }
-    ReplyParts reply = split_reply(gen->text, r.parse_tools, in_reasoning);
-    return send_json(
-        res, 200,
-        api == Api::kChat
-            ? chat_response(info, *gen, reply,
-                            r.logprobs >= 0 ? chat_logprobs_json(job->logprobs) : json(nullptr))
-            : messages_response(info, *gen, reply, r.stops));
+    return send_json(res, 200,
+                     r.n == 1 ? std::move(choices[0]) : merge_choices(std::move(choices)));
   }
 
   auto channel = std::make_shared<StreamChannel>();

@@ -349,6 +349,30 @@ test('response_format json_object: the reply is a JSON object, streamed alike; j
   assert.equal(bad.json.error.param, 'response_format');
 });
 
+test('n: choices one after another, choice i as a request with seed + i; usage summed; not streamed', async () => {
+  const ask = (n, seed) => openai.chat.completions.create({
+    model: MODEL, messages: HELLO, max_tokens: 12, temperature: 1.0, seed, n,
+  });
+  const three = await ask(3, 7);
+  assert.deepEqual(three.choices.map((c) => c.index), [0, 1, 2]);
+  let completion = 0;
+  for (let i = 0; i < 3; ++i) {
+    const one = await ask(1, 7 + i);
+    assert.equal(three.choices[i].message.content, one.choices[0].message.content, `choice ${i}`);
+    assert.equal(three.usage.prompt_tokens, one.usage.prompt_tokens);
+    completion += one.usage.completion_tokens;
+  }
+  assert.equal(three.usage.completion_tokens, completion);
+  assert.equal(three.usage.total_tokens, three.usage.prompt_tokens + completion);
+  const prompt = 'the cat is on the mat';
+  const greedy = await openai.completions.create({ model: MODEL, prompt, max_tokens: 8, n: 2 });
+  const want = cliRun(['--prompt', prompt, '-n', '8']);
+  assert.deepEqual(greedy.choices.map((c) => [c.index, c.text]), [[0, want], [1, want]]);
+  const bad = await post(main.base, '/v1/chat/completions', { messages: HELLO, n: 2, stream: true });
+  assert.equal(bad.status, 400, bad.text);
+  assert.equal(bad.json.error.param, 'n');
+});
+
 test('stop strings cut the reply (OpenAI and Anthropic)', async () => {
   const full = (await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N })).choices[0].message.content;
   // A two-character stop taken from the middle of the greedy reply.

@@ -64,7 +64,9 @@ TEST(ServerApi, ChatErrorsNameTheField) {
       {{{"messages", kUser}, {"stop", json::array({"a", 1})}}, 400, "stop"},
       {{{"messages", kUser}, {"stop", ""}}, 400, "stop"},
       {{{"messages", kUser}, {"stream", "yes"}}, 400, "stream"},
-      {{{"messages", kUser}, {"n", 2}}, 400, "n"},
+      {{{"messages", kUser}, {"n", 0}}, 400, "n"},
+      {{{"messages", kUser}, {"n", 129}}, 400, "n"},
+      {{{"messages", kUser}, {"n", 2}, {"stream", true}}, 400, "n"},
       {{{"messages", kUser}, {"presence_penalty", 5}}, 400, "presence_penalty"},
       {{{"messages", kUser}, {"logit_bias", json::array({1})}}, 400, "logit_bias"},
       {{{"messages", kUser}, {"logit_bias", {{"abc", 1}}}}, 400, "logit_bias"},
@@ -141,6 +143,8 @@ TEST(ServerApi, ChatFieldsAndRendering) {
   std::sort(bias.begin(), bias.end());
   EXPECT_EQ(bias, (std::vector<std::pair<int, float>>{{5, -100.0f}, {17, 2.5f}}));
   EXPECT_TRUE(r.json_object);
+  EXPECT_EQ(r.n, 1);
+  EXPECT_EQ(chat_ok({{"messages", kUser}, {"n", 3}}).n, 3);
   EXPECT_FALSE(chat_ok({{"messages", kUser}, {"response_format", {{"type", "text"}}}}).json_object);
   EXPECT_EQ(r.max_tokens, 17);
   EXPECT_EQ(r.stops, std::vector<std::string>{"END"});
