@@ -14,6 +14,7 @@
 #include "server/engine.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 namespace ts::server {
 namespace {
@@ -39,7 +40,7 @@ bool same_secret(const std::string& a, const std::string& b) {
 
 const char* route_label(const std::string& path) {
   for (const char* r : {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models",
-                        "/health", "/metrics"})
+                        "/health", "/metrics", "/tokenize", "/detokenize"})
     if (path == r) return r;
   return path.rfind("/v1/models/", 0) == 0 ? "/v1/models/{id}" : "other";
 }
@@ -156,6 +157,59 @@ void Server::Impl::setup() {
                          .param = "model",
                          .code = "model_not_found"});
     send_json(res, 200, model_json());
+  });
+  // llama.cpp's server routes for counting and inspecting tokens (UIs and tools use them).
+  http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    const json body = json::parse(req.body, nullptr, false);
+    if (!body.is_object())
+      return send_error(req, res, {.message = "the request body must be a JSON object"});
+    const auto it = body.find("content");
+    if (it == body.end() || !it->is_string())
+      return send_error(req, res, {.message = "'content' must be a string", .param = "content"});
+    bool flags[2] = {false, false};  // add_special, with_pieces
+    const char* names[2] = {"add_special", "with_pieces"};
+    for (int i = 0; i < 2; ++i)
+      if (const auto f = body.find(names[i]); f != body.end() && !f->is_null()) {
+        if (!f->is_boolean())
+          return send_error(
+              req, res,
+              {.message = "'" + std::string(names[i]) + "' must be a boolean", .param = names[i]});
+        flags[i] = f->get<bool>();
+      }
+    const std::vector<int> ids = tok.encode(it->get<std::string>(), flags[0]);
+    if (!flags[1]) return send_json(res, 200, {{"tokens", ids}});
+    // Each piece as text, or as its byte values where it is not valid UTF-8 on its own.
+    json tokens = json::array();
+    for (int id : ids) {
+      const std::string piece = tok.token_bytes(id);
+      json p = piece;
+      if (!tokenizer::is_valid_utf8(piece)) {
+        p = json::array();
+        for (unsigned char b : piece) p.push_back(int(b));
+      }
+      tokens.push_back({{"id", id}, {"piece", p}});
+    }
+    send_json(res, 200, {{"tokens", tokens}});
+  });
+  http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    const json body = json::parse(req.body, nullptr, false);
+    if (!body.is_object())
+      return send_error(req, res, {.message = "the request body must be a JSON object"});
+    const auto it = body.find("tokens");
+    if (it == body.end() || !it->is_array())
+      return send_error(req, res,
+                        {.message = "'tokens' must be an array of token ids", .param = "tokens"});
+    std::vector<int> ids;
+    for (size_t i = 0; i < it->size(); ++i) {
+      const json& v = (*it)[i];
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= tok.vocab_size())
+        return send_error(req, res,
+                          {.message = "'tokens[" + std::to_string(i) + "]' is " + v.dump() +
+                                      ", not a token id below " + std::to_string(tok.vocab_size()),
+                           .param = "tokens"});
+      ids.push_back(int(v.get<int64_t>()));
+    }
+    send_json(res, 200, {{"content", tok.decode(ids, /*skip_special=*/false)}});
   });
   http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
     handle_generate(Api::kChat, req, res);

@@ -373,6 +373,32 @@ test('n: choices one after another, choice i as a request with seed + i; usage s
   assert.equal(bad.json.error.param, 'n');
 });
 
+test('/tokenize and /detokenize: the ids of the CLI, pieces that add up to the text, a round trip, 400s', async () => {
+  const text = 'hello world, caf\u00e9 \u{1F600}';
+  const f = path.join(TMP, 'tok.jsonl');
+  writeFileSync(f, JSON.stringify(text) + '\n');
+  const cli = JSON.parse(execFileSync(BIN, ['tokenize', '--model', MODEL_DIR, '--input', f], { encoding: 'utf8' }));
+  const t = await post(main.base, '/tokenize', { content: text });
+  assert.equal(t.status, 200, t.text);
+  assert.deepEqual(t.json.tokens, cli);
+  const p = await post(main.base, '/tokenize', { content: text, with_pieces: true });
+  assert.deepEqual(p.json.tokens.map((x) => x.id), cli);
+  // Pieces are text, or byte values where a piece holds part of a character: together the text.
+  const bytes = p.json.tokens.flatMap((x) =>
+    typeof x.piece === 'string' ? [...Buffer.from(x.piece, 'utf8')] : x.piece);
+  assert.equal(Buffer.from(bytes).toString('utf8'), text);
+  const d = await post(main.base, '/detokenize', { tokens: cli });
+  assert.equal(d.status, 200, d.text);
+  assert.equal(d.json.content, text);
+  for (const [route, body, param] of [['/tokenize', { text }, 'content'],
+    ['/tokenize', { content: text, add_special: 'yes' }, 'add_special'],
+    ['/detokenize', { tokens: [1, 512] }, 'tokens'], ['/detokenize', { tokens: 'x' }, 'tokens']]) {
+    const r = await post(main.base, route, body);
+    assert.equal(r.status, 400, r.text);
+    assert.equal(r.json.error.param, param);
+  }
+});
+
 test('stop strings cut the reply (OpenAI and Anthropic)', async () => {
   const full = (await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N })).choices[0].message.content;
   // A two-character stop taken from the middle of the greedy reply.
