@@ -39,8 +39,9 @@ bool same_secret(const std::string& a, const std::string& b) {
 }
 
 const char* route_label(const std::string& path) {
-  for (const char* r : {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models",
-                        "/health", "/metrics", "/tokenize", "/detokenize"})
+  for (const char* r :
+       {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health",
+        "/metrics", "/tokenize", "/detokenize", "/v1/messages/count_tokens"})
     if (path == r) return r;
   return path.rfind("/v1/models/", 0) == 0 ? "/v1/models/{id}" : "other";
 }
@@ -211,6 +212,16 @@ void Server::Impl::setup() {
     }
     send_json(res, 200, {{"content", tok.decode(ids, /*skip_special=*/false)}});
   });
+  // Anthropic's token count: the prompt a Messages request with this body would prefill.
+  http.Post(
+      "/v1/messages/count_tokens", [this](const httplib::Request& req, httplib::Response& res) {
+        json body = json::parse(req.body, nullptr, false);
+        if (body.is_object() && !body.contains("max_tokens")) body["max_tokens"] = 1;  // not asked
+        Parsed<GenRequest> parsed = parse_messages_request(body, tmpl, opt.model_id);
+        if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(req, res, *e);
+        const GenRequest& r = std::get<GenRequest>(parsed);
+        send_json(res, 200, {{"input_tokens", tok.encode(r.prompt_text, r.add_special).size()}});
+      });
   http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
     handle_generate(Api::kChat, req, res);
   });

@@ -399,6 +399,21 @@ test('/tokenize and /detokenize: the ids of the CLI, pieces that add up to the t
   }
 });
 
+test('anthropic count_tokens: the prompt tokens a Messages request prefills', async () => {
+  const req = { model: MODEL, system: 'be brief', messages: [{ role: 'user', content: 'write a poem' }] };
+  const counted = await anthropic.messages.countTokens(req);
+  const made = await anthropic.messages.create({ ...req, max_tokens: 2 });
+  assert.equal(counted.input_tokens, made.usage.input_tokens);
+  const longer = await anthropic.messages.countTokens({
+    ...req, messages: [...req.messages, { role: 'assistant', content: 'ok' }, { role: 'user', content: 'more' }],
+  });
+  assert.ok(longer.input_tokens > counted.input_tokens);
+  const bad = await post(main.base, '/v1/messages/count_tokens', { model: MODEL });
+  assert.equal(bad.status, 400, bad.text);
+  assert.equal(bad.json.type, 'error');  // Anthropic's error shape, naming the field
+  assert.match(bad.json.error.message, /'messages'/);
+});
+
 test('stop strings cut the reply (OpenAI and Anthropic)', async () => {
   const full = (await openai.chat.completions.create({ model: MODEL, messages: HELLO, max_tokens: N })).choices[0].message.content;
   // A two-character stop taken from the middle of the greedy reply.
