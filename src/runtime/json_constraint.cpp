@@ -51,10 +51,10 @@ bool JsonPrefix::value_start(uint8_t c) {
       key_ = false, mode_ = Mode::kString;
       return true;
     case '-':
-      mode_ = Mode::kNumber, num_ = Num::kMinus;
+      mode_ = Mode::kNumber, num_ = Num::kMinus, int_digits_ = 0, exp_digits_ = 0;
       return true;
     case '0':
-      mode_ = Mode::kNumber, num_ = Num::kZero;
+      mode_ = Mode::kNumber, num_ = Num::kZero, int_digits_ = 1, exp_digits_ = 0;
       return true;
     case 't':
       mode_ = Mode::kLiteral, lit_ = "rue";
@@ -67,7 +67,7 @@ bool JsonPrefix::value_start(uint8_t c) {
       return true;
     default:
       if (c >= '1' && c <= '9') {
-        mode_ = Mode::kNumber, num_ = Num::kInt;
+        mode_ = Mode::kNumber, num_ = Num::kInt, int_digits_ = 1, exp_digits_ = 0;
         return true;
       }
       return false;
@@ -160,12 +160,19 @@ bool JsonPrefix::step(uint8_t c) {
         switch (n) {
           case Num::kMinus:
             num_ = c == '0' ? Num::kZero : Num::kInt;
+            int_digits_ = 1;
             return true;
           case Num::kZero:
             break;  // no digit after a leading 0: the number may only end
           case Num::kInt:
+            if (int_digits_ == kMaxIntDigits) return false;
+            ++int_digits_;
+            return true;
           case Num::kFrac:
+            return true;
           case Num::kExp:
+            if (exp_digits_ == kMaxExpDigits) return false;
+            ++exp_digits_;
             return true;
           case Num::kDot:
             num_ = Num::kFrac;
@@ -173,6 +180,7 @@ bool JsonPrefix::step(uint8_t c) {
           case Num::kE:
           case Num::kESign:
             num_ = Num::kExp;
+            exp_digits_ = 1;
             return true;
         }
       } else if (c == '.' && (n == Num::kZero || n == Num::kInt)) {

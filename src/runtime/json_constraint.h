@@ -23,6 +23,10 @@ class JsonPrefix {
   // Nesting deeper than this is refused (the state stays a small fixed-size value, cheap to
   // copy for every candidate token).
   static constexpr int kMaxDepth = 48;
+  // Numbers stay within a double's range, so that every parser reads them (RFC 8259 allows
+  // any length; some parsers refuse what overflows): at most this many integer digits and
+  // exponent digits (< 10^299 in magnitude).
+  static constexpr int kMaxIntDigits = 200, kMaxExpDigits = 2;
   // Whether the byte continues a prefix of a JSON object; on false the state is unchanged.
   bool feed(uint8_t c);
   // Every byte of s in turn; false (state unchanged) if any is refused.
@@ -60,6 +64,7 @@ class JsonPrefix {
 
   Mode mode_ = Mode::kStart;
   Num num_ = Num::kInt;
+  uint8_t int_digits_ = 0, exp_digits_ = 0;  // of the number being read
   bool key_ = false;      // the string being read is an object key
   uint8_t hex_left_ = 0;  // \u digits still to come
   // Inside a string: UTF-8 continuation bytes still to come, and the range the next one must
