@@ -30,6 +30,14 @@ void send_error(const httplib::Request& req, httplib::Response& res, const ApiEr
   send_json(res, e.status, is_anthropic(req) ? anthropic_error_body(e) : openai_error_body(e));
 }
 
+// The body of /tokenize or /detokenize, which must be a JSON object; otherwise the 400 is sent.
+std::optional<json> object_body(const httplib::Request& req, httplib::Response& res) {
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_object()) return body;
+  send_error(req, res, {.message = "the request body must be a JSON object"});
+  return std::nullopt;
+}
+
 // Compares without an early exit, so the time taken does not reveal a matching prefix.
 bool same_secret(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
@@ -161,24 +169,20 @@ void Server::Impl::setup() {
   });
   // llama.cpp's server routes for counting and inspecting tokens (UIs and tools use them).
   http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
-    const json body = json::parse(req.body, nullptr, false);
-    if (!body.is_object())
-      return send_error(req, res, {.message = "the request body must be a JSON object"});
-    const auto it = body.find("content");
-    if (it == body.end() || !it->is_string())
+    const std::optional<json> body = object_body(req, res);
+    if (!body) return;
+    const auto it = body->find("content");
+    if (it == body->end() || !it->is_string())
       return send_error(req, res, {.message = "'content' must be a string", .param = "content"});
-    bool flags[2] = {false, false};  // add_special, with_pieces
-    const char* names[2] = {"add_special", "with_pieces"};
-    for (int i = 0; i < 2; ++i)
-      if (const auto f = body.find(names[i]); f != body.end() && !f->is_null()) {
-        if (!f->is_boolean())
-          return send_error(
-              req, res,
-              {.message = "'" + std::string(names[i]) + "' must be a boolean", .param = names[i]});
-        flags[i] = f->get<bool>();
-      }
-    const std::vector<int> ids = tok.encode(it->get<std::string>(), flags[0]);
-    if (!flags[1]) return send_json(res, 200, {{"tokens", ids}});
+    const json add_special = body->value("add_special", json(false)),
+               with_pieces = body->value("with_pieces", json(false));
+    for (const auto& [name, v] :
+         {std::pair{"add_special", &add_special}, {"with_pieces", &with_pieces}})
+      if (!v->is_boolean() && !v->is_null())
+        return send_error(
+            req, res, {.message = "'" + std::string(name) + "' must be a boolean", .param = name});
+    const std::vector<int> ids = tok.encode(it->get<std::string>(), add_special == true);
+    if (with_pieces != true) return send_json(res, 200, {{"tokens", ids}});
     // Each piece as text, or as its byte values where it is not valid UTF-8 on its own.
     json tokens = json::array();
     for (int id : ids) {
@@ -193,11 +197,10 @@ void Server::Impl::setup() {
     send_json(res, 200, {{"tokens", tokens}});
   });
   http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
-    const json body = json::parse(req.body, nullptr, false);
-    if (!body.is_object())
-      return send_error(req, res, {.message = "the request body must be a JSON object"});
-    const auto it = body.find("tokens");
-    if (it == body.end() || !it->is_array())
+    const std::optional<json> body = object_body(req, res);
+    if (!body) return;
+    const auto it = body->find("tokens");
+    if (it == body->end() || !it->is_array())
       return send_error(req, res,
                         {.message = "'tokens' must be an array of token ids", .param = "tokens"});
     std::vector<int> ids;

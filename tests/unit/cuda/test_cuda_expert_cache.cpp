@@ -296,13 +296,18 @@ void check_grouped_prefill(const std::string& cfg, ts::DType t, int n_prompt,
   EXPECT_GT(num, 0.0) << "the two paths should round differently";
 }
 
+// The two tests' model: a 2-layer qwen3_moe of 16 experts (top 4) of width d_expert.
+std::string grouped_config(int d_expert) {
+  return R"({"model_type": "qwen3_moe", "hidden_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "vocab_size": 512, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": )" +
+         std::to_string(d_expert) + R"(, "intermediate_size": 512, "norm_topk_prob": true,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
+}
+
 TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const std::string cfg = R"({"model_type": "qwen3_moe", "hidden_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "vocab_size": 512, "num_experts": 16, "num_experts_per_tok": 4,
-    "moe_intermediate_size": 96, "intermediate_size": 512, "norm_topk_prob": true,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
+  const std::string cfg = grouped_config(96);
   // 100 tokens: 25 rows per expert (Q8_0 experts read as blocks by the grouped kernel);
   // 400: 100 rows per expert (Q8_0 experts dequantized to BF16 for the chunk first).
   for (const int n_prompt : {100, 400})
@@ -317,11 +322,7 @@ TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
 // the dense Q4_K matrices through the same dequantization for cuBLAS.
 TEST(CudaExpertCacheGrouped, Q4KExpertsPrefillOnBf16CopiesMatchesResidentAndGemvPath) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const std::string cfg = R"({"model_type": "qwen3_moe", "hidden_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "vocab_size": 512, "num_experts": 16, "num_experts_per_tok": 4,
-    "moe_intermediate_size": 256, "intermediate_size": 512, "norm_topk_prob": true,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
+  const std::string cfg = grouped_config(256);
   for (const int n_prompt : {100, 400})
     for (const bool q8_down : {false, true}) {
       SCOPED_TRACE(std::to_string(n_prompt) + " tokens, down " + (q8_down ? "Q8_0" : "Q4_K"));
