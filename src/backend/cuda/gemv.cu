@@ -397,22 +397,26 @@ constexpr int kRoutePer = kMaxExperts / 32;
 
 // Token t's softmax over its logits by one warp: lane holds experts lane, lane + 32, ...
 // (-1 past n_experts). The logits are read from L2 (__ldcg): norm_route_kernel routes on
-// logits other blocks of the same grid wrote.
+// logits other blocks of the same grid wrote. The loops stop at the last group of 32 that
+// holds an expert (warp-uniform), so 128 experts take 4 of kRoutePer steps; the steps skipped
+// would add 0 to the sum and -inf to the max, so the bits are those of the full loop.
 __device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane,
                                             float (&p)[kRoutePer]) {
   constexpr int kPer = kRoutePer;
+  const int used = (a.n_experts + 31) / 32;
   const float* lg = a.logits + size_t(t) * a.n_experts;
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane + 32 * i;
-    p[i] = e < a.n_experts ? __ldcg(lg + e) : -INFINITY;
+    p[i] = i < used && e < a.n_experts ? __ldcg(lg + e) : -INFINITY;
     mx = fmaxf(mx, p[i]);
   }
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float sum = 0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
+    if (i >= used) break;
     const int e = lane + 32 * i;
     p[i] = e < a.n_experts ? expf(p[i] - mx) : 0.0f;
     sum += p[i];
@@ -489,12 +493,19 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane)
 // probabilities as route_token does, then every expert's rank at once (how many experts beat
 // it: a higher probability, or the same and a lower id, route_token's order), g threads per
 // expert counting a share each, instead of top_k rounds of a warp-wide argmax one after the
-// other. The same ids and weights as route_token, summed in rank order.
+// other. A share is every g-th group of 4 experts, read as one float4 (the probabilities are
+// padded to a multiple of 4 with -inf, which beats and ties nothing). The same ids and
+// weights as route_token, summed in rank order.
+__device__ __forceinline__ int rank_beats(float pj, int j, float pe, int e) {
+  return int(pj > pe) | (int(pj == pe) & int(j < e));
+}
+
 __device__ __forceinline__ void block_route_one(const RouteArgs& a) {
-  __shared__ float probs[kMaxExperts];
+  __shared__ float4 probs4[kMaxExperts / 4];
   __shared__ int sel_e[kMaxExperts];
   __shared__ float sel_p[kMaxExperts];
-  const int lane = threadIdx.x % 32, ne = a.n_experts;
+  float* probs = reinterpret_cast<float*>(probs4);
+  const int lane = threadIdx.x % 32, ne = a.n_experts, groups = (ne + 3) / 4;
   if (threadIdx.x < 32) {
     // Slots no rank fills (only with NaN probabilities) still name an expert.
     for (int r = lane; r < a.top_k; r += 32) {
@@ -506,6 +517,7 @@ __device__ __forceinline__ void block_route_one(const RouteArgs& a) {
 #pragma unroll
     for (int i = 0; i < kRoutePer; ++i)
       if (lane + 32 * i < ne) probs[lane + 32 * i] = p[i];
+    if (lane < 4 * groups - ne) probs[ne + lane] = -INFINITY;
   }
   __syncthreads();
   int g = 1;  // threads per expert: a power of two up to 32, so a group is within a warp
@@ -515,11 +527,14 @@ __device__ __forceinline__ void block_route_one(const RouteArgs& a) {
     const int e = e0 + int(threadIdx.x) / g, part = int(threadIdx.x) % g;
     const float pe = e < ne ? probs[e] : 0.0f;
     int rank = 0;
-    if (e < ne)
-      for (int j = part; j < ne; j += g) {
-        const float pj = probs[j];
-        rank += pj > pe || (pj == pe && j < e);
+    if (e < ne) {
+#pragma unroll 4
+      for (int c = part; c < groups; c += g) {
+        const float4 v = probs4[c];
+        rank += rank_beats(v.x, 4 * c, pe, e) + rank_beats(v.y, 4 * c + 1, pe, e) +
+                rank_beats(v.z, 4 * c + 2, pe, e) + rank_beats(v.w, 4 * c + 3, pe, e);
       }
+    }
     for (int o = g / 2; o > 0; o >>= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
     if (e < ne && part == 0 && rank < a.top_k) {
       sel_e[rank] = e;
