@@ -126,13 +126,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// 1 / RMS of the row xr[0, cols) for RMSNorm, summed by the whole block (thread i takes
-// i, i + blockDim.x, ...; warps, then the warp sums in order): the same bits for the same
-// blockDim, whichever kernel calls it. Every thread of the block must call it.
-__device__ __forceinline__ float block_rms_inv(const float* xr, int cols, float eps) {
+// 1 / RMS of a row for RMSNorm from each thread's sum of squares, summed by the whole block
+// (thread i takes i, i + blockDim.x, ...; warps, then the warp sums in order): the same bits
+// for the same blockDim, whichever kernel calls it. Every thread of the block must call it.
+__device__ __forceinline__ float block_rms_inv_of(float ss, int cols, float eps) {
   __shared__ float part[32];
-  float ss = 0;
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
   ss = warp_sum(ss);
   if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
   __syncthreads();
@@ -143,6 +141,28 @@ __device__ __forceinline__ float block_rms_inv(const float* xr, int cols, float 
   }
   __syncthreads();
   return rsqrtf(part[0] / float(cols) + eps);
+}
+
+// The same sum from the row xr, keeping the thread's first N elements of the row (xv[u] =
+// xr[threadIdx.x + u * blockDim.x], 0 past cols) in registers, so the normalization after it reads
+// them there instead of loading x a second time: in decode these one-block norms run while the next
+// kernel's blocks stream their weights, and every load of theirs waits behind that traffic
+// (docs/PERF.md, "A timeline of the decode step").
+template <int N>
+__device__ __forceinline__ float block_rms_inv(const float* xr, int cols, float eps,
+                                               float (&xv)[N]) {
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const int i = int(threadIdx.x) + u * int(blockDim.x);
+    xv[u] = i < cols ? xr[i] : 0.0f;
+  }
+  float ss = 0;
+#pragma unroll
+  for (int u = 0; u < N; ++u)
+    if (int(threadIdx.x) + u * int(blockDim.x) < cols) ss += xv[u] * xv[u];
+  for (int i = int(threadIdx.x) + N * int(blockDim.x); i < cols; i += blockDim.x)
+    ss += xr[i] * xr[i];
+  return block_rms_inv_of(ss, cols, eps);
 }
 
 // The RMSNorm's block size for rows of `cols` (rmsnorm(), and the fused router launch, which

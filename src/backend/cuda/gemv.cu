@@ -591,15 +591,23 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
     warp_stage(rs, static_cast<const uint8_t*>(a.router) + size_t(e) * a.row_bytes,
                int(a.row_bytes), lane);
   pdl_wait();
-  const float inv = block_rms_inv(a.x, d, a.eps);  // its barriers also publish ws
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    const float v = a.x[i] * inv * ws[i];
+  constexpr int kKeep = 4;  // x elements per thread held in registers (d <= 4,096 all)
+  float xv[kKeep];
+  const float inv = block_rms_inv(a.x, d, a.eps, xv);  // its barriers also publish ws
+  const auto put = [&](int i, float xi) {
+    const float v = xi * inv * ws[i];
     xs[i] = v;
     if (blockIdx.x == 0) {
       a.xn[i] = v;
       if (a.xq.q) warp_quantize_q8(v, size_t(i), a.xq);
     }
+  };
+#pragma unroll
+  for (int u = 0; u < kKeep; ++u) {
+    const int i = threadIdx.x + u * blockDim.x;
+    if (i < d) put(i, xv[u]);
   }
+  for (int i = threadIdx.x + kKeep * blockDim.x; i < d; i += blockDim.x) put(i, a.x[i]);
   warp_copy_wait();
   __syncthreads();
   if (scores) {

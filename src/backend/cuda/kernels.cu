@@ -37,9 +37,10 @@ __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int col
   pdl_wait();
   const float* xr = x + size_t(blockIdx.x) * cols;
   float* yr = y + size_t(blockIdx.x) * cols;
-  const float inv = block_rms_inv(xr, cols, eps);
-  const auto put = [&](int i, float wi) {
-    const float v = xr[i] * inv * wi;
+  float xv[kRmsPre];
+  const float inv = block_rms_inv(xr, cols, eps, xv);
+  const auto put = [&](int i, float xi, float wi) {
+    const float v = xi * inv * wi;
     yr[i] = v;
     // A warp's lanes hold one whole Q8 block (blockDim and cols are multiples of 32).
     if (q.q) warp_quantize_q8(v, size_t(blockIdx.x) * cols + i, q);
@@ -47,9 +48,9 @@ __global__ void rmsnorm_kernel(const float* x, const float* w, float* y, int col
 #pragma unroll
   for (int u = 0; u < kRmsPre; ++u) {
     const int i = threadIdx.x + u * blockDim.x;
-    if (i < cols) put(i, wr[u]);
+    if (i < cols) put(i, xv[u], wr[u]);
   }
-  for (int i = threadIdx.x + kRmsPre * blockDim.x; i < cols; i += blockDim.x) put(i, w[i]);
+  for (int i = threadIdx.x + kRmsPre * blockDim.x; i < cols; i += blockDim.x) put(i, xr[i], w[i]);
 }
 
 __global__ void add_bias_kernel(float* y, const float* b, int64_t total, int dim) {
