@@ -144,10 +144,10 @@ __device__ __forceinline__ float block_rms_inv_of(float ss, int cols, float eps)
 }
 
 // The same sum from the row xr, keeping the thread's first N elements of the row (xv[u] =
-// xr[threadIdx.x + u * blockDim.x], 0 past cols) in registers, so the normalization after it reads
-// them there instead of loading x a second time: in decode these one-block norms run while the next
-// kernel's blocks stream their weights, and every load of theirs waits behind that traffic
-// (docs/PERF.md, "A timeline of the decode step").
+// xr[threadIdx.x + u * blockDim.x], 0 past cols) in registers, so the normalization after it
+// reads them there instead of loading x a second time: in decode these one-block norms run
+// while the next kernel's blocks stream their weights, and their loads wait behind that
+// traffic (docs/PERF.md, "A timeline of the decode step on the H100").
 template <int N>
 __device__ __forceinline__ float block_rms_inv(const float* xr, int cols, float eps,
                                                float (&xv)[N]) {
