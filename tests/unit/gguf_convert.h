@@ -173,6 +173,14 @@ inline std::string q8_0_bytes(const std::string& f32, int64_t rows, int64_t cols
   return out;
 }
 
+// The f16 super-block scale of the Q6_K / IQ4_XS test encoders: the 256 weights' largest
+// magnitude over 31 x 127 (a 6-bit sub-block scale times an 8-bit level).
+inline uint16_t super_block_d(const float* v) {
+  float amax = 0;
+  for (int e = 0; e < 256; ++e) amax = std::max(amax, std::fabs(v[e]));
+  return ts::f32_to_f16(amax / (31.0f * 127.0f));
+}
+
 // A valid Q6_K encoding (not llama.cpp's optimized one): per 256-weight block an f16 d from
 // the block's largest magnitude, per 16-weight sub-block an int8 scale, 6-bit quants; laid
 // out as ggml's block_q6_K {ql[128], qh[64], scales[16], d}.
@@ -182,9 +190,7 @@ inline std::string q6_k_bytes(const std::string& f32, int64_t rows, int64_t cols
   for (int64_t blk = 0; blk < rows * cols / 256; ++blk) {
     const float* v = x + blk * 256;
     uint8_t* b = reinterpret_cast<uint8_t*>(out.data()) + blk * 210;
-    float amax = 0;
-    for (int e = 0; e < 256; ++e) amax = std::max(amax, std::fabs(v[e]));
-    const uint16_t dh = ts::f32_to_f16(amax / (31.0f * 127.0f));
+    const uint16_t dh = super_block_d(v);
     std::memcpy(b + 208, &dh, 2);
     const float d = ts::f16_to_f32(dh);
     for (int s = 0; s < 16; ++s) {
@@ -217,9 +223,7 @@ inline std::string iq4_xs_bytes(const std::string& f32, int64_t rows, int64_t co
   for (int64_t blk = 0; blk < rows * cols / 256; ++blk) {
     const float* v = x + blk * 256;
     uint8_t* b = reinterpret_cast<uint8_t*>(out.data()) + blk * 136;
-    float amax = 0;
-    for (int e = 0; e < 256; ++e) amax = std::max(amax, std::fabs(v[e]));
-    const uint16_t dh = ts::f32_to_f16(amax / (31.0f * 127.0f));
+    const uint16_t dh = super_block_d(v);
     std::memcpy(b, &dh, 2);
     const float d = ts::f16_to_f32(dh);
     unsigned scales_h = 0;
