@@ -63,4 +63,21 @@ else:
     assert rel(cuda, cpu) <= 1e-3
 PY
 done
+# bench --device cuda --json on the first fixture: the fields a script reads, and their sums.
+m=$(ls -d tests/models/*/ | head -1)
+"$bin/turbospark" bench --model "$m" --device cuda --contexts 8 --prompts 8 --gen-tokens 4 --json \
+  >"$tmp/bench.json"
+python3 - "$tmp/bench.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+peak = j["device_peak_gbps"]
+assert 500 < peak < 20000, peak  # any HBM card's 2 x memory clock x bus width, in GB/s
+for d in j["decode"]:
+    assert d["tokens_per_s"] > 0 and d["achieved_gbps"] > 0, d
+    assert abs(d["achieved_gbps"] - d["bytes_per_token"] * d["tokens_per_s"] / 1e9) < 1e-6 * d["achieved_gbps"]
+    assert abs(d["device_peak_fraction"] * peak - d["achieved_gbps"]) < 1e-6 * d["achieved_gbps"], d
+    assert abs(d["roofline_fraction"] * j["roofline_gbps"] - d["achieved_gbps"]) < 1e-6 * d["achieved_gbps"], d
+assert all(p["tokens_per_s"] > 0 for p in j["prefill"]), j["prefill"]
+print(f"bench --json on {j['device']}: DRAM peak {peak:.0f} GB/s, decode {j['decode'][0]['tokens_per_s']:.1f} tok/s")
+PY
 echo "gpu tests: all passed"

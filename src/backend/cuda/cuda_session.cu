@@ -547,6 +547,12 @@ CudaBenchInfo CudaSession::info() const {
       b.expert_bytes = mlp_bytes(L.experts[0]);
     }
   b.graphs = use_graphs_ && !cached() && iv_.capture_layers.empty() && !iv_.trace_router;
+  // The driver's peak memory clock (kHz) and bus width (bits), two transfers per clock: the
+  // H100 SXM's 2,619 MHz x 5,120 bits = 3,352 GB/s, its data sheet's 3.35 TB/s.
+  int clock_khz = 0, bus_bits = 0;
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device_) == cudaSuccess &&
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device_) == cudaSuccess)
+    b.device_peak_gbps = 2.0 * double(clock_khz) * 1e3 * double(bus_bits) / 8.0 / 1e9;
   return b;
 }
 

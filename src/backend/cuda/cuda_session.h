@@ -50,6 +50,7 @@ struct CudaBenchInfo {
   uint64_t expert_bytes = 0;         // one routed expert (gate + up + down), for the cache
   int moe_layers = 0;
   int prefill_chunk = 0;             // tokens per prefill chunk (--prefill-chunk or the default)
+  double device_peak_gbps = 0;  // this GPU's DRAM peak: 2 x memory clock x bus width (0: unknown)
 };
 CudaBenchInfo bench_info(const runtime::Engine& engine);
 

@@ -2,7 +2,8 @@
 // lengths, on a model directory or on random weights generated on the GPU (--synthetic
 // CONFIG). Decode is compared with the memory-bandwidth roofline (weights + KV bytes read per
 // step / --roofline-gbps, default the H200's 4,100 GB/s), prefill with --roofline-tflops
-// (default 790, BF16 tensor cores).
+// (default 790, BF16 tensor cores). Decode is also given as a fraction of the GPU's own DRAM
+// peak as its driver reports it (memory clock x bus width), for runs on another card.
 //
 // Decode feeds a fixed pseudo-random token stream rather than the argmax: random weights
 // tend to repeat one token, whose routing then repeats and would flatter an expert cache
@@ -142,6 +143,7 @@ Status cmd_bench_cuda(const Args& args) {
                       {"cuda_graphs", info.graphs},
                       {"prefill_chunk", info.prefill_chunk},
                       {"roofline_gbps", roofline_gbps},
+                      {"device_peak_gbps", info.device_peak_gbps},
                       {"roofline_tflops", roofline_tflops}};
   // The GPU expert cache's counters over one timed run.
   runtime::ExpertCacheReport cache0;
@@ -169,11 +171,12 @@ Status cmd_bench_cuda(const Args& args) {
     return out;
   };
   if (!json)
-    std::printf("%s on %s\nweights read per decode token %.3f GB, KV %.1f KB per position, "
-                "%.1f GiB on the device, prefill chunks of %d tokens\n",
-                source.c_str(), engine->device_name().c_str(), double(info.decode_weight_bytes) / 1e9,
-                double(info.kv_bytes_per_position) / 1e3,
-                double(info.device_bytes) / double(1ull << 30), info.prefill_chunk);
+    std::printf(
+        "%s on %s (DRAM peak %.0f GB/s by its driver)\nweights read per decode token %.3f "
+        "GB, KV %.1f KB per position, %.1f GiB on the device, prefill chunks of %d tokens\n",
+        source.c_str(), engine->device_name().c_str(), info.device_peak_gbps,
+        double(info.decode_weight_bytes) / 1e9, double(info.kv_bytes_per_position) / 1e3,
+        double(info.device_bytes) / double(1ull << 30), info.prefill_chunk);
   if (const auto c = engine->expert_cache()) {
     j["expert_cache"] = {{"residency", c->residency},
                          {"slots_per_layer", c->slots_per_layer},
@@ -216,15 +219,23 @@ Status cmd_bench_cuda(const Args& args) {
     const double kv = double(info.kv_bytes_per_position) * (double(ctx) + 2 + double(n_gen) / 2);
     const double bytes = double(info.decode_weight_bytes) + kv;
     const double gbps = bytes * tps / 1e9;
-    decode.push_back({{"context", ctx}, {"tokens", n_gen}, {"tokens_per_s", tps},
-                      {"bytes_per_token", bytes}, {"achieved_gbps", gbps},
-                      {"roofline_fraction", gbps / roofline_gbps},
-                      {"roofline_tokens_per_s", roofline_gbps * 1e9 / bytes}});
+    decode.push_back(
+        {{"context", ctx},
+         {"tokens", n_gen},
+         {"tokens_per_s", tps},
+         {"bytes_per_token", bytes},
+         {"achieved_gbps", gbps},
+         {"roofline_fraction", gbps / roofline_gbps},
+         {"roofline_tokens_per_s", roofline_gbps * 1e9 / bytes},
+         {"device_peak_fraction", info.device_peak_gbps > 0 ? gbps / info.device_peak_gbps : 0.0}});
     if (!json)
-      std::printf("decode  context %6lld: %8.1f tok/s, %.3f GB/token, %7.0f GB/s = %4.1f%% of "
-                  "%.0f GB/s (roofline %.0f tok/s)\n",
-                  (long long)ctx, tps, bytes / 1e9, gbps, 100.0 * gbps / roofline_gbps,
-                  roofline_gbps, roofline_gbps * 1e9 / bytes);
+      std::printf(
+          "decode  context %6lld: %8.1f tok/s, %.3f GB/token, %7.0f GB/s = %4.1f%% of "
+          "%.0f GB/s (roofline %.0f tok/s), %4.1f%% of this GPU's %.0f\n",
+          (long long)ctx, tps, bytes / 1e9, gbps, 100.0 * gbps / roofline_gbps, roofline_gbps,
+          roofline_gbps * 1e9 / bytes,
+          info.device_peak_gbps > 0 ? 100.0 * gbps / info.device_peak_gbps : 0.0,
+          info.device_peak_gbps);
     decode.back()["expert_cache"] = cache_json(s, n_gen, "        ");
   }
   nlohmann::json prefill = nlohmann::json::array();
