@@ -135,6 +135,10 @@ Status cmd_bench_cuda(const Args& args) {
     for (size_t i = 0; i < p.size(); ++i) p[i] = int((i * 7919 + 13) % size_t(hp.vocab));
     return p;
   };
+  // This GPU's DRAM peak as its driver reports it; 0 where the driver does not.
+  const double peak = info.device_peak_gbps;
+  char peak_s[64] = "";
+  if (peak > 0) std::snprintf(peak_s, sizeof peak_s, " (DRAM peak %.0f GB/s by its driver)", peak);
   nlohmann::json j = {{"device", engine->device_name()},
                       {"model", source},
                       {"decode_weight_bytes_per_token", info.decode_weight_bytes},
@@ -143,7 +147,7 @@ Status cmd_bench_cuda(const Args& args) {
                       {"cuda_graphs", info.graphs},
                       {"prefill_chunk", info.prefill_chunk},
                       {"roofline_gbps", roofline_gbps},
-                      {"device_peak_gbps", info.device_peak_gbps},
+                      {"device_peak_gbps", peak > 0 ? nlohmann::json(peak) : nullptr},
                       {"roofline_tflops", roofline_tflops}};
   // The GPU expert cache's counters over one timed run.
   runtime::ExpertCacheReport cache0;
@@ -172,9 +176,9 @@ Status cmd_bench_cuda(const Args& args) {
   };
   if (!json)
     std::printf(
-        "%s on %s (DRAM peak %.0f GB/s by its driver)\nweights read per decode token %.3f "
-        "GB, KV %.1f KB per position, %.1f GiB on the device, prefill chunks of %d tokens\n",
-        source.c_str(), engine->device_name().c_str(), info.device_peak_gbps,
+        "%s on %s%s\nweights read per decode token %.3f GB, KV %.1f KB per position, %.1f "
+        "GiB on the device, prefill chunks of %d tokens\n",
+        source.c_str(), engine->device_name().c_str(), peak_s,
         double(info.decode_weight_bytes) / 1e9, double(info.kv_bytes_per_position) / 1e3,
         double(info.device_bytes) / double(1ull << 30), info.prefill_chunk);
   if (const auto c = engine->expert_cache()) {
@@ -219,23 +223,23 @@ Status cmd_bench_cuda(const Args& args) {
     const double kv = double(info.kv_bytes_per_position) * (double(ctx) + 2 + double(n_gen) / 2);
     const double bytes = double(info.decode_weight_bytes) + kv;
     const double gbps = bytes * tps / 1e9;
-    decode.push_back(
-        {{"context", ctx},
-         {"tokens", n_gen},
-         {"tokens_per_s", tps},
-         {"bytes_per_token", bytes},
-         {"achieved_gbps", gbps},
-         {"roofline_fraction", gbps / roofline_gbps},
-         {"roofline_tokens_per_s", roofline_gbps * 1e9 / bytes},
-         {"device_peak_fraction", info.device_peak_gbps > 0 ? gbps / info.device_peak_gbps : 0.0}});
+    decode.push_back({{"context", ctx},
+                      {"tokens", n_gen},
+                      {"tokens_per_s", tps},
+                      {"bytes_per_token", bytes},
+                      {"achieved_gbps", gbps},
+                      {"roofline_fraction", gbps / roofline_gbps},
+                      {"roofline_tokens_per_s", roofline_gbps * 1e9 / bytes},
+                      {"device_peak_fraction", peak > 0 ? nlohmann::json(gbps / peak) : nullptr}});
+    char of_peak[64] = "";
+    if (peak > 0)
+      std::snprintf(of_peak, sizeof of_peak, ", %.1f%% of this GPU's peak", 100.0 * gbps / peak);
     if (!json)
       std::printf(
           "decode  context %6lld: %8.1f tok/s, %.3f GB/token, %7.0f GB/s = %4.1f%% of "
-          "%.0f GB/s (roofline %.0f tok/s), %4.1f%% of this GPU's %.0f\n",
+          "%.0f GB/s (roofline %.0f tok/s)%s\n",
           (long long)ctx, tps, bytes / 1e9, gbps, 100.0 * gbps / roofline_gbps, roofline_gbps,
-          roofline_gbps * 1e9 / bytes,
-          info.device_peak_gbps > 0 ? 100.0 * gbps / info.device_peak_gbps : 0.0,
-          info.device_peak_gbps);
+          roofline_gbps * 1e9 / bytes, of_peak);
     decode.back()["expert_cache"] = cache_json(s, n_gen, "        ");
   }
   nlohmann::json prefill = nlohmann::json::array();
