@@ -235,8 +235,9 @@ int constrained_walks(const std::string& dir, int walks) {
       if (std::find(t.eos_ids().begin(), t.eos_ids().end(), next) != t.eos_ids().end()) {
         ++ended;
         EXPECT_TRUE(nlohmann::json::accept(text)) << text;
-        if (nlohmann::json::accept(text))
+        if (nlohmann::json::accept(text)) {
           EXPECT_TRUE(nlohmann::json::parse(text).is_object()) << text;
+        }
         break;
       }
       text += bytes[size_t(next)];
