@@ -64,7 +64,8 @@ else:
 PY
 done
 # bench --device cuda --json on the first fixture: the fields a script reads, and their sums.
-m=$(ls -d tests/models/*/ | head -1)
+models=(tests/models/*/)
+m=${models[0]}
 "$bin/turbospark" bench --model "$m" --device cuda --contexts 8 --prompts 8 --gen-tokens 4 --json \
   >"$tmp/bench.json"
 python3 - "$tmp/bench.json" <<'PY'
