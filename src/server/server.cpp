@@ -251,11 +251,10 @@ Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
                         "'response_format' json_object needs an end-of-generation token, "
                         "and this model's tokenizer names none",
                     .param = "response_format"};
-  for (const auto& [id, bias] : r.sampling.logit_bias)
-    if (id >= tok.vocab_size())
-      return ApiError{.message = "'logit_bias' names token id " + std::to_string(id) +
-                                 ", outside the vocabulary of " + std::to_string(tok.vocab_size()),
-                      .param = "logit_bias"};
+  if (const int id = r.sampling.bias_outside(tok.vocab_size()); id >= 0)
+    return ApiError{.message = "'logit_bias' names token id " + std::to_string(id) +
+                               ", outside the vocabulary of " + std::to_string(tok.vocab_size()),
+                    .param = "logit_bias"};
   const int64_t n_ctx = engine.n_ctx();
   if (int64_t(ids.size()) >= n_ctx)
     return ApiError{.message = "the prompt is " + std::to_string(ids.size()) +

@@ -140,10 +140,9 @@ inline Result<Loaded> load_model(const ModelFlags& flags) {
 
 // --logit-bias ids against the model's vocabulary.
 inline Status check_logit_bias(const runtime::SamplerOptions& so, int64_t vocab) {
-  for (const auto& [id, bias] : so.logit_bias)
-    if (id >= vocab)
-      return make_error("--logit-bias names token id " + std::to_string(id) +
-                        ", outside the vocabulary of " + std::to_string(vocab));
+  if (const int id = so.bias_outside(vocab); id >= 0)
+    return make_error("--logit-bias names token id " + std::to_string(id) +
+                      ", outside the vocabulary of " + std::to_string(vocab));
   return {};
 }
 
@@ -156,6 +155,7 @@ Result<std::vector<std::vector<uint64_t>>> read_cache_warm(const std::string& pa
 // experts (ties: lower id), before the first token and outside the statistics.
 Status warm_store(experts::ExpertStore& store, const std::vector<std::vector<uint64_t>>& counts);
 
+// The session for the --device flag.
 inline Result<std::unique_ptr<runtime::Engine>> make_session(const ModelFlags& flags,
                                                              const Loaded& m,
                                                              runtime::SessionOptions options) {
