@@ -776,8 +776,16 @@ constexpr int kRankRows = 4;
 constexpr int kRankRowBytes = 1088;  // Q8_0 rows staged per warp: up to 1,024 columns
 constexpr size_t kRankMaxSmem = 96 * 1024;
 
+// Q8_0 is held to 64 registers, 4 blocks of 256 threads per SM: with the F32-h loop below it
+// would take 76 (3 per SM: qwen3-30b-a3b's 512 blocks in 1.3 waves). Not fewer: at 46 and 40
+// registers (5 and 6 per SM) the kernel alone is as fast, but a decode step is 1-4% slower, as
+// more of its blocks crowd onto the SMs phase 1 frees first (docs/PERF.md, thirteenth session).
 template <DType T>
-__global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeArgs a) {
+constexpr int kRankMinBlocks = T == DType::kQ8_0 ? 4 : 1;
+
+template <DType T>
+__global__ void __launch_bounds__(32 * kMaxRankWarps, kRankMinBlocks<T>)
+    moe_down_rank_kernel(MoeArgs a) {
   extern __shared__ float4 rank_smem[];
   const int k = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r0 = blockIdx.x * kRankRows, t = blockIdx.y, s = t * a.top_k + k;
@@ -816,30 +824,30 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps) moe_down_rank_kernel(MoeAr
         acc[j] = aj[0];
       }
     } else {
-      // F32 h: lane b takes block b (b + 32, ...) of every row, its 32 values of h loaded
-      // once for the kRankRows rows.
+      // F32 h: lane b takes block b (b + 32, ...) of every row, h read four values at a time
+      // for all rows (each row's block sum in pair order, as one pass per row would).
       const float* h = a.h + size_t(s) * a.d_expert;
       for (int b = lane; b < nb; b += 32) {
-        float hv[32];
+        float sum[kRankRows] = {};
+        const float4* hb = reinterpret_cast<const float4*>(h + b * 32);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float4 v = reinterpret_cast<const float4*>(h + b * 32)[i];
-          hv[4 * i] = v.x;
-          hv[4 * i + 1] = v.y;
-          hv[4 * i + 2] = v.z;
-          hv[4 * i + 3] = v.w;
+          const float4 v = hb[i];
+#pragma unroll
+          for (int j = 0; j < kRankRows; ++j) {
+            if (j >= rows) break;
+            const uint16_t* blk =
+                reinterpret_cast<const uint16_t*>(staged + size_t(j) * rb + b * 34);
+            const uint16_t q0 = blk[1 + 2 * i], q1 = blk[2 + 2 * i];
+            sum[j] += float(int8_t(q0 & 0xff)) * v.x + float(int8_t(q0 >> 8)) * v.y;
+            sum[j] += float(int8_t(q1 & 0xff)) * v.z + float(int8_t(q1 >> 8)) * v.w;
+          }
         }
 #pragma unroll
         for (int j = 0; j < kRankRows; ++j) {
           if (j >= rows) break;
           const uint16_t* blk = reinterpret_cast<const uint16_t*>(staged + size_t(j) * rb + b * 34);
-          float sum = 0;
-#pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            const uint16_t v = blk[1 + i];
-            sum += float(int8_t(v & 0xff)) * hv[2 * i] + float(int8_t(v >> 8)) * hv[2 * i + 1];
-          }
-          acc[j] += f16_bits(blk[0]) * sum;
+          acc[j] += f16_bits(blk[0]) * sum[j];
         }
       }
     }
