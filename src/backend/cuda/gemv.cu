@@ -148,6 +148,25 @@ __device__ __forceinline__ void row_dot(const uint8_t* row, const float* x, int 
   }
 }
 
+// A Q8_0 block's 32 quants as 8 words (blk: the block's 17 halfwords, the scale first).
+__device__ __forceinline__ void q8_block_words(const uint16_t* blk, int (&w32)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    w32[i] = int(uint32_t(blk[1 + 2 * i]) | uint32_t(blk[2 + 2 * i]) << 16);
+}
+
+// The 32 products of w32 and x0|x1 (int8 each) summed by dp4a.
+__device__ __forceinline__ int dp4a8(const int (&w)[8], int4 x0, int4 x1) {
+  int s = __dp4a(w[0], x0.x, 0);
+  s = __dp4a(w[1], x0.y, s);
+  s = __dp4a(w[2], x0.z, s);
+  s = __dp4a(w[3], x0.w, s);
+  s = __dp4a(w[4], x1.x, s);
+  s = __dp4a(w[5], x1.y, s);
+  s = __dp4a(w[6], x1.z, s);
+  return __dp4a(w[7], x1.w, s);
+}
+
 // acc[t] += row . x[t] for Q8_0 weights and Q8 activations (xq int8 [t][cols], xd one scale
 // per 32 values): per block d_w * d_x * sum(q_w * q_x), the integer sum by dp4a. Rows are
 // staged through a shared tile as in row_dot; precondition cols % 256 == 0.
@@ -162,21 +181,12 @@ __device__ __forceinline__ void q8q8_tile_dot(const uint8_t* tile, int b0, int n
     const uint16_t* blk = reinterpret_cast<const uint16_t*>(tile + b * 34);
     const float dw = f16_bits(blk[0]);
     int w32[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) w32[i] = int(uint32_t(blk[1 + 2 * i]) | uint32_t(blk[2 + 2 * i]) << 16);
+    q8_block_words(blk, w32);
 #pragma unroll
     for (int t = 0; t < NT; ++t)
       if (t < nt) {
         const int4* xv = reinterpret_cast<const int4*>(xq + size_t(t) * cols + (b0 + b) * 32);
-        const int4 x0 = xv[0], x1 = xv[1];
-        int s = __dp4a(w32[0], x0.x, 0);
-        s = __dp4a(w32[1], x0.y, s);
-        s = __dp4a(w32[2], x0.z, s);
-        s = __dp4a(w32[3], x0.w, s);
-        s = __dp4a(w32[4], x1.x, s);
-        s = __dp4a(w32[5], x1.y, s);
-        s = __dp4a(w32[6], x1.z, s);
-        s = __dp4a(w32[7], x1.w, s);
+        const int s = dp4a8(w32, xv[0], xv[1]);
         acc[t] += dw * xd[size_t(t) * nb + b0 + b] * float(s);
       }
   }
@@ -658,7 +668,9 @@ __global__ void moe_gate_up_kernel(MoeArgs a) {
 // the warp's gate and up rows staged at once in dynamic shared memory sized to them, and no
 // other shared memory, so qwen3-30b-a3b's 1,536 blocks run in one wave (12 blocks of 4 warps
 // per SM: 17 KB and at most 40 registers each; with a fixed 8.5 KB per warp plus the row
-// kernels' tile it was 5 per SM, 2.3 waves). Same sums as gate_up_rows (q8q8_tile_dot).
+// kernels' tile it was 5 per SM, 2.3 waves). Same sums as gate_up_rows (q8q8_tile_dot's),
+// with the lane's first block of x loaded before the wait for the rows (+1.1% decode,
+// docs/PERF.md thirteenth session).
 __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs a) {
   pdl_wait();
   extern __shared__ float4 gate_up_smem[];
@@ -670,14 +682,39 @@ __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs
   uint8_t* tile = reinterpret_cast<uint8_t*>(gate_up_smem) + size_t(warp) * 2 * rb;
   warp_copy_async(tile, static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb, int(rb), lane);
   warp_copy_async(tile + rb, static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb, int(rb), lane);
-  warp_copy_wait();
   const int nb = a.d_model / 32;
   const int8_t* xq = a.xq + size_t(t) * a.d_model;
   const float* xd = a.xd + size_t(t) * nb;
-  float g[1] = {}, u[1] = {};
-  q8q8_tile_dot<1>(tile, 0, nb, xq, xd, a.d_model, 1, g, lane);
-  q8q8_tile_dot<1>(tile + rb, 0, nb, xq, xd, a.d_model, 1, u, lane);
-  const float gv = warp_sum(g[0]), uv = warp_sum(u[0]);
+  // The lane's first block of x, loaded while the rows stream (nb >= 8: d_model % 256 == 0).
+  int4 f0 = make_int4(0, 0, 0, 0), f1 = f0;
+  float fd = 0.0f;
+  if (lane < nb) {
+    f0 = reinterpret_cast<const int4*>(xq + lane * 32)[0];
+    f1 = reinterpret_cast<const int4*>(xq + lane * 32)[1];
+    fd = xd[lane];
+  }
+  warp_copy_wait();
+  // q8q8_tile_dot's sums, gate and up side by side.
+  float g = 0.0f, u = 0.0f;
+  for (int b = lane; b < nb; b += 32) {
+    int4 x0 = f0, x1 = f1;
+    float xdb = fd;
+    if (b != lane) {
+      x0 = reinterpret_cast<const int4*>(xq + b * 32)[0];
+      x1 = reinterpret_cast<const int4*>(xq + b * 32)[1];
+      xdb = xd[b];
+    }
+    const uint8_t* gb = tile + b * 34;
+    const uint8_t* ub = tile + rb + b * 34;
+    int w[8];
+    q8_block_words(reinterpret_cast<const uint16_t*>(gb), w);
+    const int sg = dp4a8(w, x0, x1);
+    q8_block_words(reinterpret_cast<const uint16_t*>(ub), w);
+    const int su = dp4a8(w, x0, x1);
+    g += f16_bits(reinterpret_cast<const uint16_t*>(gb)[0]) * xdb * float(sg);
+    u += f16_bits(reinterpret_cast<const uint16_t*>(ub)[0]) * xdb * float(su);
+  }
+  const float gv = warp_sum(g), uv = warp_sum(u);
   if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
 }
 
