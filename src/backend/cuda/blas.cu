@@ -1,6 +1,5 @@
 #include <dlfcn.h>
 
-#include <mutex>
 #include <vector>
 
 #include "backend/cuda/blas.h"
@@ -54,9 +53,7 @@ Result<Blas> open_blas(const std::string& soname) {
 }
 
 Result<const Blas*> load_blas() {
-  static std::once_flag once;
-  static Result<Blas> loaded = make_error("cuBLAS not loaded");
-  std::call_once(once, [] { loaded = open_blas(blas_soname()); });
+  static Result<Blas> loaded = open_blas(blas_soname());  // on the first call, once
   if (!loaded) return loaded.error();
   return &*loaded;
 }
