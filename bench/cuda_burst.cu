@@ -1,0 +1,179 @@
+// How long one read of S bytes takes on the GPU from a standing start, in a chain of kernels
+// as a decode step runs them (issue 4; docs/PERF.md "What a burst of weights costs"). A
+// decode step reads each layer's weights in a few dependent bursts (qwen3-30b-a3b, Q8_0:
+// 11.1 MB q|k|v, 8.9 MB wo, 26.7 MB gate|up, 13.4 MB down) between latency-bound kernels,
+// not as one long stream; this measures the floor of such a burst with a kernel that does
+// nothing but read, so the engine's kernels can be compared with it rather than with the
+// 4.1 TB/s of a 2 GiB copy.
+//
+// Build by hand (a lab tool, no CMake target):
+//   nvcc -O3 -std=c++20 -arch=sm_90a -cudart static bench/cuda_burst.cu -o build-gpu/cuda_burst
+// Run (GPU machine): build-gpu/cuda_burst [POOL_GB]   (default 8)
+// Per size, us per step and GB/s, each a CUDA graph of back-to-back launches (so no host
+// launch gaps), every launch reading a region no launch read in the last >= 400 MB (cold in
+// the 50-60 MB L2), median of 5 replays:
+//   plain   read kernels serialized the ordinary way (each starts after the one before ends);
+//   wait    programmatic dependent launch (PDL), a one-block kernel then the read kernel per
+//           step, every block waiting (griddepcontrol.wait) before it reads: the read's blocks
+//           are resident early, but its reads start only once the kernel before has completed
+//           — the decode's expert phases after the router;
+//   early   the same, but each kernel lets the next launch at once and reads before its
+//           wait — as the staged GEMVs (q|k|v, wo) stage weights that depend on nothing; the
+//           next kernel's blocks still need room on the SMs, so this overlaps only tails.
+// Size 0 is one block that reads nothing: the chain's cost per launch.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(call)                                                                      \
+  do {                                                                                   \
+    cudaError_t e_ = (call);                                                             \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                 \
+                   cudaGetErrorString(e_));                                              \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+enum Mode { kPlain, kWait, kEarly };
+
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_trigger() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ uint4 load_nc(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Each thread reads 16-byte words i, i + stride, ... four at a time (four loads in flight per
+// thread, ~17 MB over the GPU at full occupancy) and folds them into one word, stored only
+// if it matches a value it never does (so the loads are not dead).
+constexpr int kUnroll = 4;
+
+__global__ void __launch_bounds__(512) read_kernel(const uint4* p, size_t words, unsigned* sink,
+                                                   int mode) {
+  // wait: as the engine's pdl_wait(); early: the next kernel may launch at once, and this
+  // one completes only after the one before (so the chain stays ordered).
+  if (mode == kWait) grid_wait();
+  if (mode != kPlain) grid_trigger();
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  uint32_t acc = 0;
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < words; i += kUnroll * stride) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load_nc(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < words; i += stride) {
+    const uint4 v = load_nc(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (mode == kEarly) grid_wait();
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+__global__ void tiny_kernel(int mode) {
+  if (mode != kPlain) {
+    grid_wait();
+    grid_trigger();
+  }
+}
+
+void launch(size_t words, const uint4* p, unsigned* sink, int mode, int blocks,
+            cudaStream_t s) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = mode != kPlain;
+  cudaLaunchConfig_t cfg = {};
+  cfg.stream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  if (words == 0) {
+    cfg.gridDim = 1;
+    cfg.blockDim = 32;
+    CHECK(cudaLaunchKernelEx(&cfg, tiny_kernel, mode));
+  } else {
+    cfg.gridDim = unsigned(blocks);
+    cfg.blockDim = 512;
+    CHECK(cudaLaunchKernelEx(&cfg, read_kernel, p, words, sink, mode));
+  }
+}
+
+int main(int argc, char** argv) {
+  const double pool_gb = argc > 1 ? std::atof(argv[1]) : 8.0;
+  const size_t pool = size_t(pool_gb * 1e9) / 4096 * 4096;
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, read_kernel, 512, 0));
+  const int blocks = prop.multiProcessorCount * per_sm;
+  std::printf("%s, %d SMs, L2 %.0f MB, read_kernel %d blocks of 512 (%d per SM), pool %.1f GB\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, blocks, per_sm,
+              double(pool) / 1e9);
+  uint8_t* base = nullptr;
+  CHECK(cudaMalloc(&base, pool));
+  CHECK(cudaMemset(base, 0x5a, pool));
+  unsigned* sink = nullptr;
+  CHECK(cudaMalloc(&sink, 4));
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  const double sizes_mb[] = {0, 0.5, 2, 4, 8.9, 11.1, 13.4, 26.7, 50, 100, 400, 2000};
+  const char* names[] = {"plain", "wait", "early"};
+  std::printf("%9s %8s %10s %9s\n", "MB", "mode", "us/step", "GB/s");
+  for (const double mb : sizes_mb) {
+    const size_t bytes = size_t(mb * 1e6) / 16 * 16;
+    if (bytes > pool / 2) continue;
+    // Enough launches that a replay reads >= 400 MB between two reads of one region.
+    const int n = bytes == 0 ? 400 : int(std::clamp<size_t>(400000000 / bytes + 1, 20, 2000));
+    const size_t span = std::max<size_t>(bytes, 4096);
+    const size_t regions = std::max<size_t>(1, pool / span);
+    for (int mode = kPlain; mode <= kEarly; ++mode) {
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < n; ++i) {
+        const uint4* p = reinterpret_cast<const uint4*>(base + (size_t(i) % regions) * span);
+        // With PDL, a one-block kernel before each read, as a latency-bound kernel (RMSNorm,
+        // the router) comes before each burst in a decode step: the read's blocks can be
+        // resident before it completes.
+        if (mode != kPlain && bytes) launch(0, nullptr, sink, mode, blocks, s);
+        launch(bytes / 16, p, sink, mode, blocks, s);
+      }
+      CHECK(cudaStreamEndCapture(s, &g));
+      CHECK(cudaGraphInstantiate(&ge, g, 0));
+      CHECK(cudaGraphLaunch(ge, s));  // warm-up
+      std::vector<double> us;
+      for (int r = 0; r < 5; ++r) {
+        CHECK(cudaEventRecord(e0, s));
+        CHECK(cudaGraphLaunch(ge, s));
+        CHECK(cudaEventRecord(e1, s));
+        CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        us.push_back(1e3 * double(ms) / n);
+      }
+      std::sort(us.begin(), us.end());
+      const double med = us[us.size() / 2];
+      std::printf("%9.1f %8s %10.2f %9.0f\n", mb, names[mode], med,
+                  bytes ? double(bytes) / (med * 1e-6) / 1e9 : 0.0);
+      CHECK(cudaGraphExecDestroy(ge));
+      CHECK(cudaGraphDestroy(g));
+    }
+  }
+  CHECK(cudaGetLastError());
+  return 0;
+}
