@@ -52,8 +52,8 @@ __device__ __forceinline__ uint4 load_nc(const uint4* p) {
 // if it matches a value it never does (so the loads are not dead).
 constexpr int kUnroll = 4;
 
-__global__ void __launch_bounds__(512) read_kernel(const uint4* p, size_t words, unsigned* sink,
-                                                   int mode) {
+__global__ void __launch_bounds__(512)
+    read_kernel(const uint4* p, size_t words, unsigned* sink, int mode) {
   // wait: as the engine's pdl_wait(); early: the next kernel may launch at once, and this
   // one completes only after the one before (so the chain stays ordered).
   if (mode == kWait) grid_wait();
@@ -83,8 +83,7 @@ __global__ void tiny_kernel(int mode) {
   }
 }
 
-void launch(size_t words, const uint4* p, unsigned* sink, int mode, int blocks,
-            cudaStream_t s) {
+void launch(size_t words, const uint4* p, unsigned* sink, int mode, int blocks, cudaStream_t s) {
   cudaLaunchAttribute attr = {};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = mode != kPlain;
@@ -157,8 +156,41 @@ __global__ void __launch_bounds__(128, 12) rows_kernel(Rows a, unsigned* sink) {
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   uint32_t acc = 0;
-  for (int c = lane; c < 2 * kRowBytes / 4; c += 32) acc ^= reinterpret_cast<const uint32_t*>(tile)[c];
+  for (int c = lane; c < 2 * kRowBytes / 4; c += 32)
+    acc ^= reinterpret_cast<const uint32_t*>(tile)[c];
   if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// Captures issue(s) (steps launches' worth) as one CUDA graph, replays it once to warm up and
+// 5 times timed; the median replay's time per step, in us.
+template <class F>
+double graph_us_per_step(cudaStream_t s, int steps, F issue) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  issue();
+  CHECK(cudaStreamEndCapture(s, &g));
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  CHECK(cudaGraphLaunch(ge, s));  // warm-up
+  std::vector<double> us;
+  for (int r = 0; r < 5; ++r) {
+    CHECK(cudaEventRecord(e0, s));
+    CHECK(cudaGraphLaunch(ge, s));
+    CHECK(cudaEventRecord(e1, s));
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    us.push_back(1e3 * double(ms) / steps);
+  }
+  CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaGraphDestroy(g));
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
 }
 
 int main(int argc, char** argv) {
@@ -179,9 +211,6 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&sink, 4));
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
   const double sizes_mb[] = {0, 0.5, 2, 4, 8.9, 11.1, 13.4, 26.7, 50, 100, 400, 2000};
   const char* names[] = {"plain", "wait", "early"};
   std::printf("%9s %8s %10s %9s\n", "MB", "mode", "us/step", "GB/s");
@@ -193,36 +222,18 @@ int main(int argc, char** argv) {
     const size_t span = std::max<size_t>(bytes, 4096);
     const size_t regions = std::max<size_t>(1, pool / span);
     for (int mode = kPlain; mode <= kEarly; ++mode) {
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < n; ++i) {
-        const uint4* p = reinterpret_cast<const uint4*>(base + (size_t(i) % regions) * span);
-        // With PDL, a one-block kernel before each read, as a latency-bound kernel (RMSNorm,
-        // the router) comes before each burst in a decode step: the read's blocks can be
-        // resident before it completes.
-        if (mode != kPlain && bytes) launch(0, nullptr, sink, mode, blocks, s);
-        launch(bytes / 16, p, sink, mode, blocks, s);
-      }
-      CHECK(cudaStreamEndCapture(s, &g));
-      CHECK(cudaGraphInstantiate(&ge, g, 0));
-      CHECK(cudaGraphLaunch(ge, s));  // warm-up
-      std::vector<double> us;
-      for (int r = 0; r < 5; ++r) {
-        CHECK(cudaEventRecord(e0, s));
-        CHECK(cudaGraphLaunch(ge, s));
-        CHECK(cudaEventRecord(e1, s));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        us.push_back(1e3 * double(ms) / n);
-      }
-      std::sort(us.begin(), us.end());
-      const double med = us[us.size() / 2];
+      const double med = graph_us_per_step(s, n, [&] {
+        for (int i = 0; i < n; ++i) {
+          const uint4* p = reinterpret_cast<const uint4*>(base + (size_t(i) % regions) * span);
+          // With PDL, a one-block kernel before each read, as a latency-bound kernel
+          // (RMSNorm, the router) comes before each burst in a decode step: the read's blocks
+          // can be resident before it completes.
+          if (mode != kPlain && bytes) launch(0, nullptr, sink, mode, blocks, s);
+          launch(bytes / 16, p, sink, mode, blocks, s);
+        }
+      });
       std::printf("%9.1f %8s %10.2f %9.0f\n", mb, names[mode], med,
                   bytes ? double(bytes) / (med * 1e-6) / 1e9 : 0.0);
-      CHECK(cudaGraphExecDestroy(ge));
-      CHECK(cudaGraphDestroy(g));
     }
   }
   // Phase 1's shape, 64 steps per graph (a step's 8 experts are reused 16 steps later, after
@@ -239,51 +250,35 @@ int main(int argc, char** argv) {
     const size_t smem = 4 * 2 * kRowBytes;
     const int steps = 64;
     for (int lookup = 1; lookup >= 0; --lookup) {
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < steps; ++i) {
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.stream = s;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
-        cfg.gridDim = 1;
-        cfg.blockDim = 32;
-        CHECK(cudaLaunchKernelEx(&cfg, ids_kernel, ids, i));
-        Rows a{.ids = ids, .gate = tab, .up = tab + kExperts, .lookup = lookup};
-        for (int k = 0; k < kSlots; ++k) {
-          const int e = (i * kSlots + k) % kExperts;
-          a.gate_d[k] = tab_h[0][e];
-          a.up_d[k] = tab_h[1][e];
+      const double med = graph_us_per_step(s, steps, [&] {
+        for (int i = 0; i < steps; ++i) {
+          cudaLaunchAttribute attr = {};
+          attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+          attr.val.programmaticStreamSerializationAllowed = 1;
+          cudaLaunchConfig_t cfg = {};
+          cfg.stream = s;
+          cfg.attrs = &attr;
+          cfg.numAttrs = 1;
+          cfg.gridDim = 1;
+          cfg.blockDim = 32;
+          CHECK(cudaLaunchKernelEx(&cfg, ids_kernel, ids, i));
+          Rows a{.ids = ids, .gate = tab, .up = tab + kExperts, .lookup = lookup};
+          for (int k = 0; k < kSlots; ++k) {
+            const int e = (i * kSlots + k) % kExperts;
+            a.gate_d[k] = tab_h[0][e];
+            a.up_d[k] = tab_h[1][e];
+          }
+          cfg.gridDim = dim3(kExpertRows / 4, kSlots);
+          cfg.blockDim = 128;
+          cfg.dynamicSmemBytes = smem;
+          CHECK(cudaLaunchKernelEx(&cfg, rows_kernel, a, sink));
         }
-        cfg.gridDim = dim3(kExpertRows / 4, kSlots);
-        cfg.blockDim = 128;
-        cfg.dynamicSmemBytes = smem;
-        CHECK(cudaLaunchKernelEx(&cfg, rows_kernel, a, sink));
-      }
-      CHECK(cudaStreamEndCapture(s, &g));
-      CHECK(cudaGraphInstantiate(&ge, g, 0));
-      CHECK(cudaGraphLaunch(ge, s));  // warm-up
-      std::vector<double> us;
-      for (int r = 0; r < 5; ++r) {
-        CHECK(cudaEventRecord(e0, s));
-        CHECK(cudaGraphLaunch(ge, s));
-        CHECK(cudaEventRecord(e1, s));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        us.push_back(1e3 * double(ms) / steps);
-      }
-      std::sort(us.begin(), us.end());
-      const double med = us[us.size() / 2];
-      std::printf("phase 1's shape (26.7 MB, 1,536 blocks of 4 warps, cp.async rows), %s: %.2f us/step, %.0f GB/s\n",
-                  lookup ? "ids + table after the wait" : "addresses as arguments", med,
-                  2.0 * kSlots * kMatrixBytes / (med * 1e-6) / 1e9);
-      CHECK(cudaGraphExecDestroy(ge));
-      CHECK(cudaGraphDestroy(g));
+      });
+      std::printf(
+          "phase 1's shape (26.7 MB, 1,536 blocks of 4 warps, cp.async rows), %s: %.2f us/step, "
+          "%.0f GB/s\n",
+          lookup ? "ids + table after the wait" : "addresses as arguments", med,
+          2.0 * kSlots * kMatrixBytes / (med * 1e-6) / 1e9);
     }
   }
   CHECK(cudaGetLastError());
