@@ -227,11 +227,14 @@ JsonConstraint::JsonConstraint(std::span<const std::string> token_bytes, std::ve
   }
 }
 
+bool JsonConstraint::is_eos(int token) const {
+  if (token >= 0 && size_t(token) < is_eos_.size()) return is_eos_[size_t(token)];
+  return std::find(eos_.begin(), eos_.end(), token) != eos_.end();
+}
+
 bool JsonConstraint::allowed(int token) const {
-  if (token < 0 || size_t(token) >= bytes_.size())
-    return std::find(eos_.begin(), eos_.end(), token) != eos_.end() && state_.complete();
-  if (is_eos_[size_t(token)]) return state_.complete();
-  if (state_.complete()) return false;
+  if (is_eos(token)) return state_.complete();
+  if (token < 0 || size_t(token) >= bytes_.size() || state_.complete()) return false;
   const std::string& b = bytes_[size_t(token)];
   if (b.empty()) return false;
   JsonPrefix s = state_;
@@ -262,8 +265,7 @@ void JsonConstraint::mask(std::span<const float> logits, std::vector<float>& out
 
 bool JsonConstraint::accept(int token) {
   if (!allowed(token)) return false;
-  if (std::find(eos_.begin(), eos_.end(), token) == eos_.end())
-    state_.feed_all(bytes_[size_t(token)]);
+  if (!is_eos(token)) state_.feed_all(bytes_[size_t(token)]);
   return true;
 }
 

@@ -91,8 +91,11 @@ class JsonConstraint {
 
  private:
   std::span<const std::string> bytes_;
+  // Whether token is an end-of-generation token (one in eos_; ids past the vocabulary too).
+  bool is_eos(int token) const;
+
   std::vector<int> eos_;
-  std::vector<bool> is_eos_;  // per token
+  std::vector<bool> is_eos_;  // per token of the vocabulary
   // Per token: its bytes are whole characters of string content (no quote, backslash or
   // control character), so inside a string, between characters, it is always allowed.
   std::vector<bool> plain_;

@@ -197,6 +197,29 @@ TEST(JsonConstraint, MasksTokensThatCannotComeNext) {
   EXPECT_TRUE(c.accept(eos));
 }
 
+// An end token past the tokenizer's vocabulary (a model whose logits outnumber its token
+// bytes): allowed, and accepted, only once the object is whole; other ids past it never.
+TEST(JsonConstraint, EndTokenPastTheVocabularyOnlyWhenComplete) {
+  const std::vector<std::string> vocab = {"{", "}"};
+  const int eos = 5;
+  JsonConstraint c(vocab, {eos});
+  EXPECT_FALSE(c.allowed(eos));
+  EXPECT_FALSE(c.accept(eos));
+  EXPECT_FALSE(c.allowed(4));
+  ASSERT_TRUE(c.accept(0));
+  ASSERT_TRUE(c.accept(1));
+  ASSERT_TRUE(c.complete());
+  EXPECT_TRUE(c.allowed(eos));
+  EXPECT_FALSE(c.allowed(4));
+  EXPECT_FALSE(c.accept(4));
+  std::vector<float> logits(6, 1.0f), masked;
+  c.mask(logits, masked);
+  for (size_t t = 0; t < masked.size(); ++t)
+    EXPECT_EQ(std::isinf(masked[t]), t != size_t(eos)) << t;
+  EXPECT_TRUE(c.accept(eos));
+  EXPECT_TRUE(c.complete());
+}
+
 // Constrained greedy draws from random logits over a tokenizer's vocabulary (special tokens
 // excluded): the text stays a prefix the automaton takes, and every walk that ends with EOS is
 // a JSON object by nlohmann's parser. Returns how many walks ended.
