@@ -83,23 +83,28 @@ __global__ void tiny_kernel(int mode) {
   }
 }
 
-void launch(size_t words, const uint4* p, unsigned* sink, int mode, int blocks, cudaStream_t s) {
+// One launch, with programmatic dependent launch (PDL) or without.
+template <class... P, class... A>
+void launch_ex(bool pdl, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void (*kernel)(P...),
+               A... args) {
   cudaLaunchAttribute attr = {};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = mode != kPlain;
+  attr.val.programmaticStreamSerializationAllowed = pdl;
   cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  if (words == 0) {
-    cfg.gridDim = 1;
-    cfg.blockDim = 32;
-    CHECK(cudaLaunchKernelEx(&cfg, tiny_kernel, mode));
-  } else {
-    cfg.gridDim = unsigned(blocks);
-    cfg.blockDim = 512;
-    CHECK(cudaLaunchKernelEx(&cfg, read_kernel, p, words, sink, mode));
-  }
+  CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+void launch(size_t words, const uint4* p, unsigned* sink, int mode, int blocks, cudaStream_t s) {
+  if (words == 0)
+    launch_ex(mode != kPlain, 1, 32, 0, s, tiny_kernel, mode);
+  else
+    launch_ex(mode != kPlain, unsigned(blocks), 512, 0, s, read_kernel, p, words, sink, mode);
 }
 
 // Phase 1's shape (moe_gate_up_q8_kernel at qwen3-30b-a3b's Q8_0 shape): grid (192, 8) of
@@ -252,26 +257,14 @@ int main(int argc, char** argv) {
     for (int lookup = 1; lookup >= 0; --lookup) {
       const double med = graph_us_per_step(s, steps, [&] {
         for (int i = 0; i < steps; ++i) {
-          cudaLaunchAttribute attr = {};
-          attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-          attr.val.programmaticStreamSerializationAllowed = 1;
-          cudaLaunchConfig_t cfg = {};
-          cfg.stream = s;
-          cfg.attrs = &attr;
-          cfg.numAttrs = 1;
-          cfg.gridDim = 1;
-          cfg.blockDim = 32;
-          CHECK(cudaLaunchKernelEx(&cfg, ids_kernel, ids, i));
+          launch_ex(true, 1, 32, 0, s, ids_kernel, ids, i);
           Rows a{.ids = ids, .gate = tab, .up = tab + kExperts, .lookup = lookup};
           for (int k = 0; k < kSlots; ++k) {
             const int e = (i * kSlots + k) % kExperts;
             a.gate_d[k] = tab_h[0][e];
             a.up_d[k] = tab_h[1][e];
           }
-          cfg.gridDim = dim3(kExpertRows / 4, kSlots);
-          cfg.blockDim = 128;
-          cfg.dynamicSmemBytes = smem;
-          CHECK(cudaLaunchKernelEx(&cfg, rows_kernel, a, sink));
+          launch_ex(true, dim3(kExpertRows / 4, kSlots), 128, smem, s, rows_kernel, a, sink);
         }
       });
       std::printf(
