@@ -264,6 +264,14 @@ class CudaSession final : public runtime::Engine {
   int attention_splits(int n, int max_keys) const;
   bool graph_eligible() const;
   bool segments_eligible() const;
+  // TURBOSPARK_CUDA_PREDICT (decode graphs with resident experts; an experiment, to measure):
+  // after layer l (and after the embedding, for layer 0), layer l + 1's router is run on side_
+  // on x as it stands (norm_route with l + 1's norm and router: the experts the layer would
+  // pick if its attention changed nothing), and the predicted experts' rows asked into L2
+  // (prefetch_experts) while the attention runs on stream_. 1 = gate and up, 2 = also down,
+  // 3 = predicted, nothing prefetched. The phases still read the router's experts: the output
+  // is the same bytes. The share predicted right is printed when the session ends.
+  Status predict_layer(int layer);
 
   // The GPU expert cache (--residency host|streamed); see "GPU expert cache" below.
   bool cached() const { return opt_.gpu_experts.residency != runtime::GpuResidency::kResident; }
@@ -346,6 +354,19 @@ class CudaSession final : public runtime::Engine {
   int logit_rows_ = 1;      // rows the logits buffer holds (kLogitRows, or the chunk if less)
   unsigned long long* hist_ = nullptr;  // [n_layers, n_experts]
   unsigned* route_counter_ = nullptr;   // norm_route()'s, 0 between launches
+  int predict_ = 0;                     // TURBOSPARK_CUDA_PREDICT
+  int predict_top_ = 0;                 // TURBOSPARK_CUDA_PREDICT_TOP: prefetch ranks 0 .. N-1 only
+  int predict_block_ = 0;        // TURBOSPARK_CUDA_PREDICT_BLOCK: the prediction's block size
+  bool predicting_ = false;      // in a decode graph's capture with predict_
+  cudaStream_t side_ = nullptr;  // the predictions and prefetches
+  cudaEvent_t side_fork_ = nullptr, side_join_ = nullptr;
+  int* pred_ids_ = nullptr;  // [n_layers, top_k], -1 where none was predicted
+  int* real_ids_ = nullptr;  // [n_layers, top_k] the router's picks while predicting_
+  float* pred_xn_ = nullptr;
+  float* pred_logits_ = nullptr;
+  float* pred_w_ = nullptr;
+  unsigned* pred_counter_ = nullptr;
+  unsigned long long* pred_hits_ = nullptr;  // right, compared
   // Pinned host mirrors.
   int* h_tokens_ = nullptr;
   int* h_pos_ = nullptr;

@@ -177,6 +177,35 @@ TEST_P(CudaFixture, DecodeAcrossTheClusterAttentionBound) {
   }
 }
 
+// TURBOSPARK_CUDA_PREDICT (the next layer's experts predicted on a side stream and their rows
+// prefetched into L2) changes no byte of a decode: the phases read the router's experts.
+TEST_P(CudaFixture, DecodeWithExpertPredictionIsByteIdentical) {
+  const int T = 24;
+  std::vector<int> tokens;
+  for (int t = 0; t < T; ++t) tokens.push_back(prompt_[size_t(t) % prompt_.size()]);
+  const auto decode = [&](const char* mode) {
+    setenv("TURBOSPARK_CUDA_PREDICT", mode, 1);
+    auto s = engine(*model_, {.n_ctx = T});
+    unsetenv("TURBOSPARK_CUDA_PREDICT");
+    std::vector<float> rows;
+    if (!s) return rows;
+    for (int t = 0; t < T; ++t) {
+      EXPECT_TRUE(s->forward(std::span<const int>(&tokens[size_t(t)], 1), nullptr).ok());
+      rows.insert(rows.end(), s->last_logits().begin(), s->last_logits().end());
+    }
+    return rows;
+  };
+  const std::vector<float> base = decode("0");
+  ASSERT_EQ(base.size(), size_t(T) * V_);
+  for (const char* mode : {"1", "2", "3"}) {
+    const std::vector<float> got = decode(mode);
+    ASSERT_EQ(got.size(), base.size()) << "mode " << mode;
+    for (int t = 0; t < T; ++t)
+      EXPECT_EQ(0, std::memcmp(&got[size_t(t) * V_], &base[size_t(t) * V_], V_ * 4))
+          << "mode " << mode << ", position " << t;
+  }
+}
+
 // The device holds the same bytes whatever residency the host used: logits byte-identical,
 // and repeated runs in one session are too.
 TEST_P(CudaFixture, LogitsByteIdenticalAcrossResidencyAndRepeats) {
