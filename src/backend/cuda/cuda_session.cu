@@ -132,12 +132,6 @@ Result<std::string> open_device(int device) {
 
 CudaSession::~CudaSession() {
   if (stream_) cudaStreamSynchronize(stream_);
-  if (pred_hits_) {
-    unsigned long long h[2] = {};
-    if (cudaMemcpy(h, pred_hits_, sizeof h, cudaMemcpyDeviceToHost) == cudaSuccess && h[1] > 0)
-      std::fprintf(stderr, "turbospark: predicted experts: %llu of %llu picks right (%.1f%%)\n",
-                   h[0], h[1], 100.0 * double(h[0]) / double(h[1]));
-  }
   if (side_) cudaStreamSynchronize(side_);
   for (cudaEvent_t e : {side_fork_, side_join_})
     if (e) cudaEventDestroy(e);
@@ -179,11 +173,8 @@ Status CudaSession::begin(int device) {
   CUBLAS_TRY(bl_->set_math_mode(blas_, CUBLAS_DEFAULT_MATH));
   const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
   use_graphs_ = !(env && std::string(env) == "0");
-  if (const char* p = std::getenv("TURBOSPARK_CUDA_PREDICT")) predict_ = std::atoi(p);
-  if (predict_ < 0 || predict_ > 3) predict_ = 0;
-  if (const char* p = std::getenv("TURBOSPARK_CUDA_PREDICT_TOP")) predict_top_ = std::atoi(p);
-  if (const char* p = std::getenv("TURBOSPARK_CUDA_PREDICT_BLOCK")) predict_block_ = std::atoi(p);
-  if (predict_block_ != 0 && predict_block_ != 256 && predict_block_ != 512) predict_block_ = 0;
+  const char* pe = std::getenv("TURBOSPARK_CUDA_PREDICT");
+  predict_ = !(pe && std::string(pe) == "0");
   // (Probes the device once, here: never during a graph capture.)
   const bool clusters = cluster_launch_available();
   cluster_attention_ok_ =
@@ -475,6 +466,23 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(route_counter_, arena_.alloc_n<unsigned>(1));
   CUDA_TRY(cudaMemset(route_counter_, 0, sizeof(unsigned)));
   if (predict_) {
+    // The best half of the predictions (more measured no faster: docs/PERF.md), as many as
+    // half the L2 holds beside the attention's own bytes.
+    int l2 = 0;
+    CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device_));
+    size_t expert_bytes = 0;
+    for (const DevLayer& L : w_.layers)
+      if (L.is_moe) expert_bytes = std::max(expert_bytes, 2 * L.experts[0].gate.n_bytes());
+    predict_ranks_ =
+        expert_bytes
+            ? int(std::min<size_t>(size_t(hp.top_k + 1) / 2, size_t(l2) / 2 / expert_bytes))
+            : 0;
+    if (const char* r = std::getenv("TURBOSPARK_CUDA_PREDICT_RANKS"))
+      predict_ranks_ = std::clamp(std::atoi(r), 0, hp.top_k);
+    else if (predict_ranks_ == 0)
+      predict_ = false;  // not one expert fits: nothing to gain
+  }
+  if (predict_) {
     const size_t lk = size_t(hp.n_layers) * k;
     TS_ASSIGN(pred_ids_, arena_.alloc_n<int>(lk));
     TS_ASSIGN(real_ids_, arena_.alloc_n<int>(lk));
@@ -759,6 +767,9 @@ Status CudaSession::predict_layer(int layer) {
   const int k = hp_.top_k;
   CUDA_TRY(cudaEventRecord(side_fork_, stream_));
   CUDA_TRY(cudaStreamWaitEvent(side_, side_fork_, 0));
+  // x is read here while stream_ runs the attention, whose wo adds to x only after its norm,
+  // q|k|v, RoPE and attention: long after these blocks have read it (were they ever that
+  // late, the prediction would change, never the output).
   TS_TRY(launch([&] {
     norm_route({.x = x_,
                 .norm_w = L.ffn_norm,
@@ -777,20 +788,29 @@ Status CudaSession::predict_layer(int layer) {
                           .n_experts = hp_.n_experts,
                           .top_k = k,
                           .renormalize = hp_.moe.renormalize},
-                .block = predict_block_},
+                // Blocks of 256 threads find room beside the q|k|v blocks already
+                // resident (1,024 waited behind them and cost more than they saved).
+                .block = 256},
                side_);
   }));
-  if (predict_ == 3) return {};
+  if (predict_ranks_ == 0) return {};
   return launch([&] {
     prefetch_experts({.gate = L.gate_tab,
                       .up = L.up_tab,
-                      .down = predict_ == 2 ? L.down_tab : nullptr,
                       .ids = pred_ids_ + size_t(layer) * size_t(k),
-                      .top_k = predict_top_ > 0 ? std::min(k, predict_top_) : k,
-                      .gate_bytes = L.experts[0].gate.n_bytes(),
-                      .down_bytes = L.experts[0].down.n_bytes()},
+                      .ranks = predict_ranks_,
+                      .bytes = L.experts[0].gate.n_bytes()},
                      side_);
   });
+}
+
+void CudaSession::read_prediction_counts() const {
+  if (!pred_hits_) return;
+  // Between steps (each ends with its stream synchronized), so the counts are complete.
+  unsigned long long h[2] = {};
+  if (cudaMemcpy(h, pred_hits_, sizeof h, cudaMemcpyDeviceToHost) != cudaSuccess) return;
+  phases_.predicted_right = h[0];
+  phases_.predicted_picks = h[1];
 }
 
 Status CudaSession::run_layers(int n, float* logits_out, bool last_chunk) {

@@ -1085,7 +1085,7 @@ void launch_gate_up_16(const MoeArgs& a, dim3 grid, cudaStream_t s) {
 
 namespace {
 
-// Grid (top_k, 2 or 3 matrices), each thread asking chunks of kPrefetchChunk bytes of its
+// Grid (ranks, 2: gate and up), each thread asking chunks of kPrefetchChunk bytes of its
 // expert's matrix into L2. The matrix is widened to 16-byte bounds (the bulk prefetch's unit;
 // an expert's matrix lies inside one allocation, whose bounds are 256-byte aligned).
 constexpr uintptr_t kPrefetchChunk = 16 * 1024;
@@ -1094,10 +1094,9 @@ __global__ void prefetch_experts_kernel(PrefetchArgs a) {
   pdl_wait();
   const int e = a.ids[blockIdx.x];
   if (e < 0) return;
-  const void* const* tab = blockIdx.y == 0 ? a.gate : blockIdx.y == 1 ? a.up : a.down;
-  const size_t bytes = blockIdx.y == 2 ? a.down_bytes : a.gate_bytes;
+  const void* const* tab = blockIdx.y == 0 ? a.gate : a.up;
   const uintptr_t base = reinterpret_cast<uintptr_t>(tab[e]);
-  const uintptr_t lo = base & ~uintptr_t(15), hi = (base + bytes + 15) & ~uintptr_t(15);
+  const uintptr_t lo = base & ~uintptr_t(15), hi = (base + a.bytes + 15) & ~uintptr_t(15);
   for (uintptr_t p = lo + threadIdx.x * kPrefetchChunk; p < hi; p += blockDim.x * kPrefetchChunk) {
     const unsigned n = unsigned(hi - p < kPrefetchChunk ? hi - p : kPrefetchChunk);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1123,7 +1122,7 @@ __global__ void count_predicted_kernel(const int* pred, const int* real, int lay
 }  // namespace
 
 void prefetch_experts(const PrefetchArgs& a, cudaStream_t s) {
-  launch_kernel(prefetch_experts_kernel, dim3(unsigned(a.top_k), a.down ? 3u : 2u), 128, 0, s, a);
+  launch_kernel(prefetch_experts_kernel, dim3(unsigned(a.ranks), 2u), 128, 0, s, a);
 }
 
 void count_predicted(const int* pred, const int* real, int layers, int top_k,

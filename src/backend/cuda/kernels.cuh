@@ -194,17 +194,16 @@ struct MoeArgs {
   // tests force 1 (40 registers) or 0 (default) to compare the two.
   int force_wide = -1;
 };
-// The rows of the experts a layer is predicted to pick, asked into L2 ahead of its phases
-// (cp.async.bulk.prefetch.L2: no registers, no shared memory, nothing waits for it). Only a
-// prediction: the phases read the experts the router picks, whatever was prefetched, so the
-// output is the same bytes with or without it (TURBOSPARK_CUDA_PREDICT, to measure).
+// The gate and up matrices of the experts a layer is predicted to pick, asked into L2 ahead
+// of its phases (cp.async.bulk.prefetch.L2: no registers, no shared memory, nothing waits for
+// it). Only a prediction: the phases read the experts the router picks, whatever was
+// prefetched, so the output is the same bytes with or without it.
 struct PrefetchArgs {
   const void* const* gate;  // [n_experts] tables, as MoeArgs
   const void* const* up;
-  const void* const* down;  // null: gate and up only
-  const int* ids;           // [top_k] the predicted experts
-  int top_k;
-  size_t gate_bytes, down_bytes;  // one expert's matrix
+  const int* ids;  // [ranks] the predicted experts, best first (-1: none)
+  int ranks;
+  size_t bytes;  // one expert's gate (= up) matrix
 };
 void prefetch_experts(const PrefetchArgs& a, cudaStream_t s);
 // hits[0] += how many of real[l, :] are among pred[l, :], hits[1] += how many were compared,

@@ -323,31 +323,31 @@ TEST(CudaKernels, PredictedExpertsCountedAndPrefetchWritesNothing) {
   EXPECT_EQ(dh.get<unsigned long long>(), (std::vector<unsigned long long>{48, 116}));
 
   const int n_experts = 8;
-  const size_t gate_bytes = 3 * 1088 + 16, down_bytes = 2 * 1088;
+  const size_t bytes = 3 * 1088 + 16;
   std::vector<std::vector<uint8_t>> host;
   std::vector<std::unique_ptr<Dev>> mats;
-  std::vector<const void*> tab_g, tab_u, tab_d;
+  std::vector<const void*> tab_g, tab_u;
   for (int e = 0; e < n_experts; ++e)
-    for (int m = 0; m < 3; ++m) {
-      host.push_back(std::vector<uint8_t>(m == 2 ? down_bytes : gate_bytes, uint8_t(e * 3 + m)));
+    for (int m = 0; m < 2; ++m) {
+      host.push_back(std::vector<uint8_t>(bytes, uint8_t(e * 2 + m)));
       mats.push_back(std::make_unique<Dev>(host.back()));
-      (m == 0 ? tab_g : m == 1 ? tab_u : tab_d).push_back(mats.back()->p);
+      (m == 0 ? tab_g : tab_u).push_back(mats.back()->p);
     }
-  Dev dg(tab_g), du(tab_u), dd(tab_d);
+  Dev dg(tab_g), du(tab_u);
   const std::vector<int> ids = {6, -1, 0, 3};
   Dev di(ids);
-  for (bool down : {false, true})
+  for (int ranks : {1, 4})
     ts::cuda::prefetch_experts({.gate = dg.as<const void*>(),
                                 .up = du.as<const void*>(),
-                                .down = down ? dd.as<const void*>() : nullptr,
                                 .ids = di.as<int>(),
-                                .top_k = k,
-                                .gate_bytes = gate_bytes,
-                                .down_bytes = down_bytes},
+                                .ranks = ranks,
+                                .bytes = bytes},
                                nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   for (size_t i = 0; i < mats.size(); ++i) EXPECT_EQ(mats[i]->get<uint8_t>(), host[i]) << i;
+  EXPECT_EQ(dg.get<const void*>(), tab_g);
+  EXPECT_EQ(du.get<const void*>(), tab_u);
   EXPECT_EQ(di.get<int>(), ids);
 }
 
