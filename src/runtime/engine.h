@@ -42,6 +42,10 @@ struct PhaseTimes {
   double lm_head_us = 0;
   double total_us = 0;
   uint64_t expert_requests = 0;  // (token, expert) selections
+  // CUDA decode: the router's picks compared with the prediction made a layer ahead (whose
+  // best ranks were prefetched into L2), and how many of them it named.
+  uint64_t predicted_picks = 0;
+  uint64_t predicted_right = 0;
 };
 
 // A backend's own expert cache (CUDA with --residency host|streamed): the GPU slots in front

@@ -1,3 +1,5 @@
+#include <cstdio>
+
 #include "backend/cpu/quant.h"
 #include "backend/cuda/cuda_session_impl.cuh"
 
@@ -130,6 +132,10 @@ Result<std::string> open_device(int device) {
 
 CudaSession::~CudaSession() {
   if (stream_) cudaStreamSynchronize(stream_);
+  if (side_) cudaStreamSynchronize(side_);
+  for (cudaEvent_t e : {side_fork_, side_join_})
+    if (e) cudaEventDestroy(e);
+  if (side_) cudaStreamDestroy(side_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   for (void* p : pinned_store_) cudaHostUnregister(p);
   free_layer_memory();
@@ -167,6 +173,8 @@ Status CudaSession::begin(int device) {
   CUBLAS_TRY(bl_->set_math_mode(blas_, CUBLAS_DEFAULT_MATH));
   const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
   use_graphs_ = !(env && std::string(env) == "0");
+  const char* pe = std::getenv("TURBOSPARK_CUDA_PREDICT");
+  predict_ = !(pe && std::string(pe) == "0");
   // (Probes the device once, here: never during a graph capture.)
   const bool clusters = cluster_launch_available();
   cluster_attention_ok_ =
@@ -457,6 +465,40 @@ Status CudaSession::init(const std::string& device_name) {
   CUDA_TRY(cudaMemset(hist_, 0, size_t(hp.n_layers) * size_t(std::max(1, hp.n_experts)) * 8));
   TS_ASSIGN(route_counter_, arena_.alloc_n<unsigned>(1));
   CUDA_TRY(cudaMemset(route_counter_, 0, sizeof(unsigned)));
+  if (predict_) {
+    // The best half of the predictions (more measured no faster: docs/PERF.md), as many as
+    // half the L2 holds beside the attention's own bytes.
+    int l2 = 0;
+    CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device_));
+    size_t expert_bytes = 0;
+    for (const DevLayer& L : w_.layers)
+      if (L.is_moe) expert_bytes = std::max(expert_bytes, 2 * L.experts[0].gate.n_bytes());
+    predict_ranks_ =
+        expert_bytes
+            ? int(std::min<size_t>(size_t(hp.top_k + 1) / 2, size_t(l2) / 2 / expert_bytes))
+            : 0;
+    if (const char* r = std::getenv("TURBOSPARK_CUDA_PREDICT_RANKS"))
+      predict_ranks_ = std::clamp(std::atoi(r), 0, hp.top_k);
+    else if (predict_ranks_ == 0)
+      predict_ = false;  // not one expert fits: nothing to gain
+  }
+  if (predict_) {
+    const size_t lk = size_t(hp.n_layers) * k;
+    TS_ASSIGN(pred_ids_, arena_.alloc_n<int>(lk));
+    TS_ASSIGN(real_ids_, arena_.alloc_n<int>(lk));
+    CUDA_TRY(cudaMemset(pred_ids_, 0xff, lk * 4));
+    CUDA_TRY(cudaMemset(real_ids_, 0xff, lk * 4));
+    TS_ASSIGN(pred_xn_, arena_.alloc_n<float>(d));
+    TS_ASSIGN(pred_logits_, arena_.alloc_n<float>(size_t(std::max(1, hp.n_experts))));
+    TS_ASSIGN(pred_w_, arena_.alloc_n<float>(k));
+    TS_ASSIGN(pred_counter_, arena_.alloc_n<unsigned>(1));
+    CUDA_TRY(cudaMemset(pred_counter_, 0, sizeof(unsigned)));
+    TS_ASSIGN(pred_hits_, arena_.alloc_n<unsigned long long>(2));
+    CUDA_TRY(cudaMemset(pred_hits_, 0, 16));
+    CUDA_TRY(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    CUDA_TRY(cudaEventCreateWithFlags(&side_fork_, cudaEventDisableTiming));
+    CUDA_TRY(cudaEventCreateWithFlags(&side_join_, cudaEventDisableTiming));
+  }
   // Dequantization buffer for cuBLAS on quantized matrices (prefill only).
   size_t wtmp = 0;
   auto note = [&](const DevMatrix& m) {
@@ -719,11 +761,65 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   return {};
 }
 
+Status CudaSession::predict_layer(int layer) {
+  const DevLayer& L = w_.layers[size_t(layer)];
+  if (!L.is_moe || !norm_route_applies(L.router.dtype, hp_.d_model)) return {};
+  const int k = hp_.top_k;
+  CUDA_TRY(cudaEventRecord(side_fork_, stream_));
+  CUDA_TRY(cudaStreamWaitEvent(side_, side_fork_, 0));
+  // x is read here while stream_ runs the attention, whose wo adds to x only after its norm,
+  // q|k|v, RoPE and attention: long after these blocks have read it (were they ever that
+  // late, the prediction would change, never the output).
+  TS_TRY(launch([&] {
+    norm_route({.x = x_,
+                .norm_w = L.ffn_norm,
+                .eps = hp_.rms_eps,
+                .d = hp_.d_model,
+                .xn = pred_xn_,
+                .router = L.router.data,
+                .router_dtype = L.router.dtype,
+                .logits = pred_logits_,
+                .counter = pred_counter_,
+                .route = {.logits = pred_logits_,
+                          .ids = pred_ids_ + size_t(layer) * size_t(k),
+                          .weights = pred_w_,
+                          .hist = nullptr,
+                          .n = 1,
+                          .n_experts = hp_.n_experts,
+                          .top_k = k,
+                          .renormalize = hp_.moe.renormalize},
+                // Blocks of 256 threads find room beside the q|k|v blocks already
+                // resident (1,024 waited behind them and cost more than they saved).
+                .block = 256},
+               side_);
+  }));
+  if (predict_ranks_ == 0) return {};
+  return launch([&] {
+    prefetch_experts({.gate = L.gate_tab,
+                      .up = L.up_tab,
+                      .ids = pred_ids_ + size_t(layer) * size_t(k),
+                      .ranks = predict_ranks_,
+                      .bytes = L.experts[0].gate.n_bytes()},
+                     side_);
+  });
+}
+
+void CudaSession::read_prediction_counts() const {
+  if (!pred_hits_) return;
+  // Between steps (each ends with its stream synchronized), so the counts are complete.
+  unsigned long long h[2] = {};
+  if (cudaMemcpy(h, pred_hits_, sizeof h, cudaMemcpyDeviceToHost) != cudaSuccess) return;
+  phases_.predicted_right = h[0];
+  phases_.predicted_picks = h[1];
+}
+
 Status CudaSession::run_layers(int n, float* logits_out, bool last_chunk) {
   const size_t d = size_t(hp_.d_model);
   TS_TRY(prof_.time("embed", double(n) * double(w_.embed.row_bytes()), stream_,
                     [&] { return launch([&] { embed_rows(w_.embed, tokens_, n, x_, stream_); }); }));
   TS_TRY(layer_boundary(-1, n, last_chunk));
+  predicting_ = predict_ && n == 1 && !logits_out && graph_eligible();
+  if (predicting_) TS_TRY(predict_layer(0));
   const bool prefetch = prefetch_applies(n);
   pf_layer_[0] = pf_layer_[1] = -1;  // nothing survives a chunk that failed part way
   auto next_moe = [&](int l) {
@@ -751,6 +847,15 @@ Status CudaSession::run_layers(int n, float* logits_out, bool last_chunk) {
       add_inplace(x_, tmp_, int64_t(n) * int64_t(d), stream_);
     }
     TS_TRY(layer_boundary(l, n, last_chunk));
+    if (predicting_ && l + 1 < hp_.n_layers) TS_TRY(predict_layer(l + 1));
+  }
+  if (predicting_) {
+    CUDA_TRY(cudaEventRecord(side_join_, side_));
+    CUDA_TRY(cudaStreamWaitEvent(stream_, side_join_, 0));
+    TS_TRY(launch([&] {
+      count_predicted(pred_ids_, real_ids_, hp_.n_layers, hp_.top_k, pred_hits_, stream_);
+    }));
+    predicting_ = false;
   }
   rmsnorm(x_, w_.final_norm, xn_, n, int(d), hp_.rms_eps, stream_);
   return prof_.time("lm head", double(w_.lm_head.n_bytes()), stream_, [&]() -> Status {

@@ -225,7 +225,10 @@ class CudaSession final : public runtime::Engine {
   Status forward(std::span<const int> tokens, std::vector<float>* all_logits) override;
   // The pinned buffer the step's last copy wrote (no host copy of it per step).
   std::span<const float> last_logits() const override { return {h_logits_, size_t(hp_.vocab)}; }
-  const runtime::PhaseTimes& phases() const override { return phases_; }
+  const runtime::PhaseTimes& phases() const override {
+    read_prediction_counts();
+    return phases_;
+  }
   std::vector<uint64_t> router_hist() const override;
   const std::vector<std::vector<float>>& captures() const override { return captures_; }
   int64_t captured_positions() const override {
@@ -264,6 +267,14 @@ class CudaSession final : public runtime::Engine {
   int attention_splits(int n, int max_keys) const;
   bool graph_eligible() const;
   bool segments_eligible() const;
+  // Decode graphs with resident experts: after layer l (after the embedding, for layer 0),
+  // layer l + 1's router is run on side_ on x as it stands (norm_route with l + 1's norm and
+  // router: the experts the layer would pick if its attention changed nothing), and the gate
+  // and up matrices of its predict_ranks_ best predictions asked into L2 (prefetch_experts)
+  // while the attention runs on stream_ (docs/PERF.md, fifteenth session). The phases still
+  // read the router's experts: the output is the same bytes.
+  Status predict_layer(int layer);
+  void read_prediction_counts() const;
 
   // The GPU expert cache (--residency host|streamed); see "GPU expert cache" below.
   bool cached() const { return opt_.gpu_experts.residency != runtime::GpuResidency::kResident; }
@@ -346,6 +357,21 @@ class CudaSession final : public runtime::Engine {
   int logit_rows_ = 1;      // rows the logits buffer holds (kLogitRows, or the chunk if less)
   unsigned long long* hist_ = nullptr;  // [n_layers, n_experts]
   unsigned* route_counter_ = nullptr;   // norm_route()'s, 0 between launches
+  // Predictions made (TURBOSPARK_CUDA_PREDICT=0: none), and how many of the best are
+  // prefetched: at most half of top_k and of the L2 (TURBOSPARK_CUDA_PREDICT_RANKS=N to
+  // measure; 0: predicted, nothing prefetched).
+  bool predict_ = true;
+  int predict_ranks_ = 0;
+  bool predicting_ = false;      // capturing a decode graph with predict_
+  cudaStream_t side_ = nullptr;  // the predictions and prefetches
+  cudaEvent_t side_fork_ = nullptr, side_join_ = nullptr;
+  int* pred_ids_ = nullptr;  // [n_layers, top_k], -1 where none was predicted
+  int* real_ids_ = nullptr;  // [n_layers, top_k] the router's picks while predicting_
+  float* pred_xn_ = nullptr;
+  float* pred_logits_ = nullptr;
+  float* pred_w_ = nullptr;
+  unsigned* pred_counter_ = nullptr;
+  unsigned long long* pred_hits_ = nullptr;  // right, compared
   // Pinned host mirrors.
   int* h_tokens_ = nullptr;
   int* h_pos_ = nullptr;
@@ -357,7 +383,7 @@ class CudaSession final : public runtime::Engine {
   int* ids_flag_dev_ = nullptr;
   Status wait_ids_flag(int k);
   float* h_logits_ = nullptr;
-  runtime::PhaseTimes phases_;
+  mutable runtime::PhaseTimes phases_;  // (the prediction counts are read when asked)
   runtime::Interventions iv_;
   std::vector<int> capture_index_;
   std::vector<std::vector<float>> captures_;

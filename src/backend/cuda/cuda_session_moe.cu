@@ -12,8 +12,10 @@ Status CudaSession::moe_block(int layer, int n) {
   // GEMV re-quantizes the same rows to the same bytes).
   const bool experts_q8 = n <= kGemvMaxTokens && q8_activations(L.experts[0].gate.dtype, d);
   const bool to_host = capturing_segments_;  // decode segments: one token
+  // While predicting, each layer's picks are kept to be compared with the prediction.
+  int* const ids = predicting_ ? real_ids_ + size_t(layer) * size_t(k) : sel_ids_;
   const RouteArgs route_args{.logits = router_,
-                             .ids = sel_ids_,
+                             .ids = ids,
                              .weights = sel_w_,
                              .hist = hist_ + size_t(layer) * size_t(hp_.n_experts),
                              .n = n,
@@ -67,12 +69,22 @@ Status CudaSession::moe_block(int layer, int n) {
                         std::vector<float>(wts.begin() + long(t) * k, wts.begin() + long(t + 1) * k)});
   }
   if (n <= kGemvMaxTokens) {
-    MoeArgs a{.gate = L.gate_tab, .up = L.up_tab, .down = L.down_tab,
-                    .gate_dtype = L.experts[0].gate.dtype, .down_dtype = L.experts[0].down.dtype,
-                    .ids = sel_ids_, .weights = sel_w_, .xn = xn_, .h = h1_, .out = moe_out_,
-                    .n = n, .d_model = d, .d_expert = hp_.d_expert, .top_k = k,
-                    // Without a shared expert the sum goes straight onto the residual.
-                    .accumulate = !L.shared.gate.present()};
+    MoeArgs a{.gate = L.gate_tab,
+              .up = L.up_tab,
+              .down = L.down_tab,
+              .gate_dtype = L.experts[0].gate.dtype,
+              .down_dtype = L.experts[0].down.dtype,
+              .ids = ids,
+              .weights = sel_w_,
+              .xn = xn_,
+              .h = h1_,
+              .out = moe_out_,
+              .n = n,
+              .d_model = d,
+              .d_expert = hp_.d_expert,
+              .top_k = k,
+              // Without a shared expert the sum goes straight onto the residual.
+              .accumulate = !L.shared.gate.present()};
     if (a.accumulate) a.out = x_;
     if (experts_q8) {
       a.xq = qx_.q;

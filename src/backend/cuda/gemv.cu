@@ -1037,7 +1037,7 @@ bool norm_route_applies(DType router_dtype, int d) {
 void norm_route(const NormRouteArgs& args, cudaStream_t s) {
   NormRouteArgs a = args;
   a.route.logits = a.logits;
-  const int block = rmsnorm_block(a.d);
+  const int block = a.block > 0 ? a.block : rmsnorm_block(a.d);
   const size_t rb = size_t(dtype_row_bytes(a.router_dtype, a.d));
   a.row_bytes = rb;
   a.rows = int(std::min<size_t>(std::min(kNormRouteRows, block / 32),
@@ -1082,6 +1082,53 @@ void launch_gate_up_16(const MoeArgs& a, dim3 grid, cudaStream_t s) {
   launch_kernel(kernel, grid, 32 * kWarps, 0, s, a);
 }
 }  // namespace
+
+namespace {
+
+// Grid (ranks, 2: gate and up), each thread asking chunks of kPrefetchChunk bytes of its
+// expert's matrix into L2. The matrix is widened to 16-byte bounds (the bulk prefetch's unit;
+// an expert's matrix lies inside one allocation, whose bounds are 256-byte aligned).
+constexpr uintptr_t kPrefetchChunk = 16 * 1024;
+
+__global__ void prefetch_experts_kernel(PrefetchArgs a) {
+  pdl_wait();
+  const int e = a.ids[blockIdx.x];
+  if (e < 0) return;
+  const void* const* tab = blockIdx.y == 0 ? a.gate : a.up;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(tab[e]);
+  const uintptr_t lo = base & ~uintptr_t(15), hi = (base + a.bytes + 15) & ~uintptr_t(15);
+  for (uintptr_t p = lo + threadIdx.x * kPrefetchChunk; p < hi; p += blockDim.x * kPrefetchChunk) {
+    const unsigned n = unsigned(hi - p < kPrefetchChunk ? hi - p : kPrefetchChunk);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
+#endif
+  }
+}
+
+__global__ void count_predicted_kernel(const int* pred, const int* real, int layers, int top_k,
+                                       unsigned long long* hits) {
+  pdl_wait();
+  unsigned long long h = 0, n = 0;
+  for (int i = threadIdx.x; i < layers * top_k; i += blockDim.x) {
+    const int l = i / top_k;
+    if (real[l * top_k] < 0 || pred[l * top_k] < 0) continue;
+    ++n;
+    for (int j = 0; j < top_k; ++j) h += pred[l * top_k + j] == real[i];
+  }
+  atomicAdd(hits, h);
+  atomicAdd(hits + 1, n);
+}
+
+}  // namespace
+
+void prefetch_experts(const PrefetchArgs& a, cudaStream_t s) {
+  launch_kernel(prefetch_experts_kernel, dim3(unsigned(a.ranks), 2u), 128, 0, s, a);
+}
+
+void count_predicted(const int* pred, const int* real, int layers, int top_k,
+                     unsigned long long* hits, cudaStream_t s) {
+  launch_kernel(count_predicted_kernel, 1, 256, 0, s, pred, real, layers, top_k, hits);
+}
 
 void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned((a.d_expert + kWarps - 1) / kWarps), unsigned(a.n * a.top_k));

@@ -159,6 +159,9 @@ struct NormRouteArgs {
   float* logits;         // [n_experts]
   unsigned* counter;     // a device counter, 0 between launches (the kernel leaves it 0)
   RouteArgs route;       // route.logits is set to logits
+  // Threads per block: 0 = rmsnorm_block(d), whose bits rmsnorm() writes; a prediction may
+  // take fewer, to find room beside other kernels' blocks (its bits then differ).
+  int block = 0;
 };
 // Router types the fused launch takes (F32, BF16, F16) and widths (a multiple of 32).
 bool norm_route_applies(DType router_dtype, int d);
@@ -191,6 +194,22 @@ struct MoeArgs {
   // tests force 1 (40 registers) or 0 (default) to compare the two.
   int force_wide = -1;
 };
+// The gate and up matrices of the experts a layer is predicted to pick, asked into L2 ahead
+// of its phases (cp.async.bulk.prefetch.L2: no registers, no shared memory, nothing waits for
+// it). Only a prediction: the phases read the experts the router picks, whatever was
+// prefetched, so the output is the same bytes with or without it.
+struct PrefetchArgs {
+  const void* const* gate;  // [n_experts] tables, as MoeArgs
+  const void* const* up;
+  const int* ids;  // [ranks] the predicted experts, best first (-1: none)
+  int ranks;
+  size_t bytes;  // one expert's gate (= up) matrix
+};
+void prefetch_experts(const PrefetchArgs& a, cudaStream_t s);
+// hits[0] += how many of real[l, :] are among pred[l, :], hits[1] += how many were compared,
+// over layers l with real[l, 0] >= 0 and pred[l, 0] >= 0.
+void count_predicted(const int* pred, const int* real, int layers, int top_k,
+                     unsigned long long* hits, cudaStream_t s);
 // phase 1: h[t, r] = silu(gate_e . xn[t]) * (up_e . xn[t]), e = ids[t, r]
 void moe_gate_up(const MoeArgs& a, cudaStream_t s);
 // phase 2: out[t] (+)= sum over r = 0..k-1, in rank order, of weights[t, r] * (down_e . h[t, r])

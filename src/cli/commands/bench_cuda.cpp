@@ -215,6 +215,7 @@ Status cmd_bench_cuda(const Args& args) {
     // for steps over at most 256 keys and one for longer ones) is captured outside the timing.
     for (int64_t i = 0; i < 2; ++i) TS_TRY(step(i));
     cache_begin();
+    const runtime::PhaseTimes ph0 = engine->phases();
     const auto t0 = Clock::now();
     for (int64_t i = 2; i < n_gen + 2; ++i) TS_TRY(step(i));
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -241,6 +242,17 @@ Status cmd_bench_cuda(const Args& args) {
           (long long)ctx, tps, bytes / 1e9, gbps, 100.0 * gbps / roofline_gbps, roofline_gbps,
           roofline_gbps * 1e9 / bytes, of_peak);
     decode.back()["expert_cache"] = cache_json(s, n_gen, "        ");
+    // The experts predicted a layer ahead (CUDA decode graphs with resident experts).
+    const runtime::PhaseTimes& ph = engine->phases();
+    const uint64_t picks = ph.predicted_picks - ph0.predicted_picks;
+    const double rate =
+        picks ? double(ph.predicted_right - ph0.predicted_right) / double(picks) : 0;
+    decode.back()["expert_prediction_rate"] = picks ? nlohmann::json(rate) : nullptr;
+    if (!json && picks)
+      std::printf(
+          "        experts predicted a layer ahead: %.1f%% of the picks (the best ranks "
+          "prefetched into L2)\n",
+          100.0 * rate);
   }
   nlohmann::json prefill = nlohmann::json::array();
   // FLOPs per prompt token: 2 per active weight (dense, lm head once, top_k experts) plus

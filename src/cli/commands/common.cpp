@@ -29,6 +29,8 @@ nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engi
   p.dense_ffn_us -= since.phases.dense_ffn_us;
   p.lm_head_us -= since.phases.lm_head_us;
   p.expert_requests -= since.phases.expert_requests;
+  p.predicted_picks -= since.phases.predicted_picks;
+  p.predicted_right -= since.phases.predicted_right;
   experts::StoreStats s = model.experts().stats();
   s.requests -= since.store.requests;
   s.hits -= since.store.hits;
@@ -51,6 +53,11 @@ nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engi
                  {"bind_ms", c->bind_ms - since.cache.bind_ms},
                  {"h2d_gbps", ms > 0 ? double(bytes) / (ms * 1e-3) / 1e9 : 0.0}};
   }
+  nlohmann::json prediction = nullptr;
+  if (p.predicted_picks > 0)
+    prediction = {{"picks", p.predicted_picks},
+                  {"predicted", p.predicted_right},
+                  {"rate", double(p.predicted_right) / double(p.predicted_picks)}};
   return {
       {"residency", residency},
       {"slots_per_layer", slots},
@@ -68,6 +75,7 @@ nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engi
       {"storage_bytes_read", s.bytes_read},
       {"storage_bytes_per_token", double(s.bytes_read) / t},
       {"tokens", tokens_processed},
+      {"expert_prediction", prediction},
   };
 }
 
@@ -95,6 +103,14 @@ void print_stats(const nlohmann::json& j) {
                  j["slots_per_layer"].get<int>(), double(g["h2d_bytes"].get<uint64_t>()) / 1e6,
                  g["h2d_bytes_per_token"].get<double>() / 1e6, g["h2d_gbps"].get<double>(),
                  g["bind_ms"].get<double>());
+  }
+  if (j.contains("expert_prediction") && !j["expert_prediction"].is_null()) {
+    const nlohmann::json& e = j["expert_prediction"];
+    std::fprintf(stderr,
+                 "stats: experts predicted a layer ahead (best ranks prefetched into L2): "
+                 "%llu of %llu picks (%.1f%%)\n",
+                 (unsigned long long)e["predicted"].get<uint64_t>(),
+                 (unsigned long long)e["picks"].get<uint64_t>(), 100.0 * e["rate"].get<double>());
   }
 }
 

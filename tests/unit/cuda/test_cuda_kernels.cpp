@@ -305,6 +305,52 @@ TEST(CudaKernels, RmsnormMatchesCpu) {
   }
 }
 
+// count_predicted: per compared layer, how many of the router's picks the prediction held
+// (layers with -1 on either side skipped); prefetch_experts reads nothing back and writes
+// nothing (the tables, ids and weights unchanged), also with ids of -1.
+TEST(CudaKernels, PredictedExpertsCountedAndPrefetchWritesNothing) {
+  SKIP_WITHOUT_GPU();
+  const int k = 4;
+  const std::vector<int> pred = {3, 1, 7, 0, /**/ 5, 6, 2, 9, /**/ -1, -1, -1, -1, /**/ 1, 2, 3, 4};
+  const std::vector<int> real = {0,      1, 2, 3, /**/ 8,  9,  10, 11,
+                                 /**/ 1, 2, 3, 4, /**/ -1, -1, -1, -1};
+  Dev dp(pred), dr(real);
+  const std::vector<unsigned long long> zero = {40, 100};
+  Dev dh(zero);
+  ts::cuda::count_predicted(dp.as<int>(), dr.as<int>(), 4, k, dh.as<unsigned long long>(), nullptr);
+  ts::cuda::count_predicted(dp.as<int>(), dr.as<int>(), 4, k, dh.as<unsigned long long>(), nullptr);
+  // Layer 0: 0, 1, 3 predicted (3 right); layer 1: 9 (1 right); 8 picks compared per call.
+  EXPECT_EQ(dh.get<unsigned long long>(), (std::vector<unsigned long long>{48, 116}));
+
+  const int n_experts = 8;
+  const size_t bytes = 3 * 1088 + 16;
+  std::vector<std::vector<uint8_t>> host;
+  std::vector<std::unique_ptr<Dev>> mats;
+  std::vector<const void*> tab_g, tab_u;
+  for (int e = 0; e < n_experts; ++e)
+    for (int m = 0; m < 2; ++m) {
+      host.push_back(std::vector<uint8_t>(bytes, uint8_t(e * 2 + m)));
+      mats.push_back(std::make_unique<Dev>(host.back()));
+      (m == 0 ? tab_g : tab_u).push_back(mats.back()->p);
+    }
+  Dev dg(tab_g), du(tab_u);
+  const std::vector<int> ids = {6, -1, 0, 3};
+  Dev di(ids);
+  for (int ranks : {1, 4})
+    ts::cuda::prefetch_experts({.gate = dg.as<const void*>(),
+                                .up = du.as<const void*>(),
+                                .ids = di.as<int>(),
+                                .ranks = ranks,
+                                .bytes = bytes},
+                               nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  for (size_t i = 0; i < mats.size(); ++i) EXPECT_EQ(mats[i]->get<uint8_t>(), host[i]) << i;
+  EXPECT_EQ(dg.get<const void*>(), tab_g);
+  EXPECT_EQ(du.get<const void*>(), tab_u);
+  EXPECT_EQ(di.get<int>(), ids);
+}
+
 // RoPE + KV append's arguments on these device buffers (no norms, no BF16 copies).
 ts::cuda::RopeKvArgs rope_args(const Dev& q, const Dev& k, const Dev& v, const Dev& k_cache,
                                const Dev& v_cache, const Dev& inv_freq, const Dev& pos, int n,

@@ -177,6 +177,51 @@ TEST_P(CudaFixture, DecodeAcrossTheClusterAttentionBound) {
   }
 }
 
+// The next layer's experts predicted on a side stream and the best prefetched into L2 change
+// no byte of a decode (the phases read the router's experts): by default, predicting only
+// (TURBOSPARK_CUDA_PREDICT_RANKS=0) and prefetching every rank, against none
+// (TURBOSPARK_CUDA_PREDICT=0); and the prediction ran: every step compared every MoE layer's
+// picks (the fused router applies where d_model is a multiple of 32).
+TEST_P(CudaFixture, DecodeWithExpertPredictionIsByteIdentical) {
+  const int T = 24, k = model_->hp().top_k;
+  std::vector<int> tokens;
+  for (int t = 0; t < T; ++t) tokens.push_back(prompt_[size_t(t) % prompt_.size()]);
+  const auto decode = [&](const char* predict, const char* ranks, uint64_t* picks) {
+    setenv("TURBOSPARK_CUDA_PREDICT", predict, 1);
+    if (ranks) setenv("TURBOSPARK_CUDA_PREDICT_RANKS", ranks, 1);
+    auto s = engine(*model_, {.n_ctx = T});
+    unsetenv("TURBOSPARK_CUDA_PREDICT");
+    unsetenv("TURBOSPARK_CUDA_PREDICT_RANKS");
+    std::vector<float> rows;
+    if (!s) return rows;
+    for (int t = 0; t < T; ++t) {
+      EXPECT_TRUE(s->forward(std::span<const int>(&tokens[size_t(t)], 1), nullptr).ok());
+      rows.insert(rows.end(), s->last_logits().begin(), s->last_logits().end());
+    }
+    *picks = s->phases().predicted_picks;
+    EXPECT_LE(s->phases().predicted_right, *picks);
+    return rows;
+  };
+  uint64_t none = 0;
+  const std::vector<float> base = decode("0", nullptr, &none);
+  ASSERT_EQ(base.size(), size_t(T) * V_);
+  EXPECT_EQ(none, 0u);
+  const std::string all = std::to_string(k);
+  for (const char* ranks : {static_cast<const char*>(nullptr), "0", all.c_str()}) {
+    uint64_t picks = 0;
+    const std::vector<float> got = decode("1", ranks, &picks);
+    const std::string what = ranks ? std::string("ranks ") + ranks : "default";
+    ASSERT_EQ(got.size(), base.size()) << what;
+    for (int t = 0; t < T; ++t)
+      EXPECT_EQ(0, std::memcmp(&got[size_t(t) * V_], &base[size_t(t) * V_], V_ * 4))
+          << what << ", position " << t;
+    if (model_->hp().d_model % 32 == 0) {
+      EXPECT_GT(picks, 0u) << what;
+      EXPECT_EQ(picks % (uint64_t(T) * uint64_t(k)), 0u) << what;
+    }
+  }
+}
+
 // The device holds the same bytes whatever residency the host used: logits byte-identical,
 // and repeated runs in one session are too.
 TEST_P(CudaFixture, LogitsByteIdenticalAcrossResidencyAndRepeats) {
