@@ -818,7 +818,8 @@ Status CudaSession::run_layers(int n, float* logits_out, bool last_chunk) {
   TS_TRY(prof_.time("embed", double(n) * double(w_.embed.row_bytes()), stream_,
                     [&] { return launch([&] { embed_rows(w_.embed, tokens_, n, x_, stream_); }); }));
   TS_TRY(layer_boundary(-1, n, last_chunk));
-  predicting_ = predict_ && n == 1 && !logits_out && graph_eligible();
+  // (Not with --routing uniform|zipf: the router does not pick the experts then.)
+  predicting_ = predict_ && n == 1 && !logits_out && !sampled_routing_ && graph_eligible();
   if (predicting_) TS_TRY(predict_layer(0));
   const bool prefetch = prefetch_applies(n);
   pf_layer_[0] = pf_layer_[1] = -1;  // nothing survives a chunk that failed part way
