@@ -77,7 +77,8 @@ void Engine::run() {
       }
     }
     if (r.ok())
-      metrics_.record_generation(*r, opt_.model->experts().stats(), session_->expert_cache());
+      metrics_.record_generation(*r, opt_.model->experts().stats(), session_->expert_cache(),
+                                 session_->phases());
     else
       metrics_.count_failure();
     if (opt_.log_stats && r.ok())

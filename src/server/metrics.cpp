@@ -20,7 +20,8 @@ void Metrics::count_failure() {
 }
 
 void Metrics::record_generation(const runtime::Generation& g, const experts::StoreStats& store,
-                                const std::optional<runtime::ExpertCacheReport>& gpu) {
+                                const std::optional<runtime::ExpertCacheReport>& gpu,
+                                const runtime::PhaseTimes& phases) {
   std::lock_guard lock(mu_);
   ++generations_;
   if (g.stop_reason == runtime::StopReason::kCancelled) ++cancelled_;
@@ -32,6 +33,8 @@ void Metrics::record_generation(const runtime::Generation& g, const experts::Sto
   if (g.generated > 0 && g.decode_s > 0) last_decode_tok_s_ = double(g.generated) / g.decode_s;
   store_ = store;
   gpu_ = gpu;
+  predicted_picks_ = phases.predicted_picks;
+  predicted_right_ = phases.predicted_right;
 }
 
 std::string Metrics::prometheus(int queue_depth, int running) const {
@@ -103,6 +106,16 @@ std::string Metrics::prometheus(int queue_depth, int running) const {
            "Time the copy stream spent copying experts.", gpu_->copy_ms / 1e3);
     metric("turbospark_gpu_expert_bind_seconds_total", "counter",
            "Host time spent planning misses and issuing their copies.", gpu_->bind_ms / 1e3);
+  }
+  if (predicted_picks_ > 0) {
+    metric("turbospark_expert_prediction_picks_total", "counter",
+           "Router picks compared with the prediction made a layer ahead (CUDA decode).",
+           double(predicted_picks_));
+    metric("turbospark_expert_predicted_total", "counter",
+           "Of those, predicted (the best-ranked predictions are prefetched into L2).",
+           double(predicted_right_));
+    metric("turbospark_expert_prediction_rate", "gauge", "Predicted / picks.",
+           double(predicted_right_) / double(predicted_picks_));
   }
   metric("turbospark_stream_bytes_total", "counter", "Bytes of SSE frames sent to clients.",
          double(stream_bytes_));

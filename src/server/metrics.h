@@ -19,9 +19,11 @@ class Metrics {
  public:
   void count_response(const std::string& route, int status);
   void add_stream_bytes(uint64_t n);
-  // gpu: the GPU expert cache's counters (--device cuda with --residency host / streamed).
+  // gpu: the GPU expert cache's counters (--device cuda with --residency host / streamed);
+  // phases: the engine's (its expert prediction counts, CUDA decode with resident experts).
   void record_generation(const runtime::Generation& g, const experts::StoreStats& store,
-                         const std::optional<runtime::ExpertCacheReport>& gpu = std::nullopt);
+                         const std::optional<runtime::ExpertCacheReport>& gpu = std::nullopt,
+                         const runtime::PhaseTimes& phases = {});
   void count_failure();
   // queue_depth: jobs waiting; running: 0 or 1 (one engine thread).
   std::string prometheus(int queue_depth, int running) const;
@@ -36,6 +38,7 @@ class Metrics {
   double last_decode_tok_s_ = 0;
   experts::StoreStats store_;
   std::optional<runtime::ExpertCacheReport> gpu_;
+  uint64_t predicted_picks_ = 0, predicted_right_ = 0;
 };
 
 }  // namespace ts::server

@@ -557,6 +557,22 @@ TEST(ServerMetrics, GpuExpertCacheCountersAppearOnlyWithAGpuCache) {
         "turbospark_gpu_expert_copy_seconds_total 0.25\n",
         "turbospark_gpu_expert_bind_seconds_total 0.125\n", "turbospark_completion_tokens_total 8\n"})
     EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;
+  EXPECT_EQ(text.find("turbospark_expert_predict"), std::string::npos) << text;
+}
+
+// The expert prediction's counts (CUDA decode) appear once an engine has made predictions.
+TEST(ServerMetrics, ExpertPredictionCountersAppearOnlyWithPredictions) {
+  ts::server::Metrics m;
+  ts::runtime::Generation g{.prompt_tokens = 5, .generated = 4, .decode_s = 0.5};
+  m.record_generation(g, {}, std::nullopt, ts::runtime::PhaseTimes{});
+  EXPECT_EQ(m.prometheus(0, 0).find("turbospark_expert_predict"), std::string::npos);
+  m.record_generation(g, {}, std::nullopt,
+                      ts::runtime::PhaseTimes{.predicted_picks = 800, .predicted_right = 600});
+  const std::string text = m.prometheus(0, 0);
+  for (const char* line :
+       {"turbospark_expert_prediction_picks_total 800\n", "turbospark_expert_predicted_total 600\n",
+        "turbospark_expert_prediction_rate 0.75\n"})
+    EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;
 }
 
 }  // namespace
