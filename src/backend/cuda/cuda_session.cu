@@ -1,5 +1,3 @@
-#include <cstdio>
-
 #include "backend/cpu/quant.h"
 #include "backend/cuda/cuda_session_impl.cuh"
 
