@@ -65,6 +65,16 @@ class CudaFixture : public ::testing::TestWithParam<std::string> {
     EXPECT_TRUE(e.ok()) << e.error().message;
     return e.ok() ? std::move(e.value()) : nullptr;
   }
+  // Each token as a decode step of its own; the steps' logits, one row after another.
+  std::vector<float> decode_rows(ts::runtime::Engine* s, const std::vector<int>& tokens) {
+    std::vector<float> rows;
+    if (!s) return rows;
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      EXPECT_TRUE(s->forward(std::span<const int>(&tokens[t], 1), nullptr).ok());
+      rows.insert(rows.end(), s->last_logits().begin(), s->last_logits().end());
+    }
+    return rows;
+  }
   ts::ThreadPool pool_{2};
   std::string dir_;
   std::unique_ptr<ts::runtime::LoadedModel> model_;
@@ -157,13 +167,7 @@ TEST_P(CudaFixture, DecodeAcrossTheClusterAttentionBound) {
     setenv("TURBOSPARK_CUDA_GRAPHS", graphs ? "1" : "0", 1);
     auto s = engine(*model_, {.n_ctx = T});
     unsetenv("TURBOSPARK_CUDA_GRAPHS");
-    std::vector<float> rows;
-    if (!s) return rows;
-    for (int t = 0; t < T; ++t) {
-      EXPECT_TRUE(s->forward(std::span<const int>(&tokens[size_t(t)], 1), nullptr).ok());
-      rows.insert(rows.end(), s->last_logits().begin(), s->last_logits().end());
-    }
-    return rows;
+    return decode_rows(s.get(), tokens);
   };
   const std::vector<float> graphed = decode(true), eager = decode(false);
   ASSERT_EQ(graphed.size(), size_t(T) * V_);
@@ -192,14 +196,11 @@ TEST_P(CudaFixture, DecodeWithExpertPredictionIsByteIdentical) {
     auto s = engine(*model_, {.n_ctx = T});
     unsetenv("TURBOSPARK_CUDA_PREDICT");
     unsetenv("TURBOSPARK_CUDA_PREDICT_RANKS");
-    std::vector<float> rows;
-    if (!s) return rows;
-    for (int t = 0; t < T; ++t) {
-      EXPECT_TRUE(s->forward(std::span<const int>(&tokens[size_t(t)], 1), nullptr).ok());
-      rows.insert(rows.end(), s->last_logits().begin(), s->last_logits().end());
+    const std::vector<float> rows = decode_rows(s.get(), tokens);
+    if (s) {
+      *picks = s->phases().predicted_picks;
+      EXPECT_LE(s->phases().predicted_right, *picks);
     }
-    *picks = s->phases().predicted_picks;
-    EXPECT_LE(s->phases().predicted_right, *picks);
     return rows;
   };
   uint64_t none = 0;
