@@ -1081,9 +1081,6 @@ void launch_gate_up_16(const MoeArgs& a, dim3 grid, cudaStream_t s) {
       gate_up_wide<T>(a, grid.x * grid.y) ? moe_gate_up_wide_kernel<T> : moe_gate_up_kernel<T>;
   launch_kernel(kernel, grid, 32 * kWarps, 0, s, a);
 }
-}  // namespace
-
-namespace {
 
 // Grid (ranks, 2: gate and up), each thread asking chunks of kPrefetchChunk bytes of its
 // expert's matrix into L2. The matrix is widened to 16-byte bounds (the bulk prefetch's unit;

@@ -104,7 +104,7 @@ void print_stats(const nlohmann::json& j) {
                  g["h2d_bytes_per_token"].get<double>() / 1e6, g["h2d_gbps"].get<double>(),
                  g["bind_ms"].get<double>());
   }
-  if (j.contains("expert_prediction") && !j["expert_prediction"].is_null()) {
+  if (!j["expert_prediction"].is_null()) {
     const nlohmann::json& e = j["expert_prediction"];
     std::fprintf(stderr,
                  "stats: experts predicted a layer ahead (best ranks prefetched into L2): "
