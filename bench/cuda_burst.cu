@@ -83,23 +83,6 @@ __global__ void tiny_kernel(int mode) {
   }
 }
 
-// One launch, with programmatic dependent launch (PDL) or without.
-template <class... P, class... A>
-void launch_ex(bool pdl, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void (*kernel)(P...),
-               A... args) {
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = pdl;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
 void launch(size_t words, const uint4* p, unsigned* sink, int mode, int blocks, cudaStream_t s) {
   if (words == 0)
     launch_ex(mode != kPlain, 1, 32, 0, s, tiny_kernel, mode);
@@ -164,38 +147,6 @@ __global__ void __launch_bounds__(128, 12) rows_kernel(Rows a, unsigned* sink) {
   for (int c = lane; c < 2 * kRowBytes / 4; c += 32)
     acc ^= reinterpret_cast<const uint32_t*>(tile)[c];
   if (acc == 0x9e3779b9u) sink[0] = acc;
-}
-
-// Captures issue(s) (steps launches' worth) as one CUDA graph, replays it once to warm up and
-// 5 times timed; the median replay's time per step, in us.
-template <class F>
-double graph_us_per_step(cudaStream_t s, int steps, F issue) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  issue();
-  CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  CHECK(cudaGraphLaunch(ge, s));  // warm-up
-  std::vector<double> us;
-  for (int r = 0; r < 5; ++r) {
-    CHECK(cudaEventRecord(e0, s));
-    CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(e1, s));
-    CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    us.push_back(1e3 * double(ms) / steps);
-  }
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  CHECK(cudaEventDestroy(e0));
-  CHECK(cudaEventDestroy(e1));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
 }
 
 int main(int argc, char** argv) {

@@ -1,11 +1,14 @@
-// CHECK(call) for the hand-built CUDA lab tools in bench/ (cuda_h2d.cu, cuda_burst.cu): a
-// failed CUDA runtime call prints where and why, and exits 1.
+// What the hand-built CUDA lab tools in bench/ (cuda_h2d.cu, cuda_burst.cu, cuda_tail.cu)
+// share: CHECK(call) (a failed CUDA runtime call prints where and why, and exits 1), one
+// launch with or without PDL, and the time per step of a captured chain of launches.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CHECK(call)                                                                               \
   do {                                                                                            \
@@ -15,3 +18,52 @@
       std::exit(1);                                                                               \
     }                                                                                             \
   } while (0)
+
+// One launch, with programmatic dependent launch (PDL) or without.
+template <class... P, class... A>
+void launch_ex(bool pdl, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void (*kernel)(P...),
+               A... args) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = pdl;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+// Captures issue(s) (steps launches' worth) as one CUDA graph, replays it once to warm up and
+// 5 times timed; the median replay's time per step, in us.
+template <class F>
+double graph_us_per_step(cudaStream_t s, int steps, F issue) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  issue();
+  CHECK(cudaStreamEndCapture(s, &g));
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  CHECK(cudaGraphLaunch(ge, s));  // warm-up
+  std::vector<double> us;
+  for (int r = 0; r < 5; ++r) {
+    CHECK(cudaEventRecord(e0, s));
+    CHECK(cudaGraphLaunch(ge, s));
+    CHECK(cudaEventRecord(e1, s));
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    us.push_back(1e3 * double(ms) / steps);
+  }
+  CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaGraphDestroy(g));
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}

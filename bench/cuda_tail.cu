@@ -78,52 +78,6 @@ __global__ void tail_kernel(TailArgs a) {
   }
 }
 
-template <class... P, class... A>
-void launch_ex(dim3 grid, dim3 block, size_t smem, cudaStream_t s, void (*kernel)(P...),
-               A... args) {
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
-template <class F>
-double graph_us_per_step(cudaStream_t s, int steps, F issue) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  issue();
-  CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  CHECK(cudaGraphLaunch(ge, s));
-  std::vector<double> us;
-  for (int r = 0; r < 5; ++r) {
-    CHECK(cudaEventRecord(e0, s));
-    CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(e1, s));
-    CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    us.push_back(1e3 * double(ms) / steps);
-  }
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  CHECK(cudaEventDestroy(e0));
-  CHECK(cudaEventDestroy(e1));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
-}
-
 int main() {
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -158,8 +112,8 @@ int main() {
     const int steps = 48;
     const double us = graph_us_per_step(s, steps, [&] {
       for (int i = 0; i < steps; ++i)
-        launch_ex(dim3(unsigned(c.grid)), dim3(unsigned(c.block)), size_t(c.smem), s, tail_kernel,
-                  t);
+        launch_ex(true, dim3(unsigned(c.grid)), dim3(unsigned(c.block)), size_t(c.smem), s,
+                  tail_kernel, t);
     });
     printf("%5d %5d %6d %d %d %8.2f\n", c.grid, c.block, c.smem, c.tail, c.fence_all, us);
   }
