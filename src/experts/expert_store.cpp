@@ -1,6 +1,7 @@
 #include "experts/expert_store.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -33,15 +34,34 @@ std::unique_ptr<TableStore> TableStore::mapped(model::ExpertTable table) {
   return std::unique_ptr<TableStore>(new TableStore(std::move(table), Residency::kMapped));
 }
 
-std::unique_ptr<TableStore> TableStore::resident(const model::ExpertTable& table) {
+Result<std::unique_ptr<TableStore>> TableStore::resident(const model::ExpertTable& table) {
   std::unique_ptr<TableStore> s(new TableStore(table, Residency::kResident));
+  // One region for every copy, 2 MiB aligned and marked for transparent huge pages, each
+  // matrix at a 64-byte boundary: decode streams a few experts' matrices per layer, and on
+  // 4 KiB pages their translations miss the TLB (docs/PERF.md, "Huge pages for the CPU's
+  // weights").
+  constexpr size_t kAlignMatrix = 64, kHuge = size_t(2) << 20;
+  const auto up = [](size_t x, size_t a) { return (x + a - 1) / a * a; };
+  size_t total = 0;
+  for (const auto& layer : s->table_)
+    for (const model::ExpertWeights& e : layer)
+      for (const model::Matrix* m : {&e.gate, &e.up, &e.down})
+        total += up(m->n_bytes(), kAlignMatrix);
+  if (total == 0) return s;
+  total = up(total, kHuge);
+  auto* mem = static_cast<uint8_t*>(std::aligned_alloc(kHuge, total));
+  if (!mem)
+    return make_error("--residency resident: cannot allocate " + std::to_string(total) +
+                      " bytes for the routed experts; use --residency mapped or streamed");
+  ::madvise(mem, total, MADV_HUGEPAGE);  // a hint; ignored where THP is off
+  s->owned_.reset(mem);
+  size_t at = 0;
   for (auto& layer : s->table_) {
     for (model::ExpertWeights& e : layer) {
       for (model::Matrix* m : {&e.gate, &e.up, &e.down}) {
-        auto buf = std::make_unique<uint8_t[]>(m->n_bytes());
-        std::memcpy(buf.get(), m->data, m->n_bytes());
-        m->data = buf.get();
-        s->owned_.push_back(std::move(buf));
+        std::memcpy(mem + at, m->data, m->n_bytes());
+        m->data = mem + at;
+        at += up(m->n_bytes(), kAlignMatrix);
       }
     }
   }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <climits>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -103,8 +104,9 @@ class TableStore final : public ExpertStore {
  public:
   // mapped: views into the mapping as given.
   static std::unique_ptr<TableStore> mapped(model::ExpertTable table);
-  // resident: copies every expert into memory owned by the store.
-  static std::unique_ptr<TableStore> resident(const model::ExpertTable& table);
+  // resident: copies every expert into memory owned by the store (an error, naming the size,
+  // where that memory cannot be had).
+  static Result<std::unique_ptr<TableStore>> resident(const model::ExpertTable& table);
   Status acquire(int layer, std::span<const int> ids,
                  std::span<model::ExpertWeights> out) override;
   Residency residency() const override { return residency_; }
@@ -113,7 +115,10 @@ class TableStore final : public ExpertStore {
   TableStore(model::ExpertTable table, Residency r) : table_(std::move(table)), residency_(r) {}
   model::ExpertTable table_;
   Residency residency_;
-  std::vector<std::unique_ptr<uint8_t[]>> owned_;
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, FreeDeleter> owned_;  // resident: every copy, in one region
 };
 
 struct StreamedOptions {

@@ -60,6 +60,11 @@ Result<std::unique_ptr<MappedFile>> MappedFile::open(const std::string& path) {
     file->size_ = 0;
     return make_error("cannot map " + path + ": " + os_reason(err));
   }
+  // A hint: where the kernel reads a model's pages into the page cache on first touch, it
+  // reads them in 2 MiB folios and maps them with one TLB entry each (decode streams the
+  // weights; on 4 KiB pages their translations miss the TLB: docs/PERF.md). Ignored where
+  // transparent huge pages are off.
+  ::madvise(p, file->size_, MADV_HUGEPAGE);
   file->data_ = static_cast<const uint8_t*>(p);
   return file;
 }

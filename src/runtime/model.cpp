@@ -136,9 +136,10 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
     case experts::Residency::kMapped:
       m->store_ = experts::TableStore::mapped(m->weights_.experts);
       break;
-    case experts::Residency::kResident:
-      m->store_ = experts::TableStore::resident(m->weights_.experts);
+    case experts::Residency::kResident: {
+      TS_ASSIGN(m->store_, experts::TableStore::resident(m->weights_.experts));
       break;
+    }
     case experts::Residency::kStreamed: {
       // Streaming reads experts from their file: a converted copy has no place there.
       if (!pack)

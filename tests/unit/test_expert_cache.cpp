@@ -1,12 +1,15 @@
 // SlotCache: LRU / LFU replacement and the protect invariant (a slot acquired by in-flight
-// work is never a victim), on random request streams checked against a simple model.
+// work is never a victim), on random request streams checked against a simple model; and the
+// resident TableStore's copies.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 #include <set>
 
 #include "experts/expert_cache.h"
+#include "experts/expert_store.h"
 
 namespace {
 
@@ -98,6 +101,49 @@ TEST(SlotCache, RandomStreamsKeepTheInvariants) {
       prot = want;
     }
   }
+}
+
+}  // namespace
+
+namespace {
+
+// --residency resident: the copies hold the same bytes, each matrix at a 64-byte boundary of
+// one region (marked for huge pages); a dense layer between (no experts) is skipped.
+TEST(TableStore, ResidentCopiesAreEqualAndAligned) {
+  std::mt19937 rng(7);
+  std::vector<std::vector<uint8_t>> backing;
+  ts::model::ExpertTable table(3);
+  for (int l : {0, 2}) {  // layer 1: dense
+    for (int e = 0; e < 5; ++e) {
+      ts::model::ExpertWeights w;
+      for (ts::model::Matrix* m : {&w.gate, &w.up, &w.down}) {
+        // Odd sizes (F32 rows of 3 and 7 columns), so the next copy's start must be padded.
+        *m = {nullptr, ts::DType::kF32, 5 + e, m == &w.down ? 7 : 3};
+        backing.emplace_back(m->n_bytes());
+        for (uint8_t& b : backing.back()) b = uint8_t(rng());
+        m->data = backing.back().data();
+      }
+      table[size_t(l)].push_back(w);
+    }
+  }
+  auto store = ts::experts::TableStore::resident(table);
+  ASSERT_TRUE(store.ok()) << store.error().message;
+  for (int l : {0, 2}) {
+    std::vector<int> ids{0, 1, 2, 3, 4};
+    std::vector<ts::model::ExpertWeights> out(ids.size());
+    ASSERT_TRUE((*store)->acquire(l, ids, out).ok());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const ts::model::ExpertWeights& want = table[size_t(l)][i];
+      for (auto [got, ref] : {std::pair{&out[i].gate, &want.gate}, std::pair{&out[i].up, &want.up},
+                              std::pair{&out[i].down, &want.down}}) {
+        EXPECT_NE(got->data, ref->data) << "a copy, not the source";
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(got->data) % 64, 0u) << "layer " << l;
+        ASSERT_EQ(got->n_bytes(), ref->n_bytes());
+        EXPECT_EQ(std::memcmp(got->data, ref->data, ref->n_bytes()), 0) << "layer " << l;
+      }
+    }
+  }
+  EXPECT_EQ((*store)->residency(), ts::experts::Residency::kResident);
 }
 
 }  // namespace
