@@ -30,6 +30,12 @@ std::string_view residency_name(Residency r) {
   return "?";
 }
 
+namespace {
+constexpr uint64_t kAlign = 4096;  // O_DIRECT's unit: streamed slots and their pieces
+constexpr uint64_t kHugePage = uint64_t(2) << 20;
+uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+}  // namespace
+
 std::unique_ptr<TableStore> TableStore::mapped(model::ExpertTable table) {
   return std::unique_ptr<TableStore>(new TableStore(std::move(table), Residency::kMapped));
 }
@@ -40,28 +46,27 @@ Result<std::unique_ptr<TableStore>> TableStore::resident(const model::ExpertTabl
   // matrix at a 64-byte boundary: decode streams a few experts' matrices per layer, and on
   // 4 KiB pages their translations miss the TLB (docs/PERF.md, "Huge pages for the CPU's
   // weights").
-  constexpr size_t kAlignMatrix = 64, kHuge = size_t(2) << 20;
-  const auto up = [](size_t x, size_t a) { return (x + a - 1) / a * a; };
-  size_t total = 0;
+  constexpr uint64_t kAlignMatrix = 64;
+  uint64_t total = 0;
   for (const auto& layer : s->table_)
     for (const model::ExpertWeights& e : layer)
       for (const model::Matrix* m : {&e.gate, &e.up, &e.down})
-        total += up(m->n_bytes(), kAlignMatrix);
+        total += round_up(m->n_bytes(), kAlignMatrix);
   if (total == 0) return s;
-  total = up(total, kHuge);
-  auto* mem = static_cast<uint8_t*>(std::aligned_alloc(kHuge, total));
+  total = round_up(total, kHugePage);
+  auto* mem = static_cast<uint8_t*>(std::aligned_alloc(kHugePage, total));
   if (!mem)
     return make_error("--residency resident: cannot allocate " + std::to_string(total) +
                       " bytes for the routed experts; use --residency mapped or streamed");
   ::madvise(mem, total, MADV_HUGEPAGE);  // a hint; ignored where THP is off
   s->owned_.reset(mem);
-  size_t at = 0;
+  uint64_t at = 0;
   for (auto& layer : s->table_) {
     for (model::ExpertWeights& e : layer) {
       for (model::Matrix* m : {&e.gate, &e.up, &e.down}) {
         std::memcpy(mem + at, m->data, m->n_bytes());
         m->data = mem + at;
-        at += up(m->n_bytes(), kAlignMatrix);
+        at += round_up(m->n_bytes(), kAlignMatrix);
       }
     }
   }
@@ -78,13 +83,6 @@ Status TableStore::acquire(int layer, std::span<const int> ids,
 }
 
 namespace {
-
-constexpr uint64_t kAlign = 4096;
-uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
-
-struct AlignedFree {
-  void operator()(uint8_t* p) const { std::free(p); }
-};
 
 class StreamedStore final : public ExpertStore {
  public:

@@ -99,6 +99,11 @@ struct ExpertSource {
   std::vector<std::vector<ExpertLocation>> layers;  // [layer][expert]; empty for dense layers
 };
 
+// Frees the stores' aligned_alloc'd memory (resident copies, streamed slots).
+struct AlignedFree {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+
 // Every expert addressable through a table (resident copies or the mapping itself).
 class TableStore final : public ExpertStore {
  public:
@@ -115,10 +120,7 @@ class TableStore final : public ExpertStore {
   TableStore(model::ExpertTable table, Residency r) : table_(std::move(table)), residency_(r) {}
   model::ExpertTable table_;
   Residency residency_;
-  struct FreeDeleter {
-    void operator()(uint8_t* p) const { std::free(p); }
-  };
-  std::unique_ptr<uint8_t, FreeDeleter> owned_;  // resident: every copy, in one region
+  std::unique_ptr<uint8_t, AlignedFree> owned_;  // resident: every copy, in one region
 };
 
 struct StreamedOptions {
