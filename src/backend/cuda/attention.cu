@@ -413,12 +413,13 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_cluster_kerne
 }
 
 // grid (n_heads, n), block 128, 2 * n_splits floats of dynamic shared memory: merges the
-// splits. Everything a short context needs is loaded at once, right after the wait: each
-// split's (m, l) pair into shared memory, and each thread's output values of the first
-// kMergePre splits into registers (later splits, at long contexts, are loaded in the sum).
-// No loop waits on a load before issuing the next (a serial walk over 66 splits was ~66
-// dependent L2 round trips); the sums still run over s in order, as before.
-constexpr int kMergePre = 8;
+// splits. Everything is loaded at once, right after the wait: each split's (m, l) pair into
+// shared memory, and each thread's output values of the first kMergePre splits into
+// registers (72: the 66 splits of a decode over 4 KV heads; more, with fewer KV heads, are
+// loaded in the sum). No loop waits on a load before issuing the next: a serial walk over 66
+// splits was ~66 dependent L2 round trips, and 8 at a time still 8 (12 us a layer at 4,096
+// keys in Nsight Compute; +3-4% decode there: docs/PERF.md). The sums run over s in order.
+constexpr int kMergePre = 72;
 
 __global__ void attention_merge_kernel(AttentionArgs a) {
   pdl_wait();
@@ -777,6 +778,211 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
   }
 }
 
+// One token's attention by KV head on tensor cores (decode over the BF16 copies of the
+// cache, for models whose weights are not F32 — the numerics of attention_tc_kernel): grid
+// (n_kv_heads, n_splits), block 4 warps. The group's query heads (at most 16) are the rows of
+// an m16n8k16 tile, so a warp scores 16 keys for all of them in 16 MMAs (head dim 128) where
+// the CUDA-core kernel spends a warp per head and a shuffle per key. A block walks its split in
+// tiles of kTdK keys, warp w taking keys [16 w, 16 w + 16) of each with its own online softmax
+// (log2 domain, as the prefill kernel); the warps then meet in shared memory and the block
+// writes (m, l, acc[head_dim]) per head for attention_merge_kernel (m in the natural log domain,
+// as the CUDA-core kernel's). The first tile's old keys are copied before the wait.
+constexpr int kTdK = 64, kTdRows = 16;
+
+template <int HD>
+constexpr size_t td_smem_bytes() {
+  return size_t(kTdRows + 2 * kTdK) * (HD + 8) * 2;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(128) attention_tc_decode_kernel(AttentionArgs a) {
+  constexpr int kLd = HD + 8, kOt = HD / 8;
+  extern __shared__ __align__(128) unsigned char td_smem[];
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(td_smem);
+  __nv_bfloat16* ks = qs + kTdRows * kLd;
+  __nv_bfloat16* vs = ks + kTdK * kLd;
+  const int g = blockIdx.x, split = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tig = lane % 4;
+  const int mi = lane / 8, mr = lane % 8;  // ldmatrix: lane supplies row mr of matrix mi
+  const int group = a.n_heads / a.n_kv_heads, kv_dim = a.n_kv_heads * HD, h0 = g * group;
+  const int old_keys = *a.pos, n_keys = old_keys + 1;
+  const int per = (n_keys + a.n_splits - 1) / a.n_splits;
+  const int chunk = (per + kTdK - 1) / kTdK * kTdK;
+  const int j0 = split * chunk, j1 = min(n_keys, j0 + chunk);
+  const float scale2 = rsqrtf(float(HD)) * 1.4426950408889634f;  // log2(e) / sqrt(hd)
+  // Keys [k0, k0 + kTdK) of the KV head into a tile: those in [lo, hi) copied, keys past the
+  // split zero, the others left to the other call.
+  const auto copy_tile = [&](const void* cache, int k0, __nv_bfloat16* tile, int lo, int hi) {
+    constexpr int kPieces = kTdK * HD / 8;  // 16-byte pieces
+#pragma unroll
+    for (int i = 0; i < kPieces / 128; ++i) {
+      const int c = threadIdx.x + 128 * i, r = c / (HD / 8), p = c % (HD / 8);
+      const int key = k0 + r;
+      const bool ok = key < j1 && key >= lo && key < hi;
+      if (key < j1 && !ok) continue;
+      const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(cache) +
+                                 (ok ? size_t(key) * kv_dim + size_t(g) * HD + p * 8 : 0);
+      cp_async16_zfill(tile + r * kLd + p * 8, src, ok);
+    }
+  };
+  if (j0 < j1) {
+    copy_tile(a.k_bf16, j0, ks, 0, old_keys);
+    copy_tile(a.v_bf16, j0, vs, 0, old_keys);
+  }
+  pdl_wait();
+  // The group's queries as BF16 rows (rows past the group zero), and the new key and value.
+  {
+    constexpr int kVec = kTdRows * HD / 4, kPer = kVec / 128;
+    float4 v[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = threadIdx.x + 128 * i, r = e / (HD / 4), c4 = e % (HD / 4);
+      v[i] = r < group ? *reinterpret_cast<const float4*>(a.q + size_t(h0 + r) * HD + c4 * 4)
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = threadIdx.x + 128 * i, r = e / (HD / 4), c4 = e % (HD / 4);
+      __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(qs + r * kLd + c4 * 4);
+      d[0] = __floats2bfloat162_rn(v[i].x, v[i].y);
+      d[1] = __floats2bfloat162_rn(v[i].z, v[i].w);
+    }
+  }
+  if (j0 < j1) {
+    copy_tile(a.k_bf16, j0, ks, old_keys, INT_MAX);
+    copy_tile(a.v_bf16, j0, vs, old_keys, INT_MAX);
+  }
+  cp_async_commit();
+  float o[kOt][4];
+#pragma unroll
+  for (int j = 0; j < kOt; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's columns only
+  unsigned qa[HD / 16][4];
+  for (int k0 = j0; k0 < j1; k0 += kTdK) {
+    if (k0 != j0) {
+      __syncthreads();  // the previous tile is no longer read
+      copy_tile(a.k_bf16, k0, ks, 0, INT_MAX);
+      copy_tile(a.v_bf16, k0, vs, 0, INT_MAX);
+      cp_async_commit();
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    if (k0 == j0) {
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        ldsm_x4(qa[kk], qs + ((mi % 2) * 8 + mr) * kLd + kk * 16 + (mi / 2) * 8);
+    }
+    const int kw = k0 + 16 * warp;  // the warp's first key
+    if (kw >= j1) continue;
+    float s[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      unsigned kb[4];
+      ldsm_x4(kb, ks + (16 * warp + (mi / 2) * 8 + mr) * kLd + kk * 16 + (mi % 2) * 8);
+      mma_bf16(s[0], qa[kk], kb[0], kb[1]);
+      mma_bf16(s[1], qa[kk], kb[2], kb[3]);
+    }
+    // Scale, keys past the split out, row maxima over the quad.
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const bool live = kw + j * 8 + tig * 2 + c < j1;
+        s[j][c] = live ? s[j][c] * scale2 : -INFINITY;
+        s[j][2 + c] = live ? s[j][2 + c] * scale2 : -INFINITY;
+        mx0 = fmaxf(mx0, s[j][c]);
+        mx1 = fmaxf(mx1, s[j][2 + c]);
+      }
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+    }
+    // The warp's first key is live, so every row has a finite maximum.
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float c0 = exp2f(m0 - n0), c1 = exp2f(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      s[j][0] = exp2f(s[j][0] - n0);
+      s[j][1] = exp2f(s[j][1] - n0);
+      s[j][2] = exp2f(s[j][2] - n1);
+      s[j][3] = exp2f(s[j][3] - n1);
+      sum0 += s[j][0] + s[j][1];
+      sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * c0 + sum0;
+    l1 = l1 * c1 + sum1;
+    // O += P V: the S fragments of the warp's 16 keys are P's A fragment.
+    const unsigned pa[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]),
+                            pack_bf16(s[1][0], s[1][1]), pack_bf16(s[1][2], s[1][3])};
+#pragma unroll
+    for (int jj = 0; jj < kOt / 2; ++jj) {
+      o[2 * jj][0] *= c0;
+      o[2 * jj][1] *= c0;
+      o[2 * jj][2] *= c1;
+      o[2 * jj][3] *= c1;
+      o[2 * jj + 1][0] *= c0;
+      o[2 * jj + 1][1] *= c0;
+      o[2 * jj + 1][2] *= c1;
+      o[2 * jj + 1][3] *= c1;
+      unsigned vb[4];
+      ldsm_x4_trans(vb, vs + (16 * warp + (mi % 2) * 8 + mr) * kLd + jj * 16 + (mi / 2) * 8);
+      mma_bf16(o[2 * jj], pa, vb[0], vb[1]);
+      mma_bf16(o[2 * jj + 1], pa, vb[2], vb[3]);
+    }
+  }
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  // The warps meet: (m, l) per row and O per row and dim, in the tiles' shared memory.
+  __syncthreads();
+  float* wml = reinterpret_cast<float*>(ks);  // [4 warps][16 rows][2]
+  float* wo = wml + 4 * kTdRows * 2;          // [4 warps][16 rows][HD]
+  if (tig == 0) {
+    wml[(warp * kTdRows + grp) * 2] = m0;
+    wml[(warp * kTdRows + grp) * 2 + 1] = l0;
+    wml[(warp * kTdRows + grp + 8) * 2] = m1;
+    wml[(warp * kTdRows + grp + 8) * 2 + 1] = l1;
+  }
+#pragma unroll
+  for (int j = 0; j < kOt; ++j) {
+    const int dim = j * 8 + tig * 2;
+    *reinterpret_cast<float2*>(wo + (warp * kTdRows + grp) * HD + dim) =
+        make_float2(o[j][0], o[j][1]);
+    *reinterpret_cast<float2*>(wo + (warp * kTdRows + grp + 8) * HD + dim) =
+        make_float2(o[j][2], o[j][3]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * HD; i += 128) {
+    const int r = i / HD, dim = i % HD;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) M = fmaxf(M, wml[(w * kTdRows + r) * 2]);
+    float L = 0.0f, acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float mw = wml[(w * kTdRows + r) * 2];
+      if (mw == -INFINITY) continue;  // a warp without keys
+      const float e = exp2f(mw - M);
+      L += wml[(w * kTdRows + r) * 2 + 1] * e;
+      acc += wo[(w * kTdRows + r) * HD + dim] * e;
+    }
+    // An empty split (no keys): m = -inf, l = 0, as the CUDA-core kernel's.
+    float* out = a.partial + (size_t(h0 + r) * a.n_splits + split) * (HD + 2);
+    out[2 + dim] = acc;
+    if (dim == 0) {
+      out[0] = M == -INFINITY ? -INFINITY : M * 0.6931471805599453f;  // to the natural log
+      out[1] = L;
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- host launchers
@@ -792,6 +998,15 @@ bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
   if (n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim % 4 != 0 || head_dim > 128) return false;
   const int group = n_heads / n_kv_heads;
   return group <= kGqaMaxWarps * kGqaMaxHeadsPerWarp && gqa_smem_floats(group, head_dim) * 4 <= 48 * 1024;
+}
+
+bool tc_decode_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
+  static const bool off = [] {
+    const char* e = std::getenv("TURBOSPARK_CUDA_DECODE_TC");
+    return e && std::string_view(e) == "0";
+  }();
+  return !off && (head_dim == 64 || head_dim == 128) && n_kv_heads > 0 &&
+         n_heads % n_kv_heads == 0 && n_heads / n_kv_heads <= kTdRows;
 }
 
 bool cluster_attention_available() {
@@ -837,7 +1052,13 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
         quantize_act(a.out, int64_t(a.n_heads) * a.head_dim, args.out_q, s);
       return;
     }
-    if (gqa_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
+    if (a.n == 1 && a.k_bf16 && a.v_bf16 &&
+        tc_decode_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
+      const auto kernel =
+          a.head_dim == 64 ? attention_tc_decode_kernel<64> : attention_tc_decode_kernel<128>;
+      const size_t smem = a.head_dim == 64 ? td_smem_bytes<64>() : td_smem_bytes<128>();
+      launch_kernel(kernel, dim3(unsigned(a.n_kv_heads), unsigned(a.n_splits)), 128, smem, s, a);
+    } else if (gqa_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
       const int group = a.n_heads / a.n_kv_heads;
       const size_t smem = gqa_smem_floats(group, a.head_dim) * 4;
       launch_kernel(attention_gqa_kernel, dim3(unsigned(a.n_kv_heads), unsigned(a.n_splits), unsigned(a.n)),

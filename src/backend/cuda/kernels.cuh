@@ -99,7 +99,9 @@ struct AttentionArgs {
   bool tensor_cores = false;
   // Optional BF16 copies of the cache (RopeKvArgs): the tensor-core kernel then stages keys
   // and values with asynchronous copies, the next tile's while the current one computes, and
-  // gives the same bytes as from the F32 cache (which it rounds the same way).
+  // gives the same bytes as from the F32 cache (which it rounds the same way). One token on
+  // the split path (not the cluster) then runs on tensor cores from them where
+  // tc_decode_attention_applies: Q, K, V and the probabilities in BF16, F32 sums, as prefill.
   const void* k_bf16 = nullptr;
   const void* v_bf16 = nullptr;
   // Optional: out also as Q8 blocks (as quantize_act; n_heads * head_dim a multiple of 32),
@@ -121,6 +123,9 @@ bool cluster_attention_applies(int n_heads, int n_kv_heads, int head_dim);
 // Decode (and n = 1 of a chunk) runs one block per KV head and split when this holds (K and V
 // read once per group of query heads), else one block per query head and split.
 bool gqa_attention_applies(int n_heads, int n_kv_heads, int head_dim);
+// One token by KV head on tensor cores, from the BF16 copies: head dims 64 and 128, at most 16
+// query heads per KV head, and TURBOSPARK_CUDA_DECODE_TC not 0 (to measure).
+bool tc_decode_attention_applies(int n_heads, int n_kv_heads, int head_dim);
 void attention(const AttentionArgs& a, cudaStream_t s);
 constexpr int kMaxHeadDim = 256;
 

@@ -604,6 +604,88 @@ TEST(CudaKernels, DecodeAttentionInOneClusterMatchesSplitsAndMerge) {
   }
 }
 
+// One token's attention on tensor cores from the BF16 copies of the cache (a decode step of a
+// model whose weights are not F32, past the cluster path's keys): against a double-precision
+// softmax of the F32 inputs (BF16 queries, keys, values and probabilities: about 2^-8
+// relative, the prefill kernel's bound), with the F32 cache poisoned (NaN) so that reading it
+// would show, and BF16 rows past the last key poisoned too; groups of 1 to 16 query heads,
+// head dims 64 and 128, splits of one and of several 64-key tiles and empty splits; the Q8
+// copy written by the merge the bytes quantize_act makes of the output.
+TEST(CudaKernels, DecodeAttentionOnTensorCoresMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    int n_heads, n_kv, hd, pos0;
+  };
+  for (const Case c : {Case{32, 4, 128, 4100}, Case{32, 4, 128, 300}, Case{16, 4, 64, 1000},
+                       Case{16, 1, 128, 70}, Case{8, 8, 64, 37}, Case{32, 2, 128, 700}}) {
+    ASSERT_TRUE(ts::cuda::tc_decode_attention_applies(c.n_heads, c.n_kv, c.hd));
+    const int qd = c.n_heads * c.hd, kvd = c.n_kv * c.hd, n_ctx = c.pos0 + 1;
+    const int group = c.n_heads / c.n_kv;
+    const std::vector<float> q = randn(size_t(qd), 61), k = randn(size_t(n_ctx * kvd), 62, 2.0f),
+                             v = randn(size_t(n_ctx * kvd), 63);
+    std::vector<float> want(static_cast<size_t>(qd));
+    for (int h = 0; h < c.n_heads; ++h) {
+      const int g = h / group;
+      std::vector<double> sc(static_cast<size_t>(n_ctx));
+      double mx = -1e300, sum = 0;
+      for (int j = 0; j < n_ctx; ++j) {
+        double dot = 0;
+        for (int i = 0; i < c.hd; ++i)
+          dot += double(q[size_t(h * c.hd + i)]) * k[size_t(j * kvd + g * c.hd + i)];
+        sc[size_t(j)] = dot / std::sqrt(double(c.hd));
+        mx = std::max(mx, sc[size_t(j)]);
+      }
+      for (double& x : sc) sum += (x = std::exp(x - mx));
+      for (int i = 0; i < c.hd; ++i) {
+        double o = 0;
+        for (int j = 0; j < n_ctx; ++j) o += sc[size_t(j)] * v[size_t(j * kvd + g * c.hd + i)];
+        want[size_t(h * c.hd + i)] = float(o / sum);
+      }
+    }
+    // BF16 copies with 64 rows of poison (NaN) past the last key.
+    std::vector<uint16_t> kb(size_t(n_ctx + 64) * kvd, 0xffff), vb(kb.size(), 0xffff);
+    for (size_t i = 0; i < k.size(); ++i) {
+      kb[i] = ts::f32_to_bf16(k[i]);
+      vb[i] = ts::f32_to_bf16(v[i]);
+    }
+    const std::string what = "heads " + std::to_string(c.n_heads) + "/" + std::to_string(c.n_kv) +
+                             " hd " + std::to_string(c.hd) + " keys " + std::to_string(n_ctx);
+    Dev dq(q), dkb(kb), dvb(vb), dpos(std::vector<int>{c.pos0});
+    Dev poison_k(k.size() * 4), poison_v(v.size() * 4);  // NaN: the F32 cache is not read
+    for (const int splits : {1, 3, 66}) {
+      Dev dout(size_t(qd) * 4), dpart(size_t(c.n_heads * splits * (c.hd + 2)) * 4);
+      ts::cuda::AttentionArgs a{.q = dq.as<float>(),
+                                .k_cache = poison_k.as<float>(),
+                                .v_cache = poison_v.as<float>(),
+                                .out = dout.as<float>(),
+                                .partial = dpart.as<float>(),
+                                .pos = dpos.as<int>(),
+                                .n = 1,
+                                .n_heads = c.n_heads,
+                                .n_kv_heads = c.n_kv,
+                                .head_dim = c.hd,
+                                .n_splits = splits,
+                                .k_bf16 = dkb.p,
+                                .v_bf16 = dvb.p};
+      ts::cuda::attention(a, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+      const std::vector<float> got = dout.get<float>();
+      EXPECT_LE(max_rel(got, want), 2e-2) << what << " splits " << splits;
+      // With the Q8 copy by the merge: the same output, and quantize_act's bytes of it.
+      Dev dout2(size_t(qd) * 4), qo{size_t(qd)}, d_o(size_t(qd) / 32 * 4), q_ref{size_t(qd)},
+          d_ref(size_t(qd) / 32 * 4);
+      a.out = dout2.as<float>();
+      a.out_q = {qo.as<int8_t>(), d_o.as<float>()};
+      ts::cuda::attention(a, nullptr);
+      ts::cuda::quantize_act(dout2.as<float>(), qd, {q_ref.as<int8_t>(), d_ref.as<float>()},
+                             nullptr);
+      EXPECT_EQ(dout2.get<float>(), got) << what;
+      EXPECT_EQ(qo.get<int8_t>(), q_ref.get<int8_t>()) << what;
+      EXPECT_EQ(d_o.get<float>(), d_ref.get<float>()) << what;
+    }
+  }
+}
+
 // Tensor-core prefill attention against a double-precision causal softmax: head dims 64 and
 // 128, GQA, query counts off the 64-query tile, a chunk that starts after earlier positions.
 TEST(CudaKernels, TensorCoreAttentionMatchesReference) {
