@@ -794,14 +794,15 @@ constexpr size_t td_smem_bytes() {
   return size_t(kTdRows + 2 * kTdK) * (HD + 8) * 2;
 }
 
+// Split `split` of KV head g: (m, l, acc[HD]) of the group's head r at rows + r * row_stride.
 template <int HD>
-__global__ void __launch_bounds__(128) attention_tc_decode_kernel(AttentionArgs a) {
+__device__ __forceinline__ void tc_decode_split(const AttentionArgs& a, int g, int split,
+                                                unsigned char* td_smem, float* rows,
+                                                size_t row_stride) {
   constexpr int kLd = HD + 8, kOt = HD / 8;
-  extern __shared__ __align__(128) unsigned char td_smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(td_smem);
   __nv_bfloat16* ks = qs + kTdRows * kLd;
   __nv_bfloat16* vs = ks + kTdK * kLd;
-  const int g = blockIdx.x, split = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tig = lane % 4;
   const int mi = lane / 8, mr = lane % 8;  // ldmatrix: lane supplies row mr of matrix mi
   const int group = a.n_heads / a.n_kv_heads, kv_dim = a.n_kv_heads * HD, h0 = g * group;
@@ -974,13 +975,24 @@ __global__ void __launch_bounds__(128) attention_tc_decode_kernel(AttentionArgs 
       acc += wo[(w * kTdRows + r) * HD + dim] * e;
     }
     // An empty split (no keys): m = -inf, l = 0, as the CUDA-core kernel's.
-    float* out = a.partial + (size_t(h0 + r) * a.n_splits + split) * (HD + 2);
+    float* out = rows + size_t(r) * row_stride;
     out[2 + dim] = acc;
     if (dim == 0) {
       out[0] = M == -INFINITY ? -INFINITY : M * 0.6931471805599453f;  // to the natural log
       out[1] = L;
     }
   }
+}
+
+// (The partial rows' address passed in, not computed inside: 168 registers instead of 180, so
+// three blocks fit an SM.)
+template <int HD>
+__global__ void __launch_bounds__(128) attention_tc_decode_kernel(AttentionArgs a) {
+  extern __shared__ __align__(128) unsigned char td_smem[];
+  const int g = blockIdx.x, split = blockIdx.y, h0 = g * (a.n_heads / a.n_kv_heads);
+  tc_decode_split<HD>(a, g, split, td_smem,
+                      a.partial + (size_t(h0) * a.n_splits + split) * (HD + 2),
+                      size_t(a.n_splits) * (HD + 2));
 }
 
 }  // namespace
