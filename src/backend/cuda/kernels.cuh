@@ -109,7 +109,7 @@ struct AttentionArgs {
   QAct out_q = {};
   // One token over at most kClusterAttentionKeys keys, by KV head (cluster_attention_applies):
   // one thread block cluster per KV head merges its splits itself (no partial rows, no merge
-  // launch), the same bytes as the split path; n_splits and partial are then unused.
+  // launch), the same bytes as the F32 split path; n_splits and partial are then unused.
   bool cluster = false;
 };
 constexpr int kTcAttentionMin = 16;
