@@ -331,6 +331,66 @@ TEST(CudaExpertCacheGrouped, Q4KExpertsPrefillOnBf16CopiesMatchesResidentAndGemv
     }
 }
 
+// Decode past the cluster path's kClusterAttentionKeys keys on models whose weights are not
+// F32 (attention on tensor cores from the cache's BF16 copies): the resident graphs and the host
+// expert cache's segments byte-identical at every step, and every step's logits within BF16
+// precision of one prefill of the same tokens (tensor-core prefill attention, grouped experts):
+// a wrong layer's or position's keys would miss by far more. Every position's experts are drawn
+// from the position alone (sampled routing), so both paths pick the same ones.
+TEST(CudaExpertCacheGrouped, LongDecodeOnTensorCoresMatchesHostCacheAndPrefill) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto hp = ts::model::parse_hparams(grouped_config(96), "test config");
+  ASSERT_TRUE(hp.ok()) << hp.error().message;
+  ASSERT_TRUE(ts::cuda::tc_decode_attention_applies(hp.value().n_heads, hp.value().n_kv_heads,
+                                                    hp.value().head_dim));
+  const int vocab = hp.value().vocab, T = ts::cuda::kClusterAttentionKeys + 40, P = 200;
+  std::vector<int> tokens;
+  for (int i = 0; i < T; ++i) tokens.push_back((i * 37 + 11) % vocab);
+  for (const ts::DType t : {ts::DType::kBF16, ts::DType::kQ8_0}) {
+    SCOPED_TRACE(ts::dtype_name(t));
+    const auto session = [&](ts::runtime::GpuExpertOptions g) {
+      ts::runtime::SessionOptions o{.n_ctx = 512};
+      o.gpu_experts = g;
+      auto e = ts::cuda::make_synthetic_cuda_session(
+          hp.value(), std::move(o), 0, {.dtype = t, .seed = 9, .sampled_routing = true});
+      EXPECT_TRUE(e.ok()) << e.error().message;
+      return e.ok() ? std::move(e.value()) : nullptr;
+    };
+    // Prefill of the first P tokens, then one step per token up to T.
+    const auto decode = [&](ts::runtime::GpuExpertOptions g) {
+      std::vector<float> rows;
+      auto e = session(g);
+      if (!e) return rows;
+      EXPECT_TRUE(e->forward(std::span<const int>(tokens.data(), P), nullptr).ok());
+      for (int i = P; i < T; ++i) {
+        EXPECT_TRUE(e->forward(std::span<const int>(&tokens[size_t(i)], 1), nullptr).ok());
+        rows.insert(rows.end(), e->last_logits().begin(), e->last_logits().end());
+      }
+      return rows;
+    };
+    const std::vector<float> resident = decode({});
+    const std::vector<float> host =
+        decode({.residency = GpuResidency::kHost, .slots_per_layer = 4});
+    ASSERT_EQ(resident.size(), size_t(T - P) * size_t(vocab));
+    ASSERT_EQ(host.size(), resident.size());
+    EXPECT_EQ(0, std::memcmp(host.data(), resident.data(), host.size() * 4)) << "host cache";
+    std::vector<float> prefill;
+    auto e = session({});
+    ASSERT_TRUE(e);
+    ASSERT_TRUE(e->forward(tokens, &prefill).ok());
+    ASSERT_EQ(prefill.size(), size_t(T) * size_t(vocab));
+    double num = 0, den = 0;
+    for (int i = P; i < T; ++i)
+      for (int v = 0; v < vocab; ++v) {
+        const float d = resident[size_t(i - P) * size_t(vocab) + size_t(v)];
+        const float p = prefill[size_t(i) * size_t(vocab) + size_t(v)];
+        num = std::max(num, double(std::fabs(d - p)));
+        den = std::max(den, double(std::fabs(p)));
+      }
+    EXPECT_LE(num / den, 3e-2) << "decode vs prefill";
+  }
+}
+
 TEST(CudaExpertCacheErrors, CacheSmallerThanOneExpertIsAClearError) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   auto m = ts::runtime::LoadedModel::load((data_dir() / "models" / "olmoe").string());
