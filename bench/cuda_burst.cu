@@ -34,19 +34,6 @@
 
 enum Mode { kPlain, kWait, kEarly };
 
-__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void grid_trigger() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-__device__ __forceinline__ uint4 load_nc(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Each thread reads 16-byte words i, i + stride, ... four at a time (four loads in flight per
 // thread, ~17 MB over the GPU at full occupancy) and folds them into one word, stored only
 // if it matches a value it never does (so the loads are not dead).

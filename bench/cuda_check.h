@@ -1,5 +1,5 @@
-// What the hand-built CUDA lab tools in bench/ (cuda_h2d.cu, cuda_burst.cu, cuda_tail.cu)
-// share: CHECK(call) (a failed CUDA runtime call prints where and why, and exits 1), one
+// What the hand-built CUDA lab tools in bench/ (cuda_h2d.cu, cuda_burst.cu, cuda_tail.cu,
+// cuda_icache.cu, cuda_mega.cu) share: CHECK(call) (a failed CUDA runtime call prints where and why, and exits 1), one
 // launch with or without PDL, and the time per step of a captured chain of launches.
 #pragma once
 
@@ -18,6 +18,20 @@
       std::exit(1);                                                                               \
     }                                                                                             \
   } while (0)
+
+// Device side: wait for the kernel before in the stream (programmatic dependent launch), let
+// the next one launch, and a 16-byte load that leaves L1 alone.
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_trigger() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ uint4 load_nc(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 
 // One launch, with programmatic dependent launch (PDL) or without.
 template <class... P, class... A>

@@ -27,19 +27,6 @@
 
 #include "cuda_check.h"
 
-__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void grid_trigger() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-__device__ __forceinline__ uint4 load_nc(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // The burst: every thread reads 16-byte words i, i + stride, ... four at a time.
 __global__ void __launch_bounds__(512) read_kernel(const uint4* p, size_t words, unsigned* sink) {
   grid_wait();

@@ -81,14 +81,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ uint4 load_nc(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Folds bytes [0, n) of p (16-byte aligned, n a multiple of 16): four loads in flight a thread.
 __device__ __forceinline__ uint32_t fold_global(const uint8_t* p, size_t n) {
   const uint4* w = reinterpret_cast<const uint4*>(p);

@@ -21,11 +21,6 @@
 
 #include "cuda_check.h"
 
-__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void grid_trigger() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 struct TailArgs {
   unsigned* counter;  // 0 between launches
   float* part;        // [grid]

@@ -574,6 +574,23 @@ __global__ void attention_prefill_kernel(AttentionArgs a) {
   }
 }
 
+// A thread's two rows (lane / 4 and lane / 4 + 8 of an m16n8 C fragment) reduced over the
+// quad of lanes holding their columns.
+__device__ __forceinline__ void quad_max2(float& a, float& b) {
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, x));
+    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, x));
+  }
+}
+__device__ __forceinline__ void quad_sum2(float& a, float& b) {
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, x);
+    b += __shfl_xor_sync(0xffffffffu, b, x);
+  }
+}
+
 // Prefill attention on tensor cores, one pass (flash attention 2): BF16 mma.sync
 // m16n8k16 with F32 accumulation. A block takes kFaQ queries of one head, 16 per warp, and
 // walks the keys in tiles of kFaK staged as BF16 in shared memory. Scores, probabilities and
@@ -704,11 +721,7 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
           mx1 = fmaxf(mx1, s[j][2 + c]);
         }
       }
-#pragma unroll
-      for (int x = 1; x <= 2; x <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-      }
+      quad_max2(mx0, mx1);
       const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
       // A row with no key yet keeps m = -inf: subtract 0 then (its p are all 0).
       const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1;
@@ -759,11 +772,7 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
     }
   }
   if (!active) return;
-#pragma unroll
-  for (int x = 1; x <= 2; x <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
+  quad_sum2(l0, l1);
   const float i0 = 1.0f / l0, i1 = 1.0f / l1;
   const int row0 = r0 + grp, row1 = row0 + 8;
 #pragma unroll
@@ -895,11 +904,7 @@ __device__ __forceinline__ void tc_decode_split(const AttentionArgs& a, int g, i
         mx0 = fmaxf(mx0, s[j][c]);
         mx1 = fmaxf(mx1, s[j][2 + c]);
       }
-#pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-    }
+    quad_max2(mx0, mx1);
     // The warp's first key is live, so every row has a finite maximum.
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
     const float c0 = exp2f(m0 - n0), c1 = exp2f(m1 - n1);
@@ -936,11 +941,7 @@ __device__ __forceinline__ void tc_decode_split(const AttentionArgs& a, int g, i
       mma_bf16(o[2 * jj + 1], pa, vb[2], vb[3]);
     }
   }
-#pragma unroll
-  for (int x = 1; x <= 2; x <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
+  quad_sum2(l0, l1);
   // The warps meet: (m, l) per row and O per row and dim, in the tiles' shared memory.
   __syncthreads();
   float* wml = reinterpret_cast<float*>(ks);  // [4 warps][16 rows][2]
