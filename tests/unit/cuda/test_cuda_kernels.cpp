@@ -609,14 +609,16 @@ TEST(CudaKernels, DecodeAttentionInOneClusterMatchesSplitsAndMerge) {
 // softmax of the F32 inputs (BF16 queries, keys, values and probabilities: about 2^-8
 // relative, the prefill kernel's bound), with the F32 cache poisoned (NaN) so that reading it
 // would show, and BF16 rows past the last key poisoned too; groups of 1 to 16 query heads,
-// head dims 64 and 128, splits of one and of several 64-key tiles and empty splits; the Q8
-// copy written by the merge the bytes quantize_act makes of the output.
+// head dims 64 and 128, splits of one and of several 64-key tiles and empty splits, and more
+// used splits (79 of 100 at 5,001 keys) than the merge loads at once; the Q8 copy written by the
+// merge the bytes quantize_act makes of the output.
 TEST(CudaKernels, DecodeAttentionOnTensorCoresMatchesReference) {
   SKIP_WITHOUT_GPU();
   struct Case {
     int n_heads, n_kv, hd, pos0;
   };
-  for (const Case c : {Case{32, 4, 128, 4100}, Case{32, 4, 128, 300}, Case{16, 4, 64, 1000},
+  for (const Case c : {Case{32, 4, 128, 4100}, Case{32, 4, 128, 5000}, Case{32, 4, 128, 300},
+                       Case{16, 4, 64, 1000},
                        Case{16, 1, 128, 70}, Case{8, 8, 64, 37}, Case{32, 2, 128, 700}}) {
     ASSERT_TRUE(ts::cuda::tc_decode_attention_applies(c.n_heads, c.n_kv, c.hd));
     const int qd = c.n_heads * c.hd, kvd = c.n_kv * c.hd, n_ctx = c.pos0 + 1;
@@ -652,7 +654,7 @@ TEST(CudaKernels, DecodeAttentionOnTensorCoresMatchesReference) {
                              " hd " + std::to_string(c.hd) + " keys " + std::to_string(n_ctx);
     Dev dq(q), dkb(kb), dvb(vb), dpos(std::vector<int>{c.pos0});
     Dev poison_k(k.size() * 4), poison_v(v.size() * 4);  // NaN: the F32 cache is not read
-    for (const int splits : {1, 3, 66}) {
+    for (const int splits : {1, 3, 66, 100}) {
       Dev dout(size_t(qd) * 4), dpart(size_t(c.n_heads * splits * (c.hd + 2)) * 4);
       ts::cuda::AttentionArgs a{.q = dq.as<float>(),
                                 .k_cache = poison_k.as<float>(),
