@@ -34,10 +34,9 @@
 
 enum Mode { kPlain, kWait, kEarly };
 
-// Each thread reads 16-byte words i, i + stride, ... four at a time (four loads in flight per
-// thread, ~17 MB over the GPU at full occupancy) and folds them into one word, stored only
-// if it matches a value it never does (so the loads are not dead).
-constexpr int kUnroll = 4;
+// Each thread reads 16-byte words i, i + stride, ... four at a time (fold_nc: four loads in
+// flight per thread, ~17 MB over the GPU at full occupancy) and folds them into one word,
+// stored only if it matches a value it never does (so the loads are not dead).
 
 __global__ void __launch_bounds__(512)
     read_kernel(const uint4* p, size_t words, unsigned* sink, int mode) {
@@ -45,20 +44,8 @@ __global__ void __launch_bounds__(512)
   // one completes only after the one before (so the chain stays ordered).
   if (mode == kWait) grid_wait();
   if (mode != kPlain) grid_trigger();
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  uint32_t acc = 0;
-  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + (kUnroll - 1) * stride < words; i += kUnroll * stride) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load_nc(p + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < words; i += stride) {
-    const uint4 v = load_nc(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
+  const uint32_t acc = fold_nc(p, words, size_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                               size_t(gridDim.x) * blockDim.x);
   if (mode == kEarly) grid_wait();
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }

@@ -20,7 +20,7 @@
   } while (0)
 
 // Device side: wait for the kernel before in the stream (programmatic dependent launch), let
-// the next one launch, and a 16-byte load that leaves L1 alone.
+// the next one launch, a 16-byte load that leaves L1 alone, and a strided read of many.
 __device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void grid_trigger() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -31,6 +31,25 @@ __device__ __forceinline__ uint4 load_nc(const uint4* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
+}
+// Words first, first + stride, ... below `words` of w read four at a time (four loads in
+// flight a thread) and folded into one (xor), for a caller that only needs the loads done.
+__device__ __forceinline__ uint32_t fold_nc(const uint4* w, size_t words, size_t first,
+                                            size_t stride) {
+  uint32_t acc = 0;
+  size_t i = first;
+  for (; i + 3 * stride < words; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = load_nc(w + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < words; i += stride) {
+    const uint4 v = load_nc(w + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  return acc;
 }
 
 // One launch, with programmatic dependent launch (PDL) or without.

@@ -31,20 +31,8 @@
 __global__ void __launch_bounds__(512) read_kernel(const uint4* p, size_t words, unsigned* sink) {
   grid_wait();
   grid_trigger();
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  uint32_t acc = 0;
-  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + 3 * stride < words; i += 4 * stride) {
-    uint4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = load_nc(p + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < words; i += stride) {
-    const uint4 v = load_nc(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
+  const uint32_t acc = fold_nc(p, words, size_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                               size_t(gridDim.x) * blockDim.x);
   if (acc == 0x12345679u) *sink = acc;
 }
 

@@ -83,22 +83,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // Folds bytes [0, n) of p (16-byte aligned, n a multiple of 16): four loads in flight a thread.
 __device__ __forceinline__ uint32_t fold_global(const uint8_t* p, size_t n) {
-  const uint4* w = reinterpret_cast<const uint4*>(p);
-  const size_t words = n / 16;
-  uint32_t acc = 0;
-  size_t i = threadIdx.x;
-  for (; i + 3 * kThreads < words; i += 4 * kThreads) {
-    uint4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = load_nc(w + i + u * kThreads);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < words; i += kThreads) {
-    const uint4 v = load_nc(w + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  return acc;
+  return fold_nc(reinterpret_cast<const uint4*>(p), n / 16, threadIdx.x, kThreads);
 }
 
 __device__ __forceinline__ uint32_t fold_shared(const uint4* p, size_t n) {

@@ -591,6 +591,40 @@ __device__ __forceinline__ void quad_sum2(float& a, float& b) {
   }
 }
 
+// One step of the online softmax (log2 domain) for a thread's two rows of N 8-key S
+// fragments, already scaled and masked (-inf): s becomes the probabilities, (m, l) advance,
+// and c0 / c1 are what the rows' outputs are rescaled by. A row with no key yet keeps
+// m = -inf (it subtracts 0 then: its p are all 0).
+template <int N>
+__device__ __forceinline__ void softmax_step2(float (&s)[N][4], float& m0, float& m1, float& l0,
+                                              float& l1, float& c0, float& c1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    mx0 = fmaxf(fmaxf(mx0, s[j][0]), s[j][1]);
+    mx1 = fmaxf(fmaxf(mx1, s[j][2]), s[j][3]);
+  }
+  quad_max2(mx0, mx1);
+  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1;
+  c0 = exp2f(m0 - u0);
+  c1 = exp2f(m1 - u1);
+  m0 = n0;
+  m1 = n1;
+  float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    s[j][0] = exp2f(s[j][0] - u0);
+    s[j][1] = exp2f(s[j][1] - u0);
+    s[j][2] = exp2f(s[j][2] - u1);
+    s[j][3] = exp2f(s[j][3] - u1);
+    sum0 += s[j][0] + s[j][1];
+    sum1 += s[j][2] + s[j][3];
+  }
+  l0 = l0 * c0 + sum0;
+  l1 = l1 * c1 + sum1;
+}
+
 // Prefill attention on tensor cores, one pass (flash attention 2): BF16 mma.sync
 // m16n8k16 with F32 accumulation. A block takes kFaQ queries of one head, 16 per warp, and
 // walks the keys in tiles of kFaK staged as BF16 in shared memory. Scores, probabilities and
@@ -707,9 +741,8 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
           mma_bf16(s[2 * jj + 1], qa, kb[2], kb[3]);
         }
       }
-      // Scale, mask (keys after the row's position), row maxima over the quad.
+      // Scale, mask (keys after the row's position), then the softmax step.
       const bool masked = k0 + kFaK - 1 > q_first;
-      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int j = 0; j < kSt; ++j) {
 #pragma unroll
@@ -717,29 +750,10 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
           const int key = k0 + j * 8 + tig * 2 + c;
           s[j][c] = masked && key > qpos0 ? -INFINITY : s[j][c] * scale2;
           s[j][2 + c] = masked && key > qpos1 ? -INFINITY : s[j][2 + c] * scale2;
-          mx0 = fmaxf(mx0, s[j][c]);
-          mx1 = fmaxf(mx1, s[j][2 + c]);
         }
       }
-      quad_max2(mx0, mx1);
-      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-      // A row with no key yet keeps m = -inf: subtract 0 then (its p are all 0).
-      const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1;
-      const float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
-      m0 = n0;
-      m1 = n1;
-      float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kSt; ++j) {
-        s[j][0] = exp2f(s[j][0] - u0);
-        s[j][1] = exp2f(s[j][1] - u0);
-        s[j][2] = exp2f(s[j][2] - u1);
-        s[j][3] = exp2f(s[j][3] - u1);
-        sum0 += s[j][0] + s[j][1];
-        sum1 += s[j][2] + s[j][3];
-      }
-      l0 = l0 * c0 + sum0;
-      l1 = l1 * c1 + sum1;
+      float c0, c1;
+      softmax_step2(s, m0, m1, l0, l1, c0, c1);
 #pragma unroll
       for (int j = 0; j < kOt; ++j) {
         o[j][0] *= c0;
@@ -892,8 +906,8 @@ __device__ __forceinline__ void tc_decode_split(const AttentionArgs& a, int g, i
       mma_bf16(s[0], qa[kk], kb[0], kb[1]);
       mma_bf16(s[1], qa[kk], kb[2], kb[3]);
     }
-    // Scale, keys past the split out, row maxima over the quad.
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+    // Scale, keys past the split out, then the softmax step (the warp's first key is live, so
+    // every row's maximum is finite).
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -901,27 +915,9 @@ __device__ __forceinline__ void tc_decode_split(const AttentionArgs& a, int g, i
         const bool live = kw + j * 8 + tig * 2 + c < j1;
         s[j][c] = live ? s[j][c] * scale2 : -INFINITY;
         s[j][2 + c] = live ? s[j][2 + c] * scale2 : -INFINITY;
-        mx0 = fmaxf(mx0, s[j][c]);
-        mx1 = fmaxf(mx1, s[j][2 + c]);
       }
-    quad_max2(mx0, mx1);
-    // The warp's first key is live, so every row has a finite maximum.
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float c0 = exp2f(m0 - n0), c1 = exp2f(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      s[j][0] = exp2f(s[j][0] - n0);
-      s[j][1] = exp2f(s[j][1] - n0);
-      s[j][2] = exp2f(s[j][2] - n1);
-      s[j][3] = exp2f(s[j][3] - n1);
-      sum0 += s[j][0] + s[j][1];
-      sum1 += s[j][2] + s[j][3];
-    }
-    l0 = l0 * c0 + sum0;
-    l1 = l1 * c1 + sum1;
+    float c0, c1;
+    softmax_step2(s, m0, m1, l0, l1, c0, c1);
     // O += P V: the S fragments of the warp's 16 keys are P's A fragment.
     const unsigned pa[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]),
                             pack_bf16(s[1][0], s[1][1]), pack_bf16(s[1][2], s[1][3])};

@@ -581,8 +581,7 @@ CudaBenchInfo CudaSession::info() const {
   // A decode step over more keys than the cluster path takes reads the BF16 copies where the
   // weights are not F32 (attention on tensor cores); up to kClusterAttentionKeys it reads the F32
   // cache (0.5 MB a layer at 256 keys in qwen3-30b-a3b: counted as BF16 here too).
-  const bool kv_bf16 = k_bf16_ && !w_.layers.empty() && w_.layers[0].wq.dtype != DType::kF32 &&
-                       tc_decode_attention_applies(hp_.n_heads, hp_.n_kv_heads, hp_.head_dim);
+  const bool kv_bf16 = !w_.layers.empty() && tc_decode(w_.layers[0]);
   b.kv_bytes_per_position =
       2ull * uint64_t(hp_.n_layers) * uint64_t(hp_.kv_dim()) * (kv_bf16 ? 2 : 4);
   b.device_bytes = arena_.bytes();
@@ -980,9 +979,7 @@ Status CudaSession::attention_block(int layer, int n) {
   // A Q8_0 wo reads the attention output as Q8 blocks, written by the attention's merge.
   const bool wo_q8 = n <= kGemvMaxTokens && q8_activations(L.wo.dtype, L.wo.cols);
   const bool bf16_attention = k_bf16_ && L.wq.dtype != DType::kF32;
-  // One token off the cluster path reads the BF16 copies (on tensor cores) where it can.
-  const bool kv_bf16 = bf16_attention && n == 1 && !attn_cluster_ &&
-                       tc_decode_attention_applies(hp_.n_heads, hp_.n_kv_heads, hp_.head_dim);
+  const bool kv_bf16 = n == 1 && !attn_cluster_ && tc_decode(L);
   const double kv_bytes = 2.0 * double(pos_ + n) * kvd * (kv_bf16 ? 2 : 4);
   TS_TRY(prof_.time("attention", kv_bytes, stream_, [&] {
     return launch([&] {
