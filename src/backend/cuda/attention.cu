@@ -1,11 +1,11 @@
 // RoPE + KV append, and attention: decode split over the keys (by KV head or by query head)
 // with a merge, the F32 tiled prefill kernel, and the tensor-core prefill kernel (flash
 // attention 2 on mma.sync).
-#include "backend/cuda/kernels.cuh"
-
 #include <climits>
+#include <type_traits>
 
 #include "backend/cuda/device_util.cuh"
+#include "backend/cuda/kernels.cuh"
 
 namespace ts::cuda {
 namespace {
@@ -68,10 +68,12 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
     if (k_norm) head_norm(k0, k1, kw0, kw1);
     if (live) {
       const float r0 = k0 * c - k1 * s, r1 = k1 * c + k0 * s;
-      a.k_cache[dst + i] = r0;
-      a.k_cache[dst + i + half] = r1;
-      a.v_cache[dst + i] = v0;
-      a.v_cache[dst + i + half] = v1;
+      if (a.k_cache) {
+        a.k_cache[dst + i] = r0;
+        a.k_cache[dst + i + half] = r1;
+        a.v_cache[dst + i] = v0;
+        a.v_cache[dst + i + half] = v1;
+      }
       if (a.k_bf16) {
         __nv_bfloat16* kb = static_cast<__nv_bfloat16*>(a.k_bf16);
         __nv_bfloat16* vb = static_cast<__nv_bfloat16*>(a.v_bf16);
@@ -89,8 +91,20 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
 constexpr int kAttnWarps = 4;
 constexpr int kPerLane = kMaxHeadDim / 32;
 
+// The cache rows a kernel over element type T reads: the F32 cache or the BF16 one.
+template <typename T>
+__device__ __forceinline__ const T* kv_rows(const float* f32, const void* bf16) {
+  if constexpr (std::is_same_v<T, float>)
+    return f32;
+  else
+    return static_cast<const T*>(bf16);
+}
+
+template <typename T>
 __global__ void attention_split_kernel(AttentionArgs a) {
   pdl_wait();
+  const T* k_cache = kv_rows<T>(a.k_cache, a.k_bf16);
+  const T* v_cache = kv_rows<T>(a.v_cache, a.v_bf16);
   const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, g = h / group;
@@ -118,11 +132,11 @@ __global__ void attention_split_kernel(AttentionArgs a) {
     for (int b = 0; b < kBatch; ++b) {
       s[b] = 0.0f;
       if (b < nk) {
-        const float* k = a.k_cache + size_t(j + b) * kv_dim + size_t(g) * hd;
+        const T* k = k_cache + size_t(j + b) * kv_dim + size_t(g) * hd;
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
           const int dim = lane + 32 * i;
-          if (dim < hd) s[b] += q[i] * k[dim];
+          if (dim < hd) s[b] += q[i] * kv_f32(k[dim]);
         }
       }
     }
@@ -149,11 +163,11 @@ __global__ void attention_split_kernel(AttentionArgs a) {
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (b >= nk) break;
-      const float* v = a.v_cache + size_t(j + b) * kv_dim + size_t(g) * hd;
+      const T* v = v_cache + size_t(j + b) * kv_dim + size_t(g) * hd;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
         const int dim = lane + 32 * i;
-        if (dim < hd) acc[i] += p[b] * v[dim];
+        if (dim < hd) acc[i] += p[b] * kv_f32(v[dim]);
       }
     }
     m = m_new;
@@ -201,19 +215,38 @@ __host__ __device__ constexpr size_t gqa_smem_floats(int group, int hd) {
   return size_t(kGqaTile) * size_t(hd + 4) + size_t(kGqaTile) * size_t(hd) + size_t(group) * size_t(hd);
 }
 
-// One block's split of attention_gqa_kernel (KV head g, split `split` of n_splits, token t):
-// leaves (m, l, acc) of each of the warp's heads (warp w of W owns heads w, w + W, ...) in
-// registers. smem: gqa_smem_floats(group, head_dim) floats.
+// One block's split of attention_gqa_kernel (KV head g, split `split` of n_splits, token t)
+// over cache rows of type T (F32 or BF16, staged as such and widened where read): leaves
+// (m, l, acc) of each of the warp's heads (warp w of W owns heads w, w + W, ...) in
+// registers. smem: gqa_smem_floats(group, head_dim) floats (BF16 rows use less of it).
+template <typename T>
 __device__ __forceinline__ void gqa_split(const AttentionArgs& a, int g, int split, int n_splits,
                                           int t, float* smem, float (&m)[kGqaMaxHeadsPerWarp],
                                           float (&l)[kGqaMaxHeadsPerWarp],
                                           float (&acc)[kGqaMaxHeadsPerWarp][kGqaPerLane]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
   const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, kv_dim = a.n_kv_heads * hd;
-  const int ks = hd + 4;  // padded K row: lanes reading float4s of different keys miss banks
-  float* Ks = smem;
-  float* Vs = Ks + kGqaTile * ks;
-  float* qs = Vs + kGqaTile * hd;
+  // Padded K row: lanes reading four elements of different keys miss banks (F32 rows of hd + 4
+  // floats; BF16 rows of hd + 4 elements, 8-byte pieces: 16 lanes a phase on 32 banks).
+  const int ks = hd + 4;
+  T* Ks = reinterpret_cast<T*>(smem);
+  T* Vs = Ks + kGqaTile * ks;
+  float* qs = reinterpret_cast<float*>(Vs + kGqaTile * hd);  // 16-byte aligned: hd % 4 == 0
+  const T* k_cache = kv_rows<T>(a.k_cache, a.k_bf16);
+  const T* v_cache = kv_rows<T>(a.v_cache, a.v_bf16);
+  // Four elements at a time: 16-byte copies of F32, 8-byte copies of BF16.
+  const auto copy4 = [](T* dst, const T* src) {
+    if constexpr (sizeof(T) == 4)
+      cp_async16(dst, src);
+    else
+      cp_async8(dst, src);
+  };
+  const auto zero4 = [](T* dst) {
+    if constexpr (sizeof(T) == 4)
+      *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
+    else
+      *reinterpret_cast<uint2*>(dst) = make_uint2(0u, 0u);
+  };
   const int n_keys = *a.pos + t + 1;
   const int per = (n_keys + n_splits - 1) / n_splits;
   const int chunk = (per + kGqaTile - 1) / kGqaTile * kGqaTile;
@@ -230,11 +263,11 @@ __device__ __forceinline__ void gqa_split(const AttentionArgs& a, int g, int spl
       if (j < nk && !in) continue;
       if (in) {
         const size_t at = size_t(jt + j) * kv_dim + size_t(g) * hd + size_t(c4) * 4;
-        cp_async16(Ks + j * ks + c4 * 4, a.k_cache + at);
-        cp_async16(Vs + j * hd + c4 * 4, a.v_cache + at);
+        copy4(Ks + j * ks + c4 * 4, k_cache + at);
+        copy4(Vs + j * hd + c4 * 4, v_cache + at);
       } else {
-        reinterpret_cast<float4*>(Ks + j * ks)[c4] = make_float4(0.f, 0.f, 0.f, 0.f);
-        reinterpret_cast<float4*>(Vs + j * hd)[c4] = make_float4(0.f, 0.f, 0.f, 0.f);
+        zero4(Ks + j * ks + c4 * 4);
+        zero4(Vs + j * hd + c4 * 4);
       }
     }
   };
@@ -271,10 +304,10 @@ __device__ __forceinline__ void gqa_split(const AttentionArgs& a, int g, int spl
       const int hh = warp + n_warps * x;
       if (hh >= group) break;
       const float4* q4 = reinterpret_cast<const float4*>(qs + hh * hd);
-      const float4* k4 = reinterpret_cast<const float4*>(Ks + lane * ks);
+      const T* kr = Ks + lane * ks;
       float s = 0.0f;
 #pragma unroll 8
-      for (int c = 0; c < hd4; ++c) s += dot4(q4[c], k4[c]);
+      for (int c = 0; c < hd4; ++c) s += dot4(q4[c], kv_load4(kr + 4 * c));
       s = lane < nk ? s * scale : -INFINITY;
       float mt = s;
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
@@ -290,7 +323,7 @@ __device__ __forceinline__ void gqa_split(const AttentionArgs& a, int g, int spl
 #pragma unroll
         for (int i = 0; i < kGqaPerLane; ++i) {
           const int dim = lane + 32 * i;
-          if (dim < hd) acc[x][i] += pj * Vs[j * hd + dim];
+          if (dim < hd) acc[x][i] += pj * kv_f32(Vs[j * hd + dim]);
         }
       }
       m[x] = m_new;
@@ -298,13 +331,14 @@ __device__ __forceinline__ void gqa_split(const AttentionArgs& a, int g, int spl
   }
 }
 
+template <typename T>
 __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(AttentionArgs a) {
   extern __shared__ float4 gqa_smem4[];
   const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
   const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, h0 = g * group;
   float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
-  gqa_split(a, g, split, a.n_splits, t, reinterpret_cast<float*>(gqa_smem4), m, l, acc);
+  gqa_split<T>(a, g, split, a.n_splits, t, reinterpret_cast<float*>(gqa_smem4), m, l, acc);
 #pragma unroll
   for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
     const int hh = warp + n_warps * x;
@@ -336,6 +370,7 @@ __host__ __device__ constexpr size_t gqa_cluster_smem_floats(int group, int hd) 
   return gqa_smem_floats(group, hd) + size_t(group) * size_t(hd + 2);
 }
 
+template <typename T>
 __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_cluster_kernel(AttentionArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 gqa_smem4[];
@@ -345,7 +380,7 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_cluster_kerne
   const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, h0 = g * group;
   float* mine = smem + gqa_smem_floats(group, hd);  // [group][m, l, acc[hd]]
   float m[kGqaMaxHeadsPerWarp], l[kGqaMaxHeadsPerWarp], acc[kGqaMaxHeadsPerWarp][kGqaPerLane];
-  gqa_split(a, g, rank, kClusterSplits, 0, smem, m, l, acc);
+  gqa_split<T>(a, g, rank, kClusterSplits, 0, smem, m, l, acc);
 #pragma unroll
   for (int x = 0; x < kGqaMaxHeadsPerWarp; ++x) {
     const int hh = warp + n_warps * x;
@@ -485,8 +520,11 @@ __global__ void attention_merge_kernel(AttentionArgs a) {
 // warp updates its online softmax and output (lane holds dims lane, lane + 32, ...).
 constexpr int kPrefillQ = 16, kPrefillK = 32, kPrefillHd = 128;
 
+template <typename T>
 __global__ void attention_prefill_kernel(AttentionArgs a) {
   pdl_wait();
+  const T* k_cache = kv_rows<T>(a.k_cache, a.k_bf16);
+  const T* v_cache = kv_rows<T>(a.v_cache, a.v_bf16);
   constexpr int kPer = kPrefillHd / 32, kRows = kPrefillQ / kAttnWarps;
   __shared__ __align__(16) float sq[kPrefillQ][kPrefillHd];
   // +4 floats per row: lanes read rows as float4 without bank conflicts.
@@ -515,8 +553,8 @@ __global__ void attention_prefill_kernel(AttentionArgs a) {
     for (int i = threadIdx.x; i < kPrefillK * hd; i += blockDim.x) {
       const int kj = i / hd, dim = i % hd, kp = k0 + kj;
       const size_t at = size_t(kp) * kv_dim + size_t(g) * hd + dim;
-      sk[kj][dim] = kp <= last_key ? a.k_cache[at] : 0.0f;
-      sv[kj][dim] = kp <= last_key ? a.v_cache[at] : 0.0f;
+      sk[kj][dim] = kp <= last_key ? kv_f32(k_cache[at]) : 0.0f;
+      sv[kj][dim] = kp <= last_key ? kv_f32(v_cache[at]) : 0.0f;
     }
     __syncthreads();
     // Scores of the warp's queries against key k0 + lane; each key row read once.
@@ -627,7 +665,8 @@ __device__ __forceinline__ void softmax_step2(float (&s)[N][4], float& m0, float
 
 // Prefill attention on tensor cores, one pass (flash attention 2): BF16 mma.sync
 // m16n8k16 with F32 accumulation. A block takes kFaQ queries of one head, 16 per warp, and
-// walks the keys in tiles of kFaK staged as BF16 in shared memory. Scores, probabilities and
+// walks the keys in tiles of kFaK copied from the BF16 cache into shared memory (cp.async, the
+// next tile's keys while the current tile's P V computes). Scores, probabilities and
 // the output stay in registers: a thread holds rows lane/4 and lane/4 + 8 of its warp's 16,
 // the C fragment of S = Q K^T for two adjacent 8-key tiles is already the A fragment of P for
 // P V, and the online softmax rescales O by row. Max and sum in the log2 domain (exp2f).
@@ -636,9 +675,9 @@ constexpr int kFaLd =
     kFaHd + 8;  // BF16 row stride of the Q / K / V tiles (ldmatrix: no bank conflicts)
 constexpr size_t kFaSmem = size_t(kFaQ + 2 * kFaK) * kFaLd * 2;
 
-// Rows [r0, r0 + rows) of a [*, stride] F32 matrix, columns [col0, col0 + HD), as BF16 in
-// s[row][0..HD) (row stride kFaLd); rows past `valid` are zero. Every load of a thread is
-// issued before the first is used (float4, fully unrolled), so a tile costs one memory latency.
+// Rows [r0, r0 + rows) of a [*, stride] F32 matrix (the queries), columns [col0, col0 + HD),
+// as BF16 in s[row][0..HD) (row stride kFaLd); rows past `valid` are zero. Every load of a
+// thread is issued before the first is used (float4, fully unrolled): one memory latency.
 template <int HD, int ROWS>
 __device__ __forceinline__ void fa_stage(const float* src, size_t stride, int r0, int valid,
                                          size_t col0, __nv_bfloat16* s) {
@@ -661,7 +700,7 @@ __device__ __forceinline__ void fa_stage(const float* src, size_t stride, int r0
   }
 }
 
-template <int HD, bool kAsync>
+template <int HD>
 __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
   pdl_wait();
   extern __shared__ __align__(128) unsigned char fa_smem[];
@@ -700,31 +739,15 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
     }
     cp_async_commit();
   };
-  if constexpr (kAsync) copy_tile(a.k_bf16, 0, ks);
+  copy_tile(a.k_bf16, 0, ks);
   for (int k0 = 0; k0 <= last_key; k0 += kFaK) {
-    if constexpr (kAsync) {
-      // Keys of this tile in; the previous tile's values no longer read: fetch this tile's
-      // values while its scores compute.
-      cp_async_wait_all();
-      __syncthreads();
-      copy_tile(a.v_bf16, k0, vs);
-    } else {
-      __syncthreads();  // the previous tile is no longer read
-      const size_t base = size_t(k0) * kv_dim;
-      // In halves: 8 float4 loads in flight per thread, so the loads do not hold the registers
-      // the output needs (3 blocks per SM).
-#pragma unroll
-      for (int r = 0; r < kFaK; r += kFaK / 2) {
-        fa_stage<HD, kFaK / 2>(a.k_cache + base, size_t(kv_dim), r, last_key + 1 - k0,
-                               size_t(g) * HD, ks + r * kFaLd);
-        fa_stage<HD, kFaK / 2>(a.v_cache + base, size_t(kv_dim), r, last_key + 1 - k0,
-                               size_t(g) * HD, vs + r * kFaLd);
-      }
-      __syncthreads();
-    }
+    // Keys of this tile in; the previous tile's values no longer read: fetch this tile's
+    // values while its scores compute.
+    cp_async_wait_all();
+    __syncthreads();
+    copy_tile(a.v_bf16, k0, vs);
     // Whether any key of the tile is at or before the warp's queries.
     const bool work = active && k0 <= q_first + 15;
-    if (!kAsync && !work) continue;
     float s[kSt][4];
     if (work) {
 #pragma unroll
@@ -762,14 +785,12 @@ __global__ void __launch_bounds__(128, 3) attention_tc_kernel(AttentionArgs a) {
         o[j][3] *= c1;
       }
     }  // work
-    if constexpr (kAsync) {
-      // Values in; the keys no longer read: fetch the next tile's keys during P V.
-      cp_async_wait_all();
-      __syncthreads();
-      if (k0 + kFaK <= last_key) copy_tile(a.k_bf16, k0 + kFaK, ks);
-      if (!work) continue;
-    }
-    // O += P V: the S fragments of keys [16 kk, 16 kk + 16) are P's A fragment.
+    // Values in; the keys no longer read: fetch the next tile's keys during P V.
+    cp_async_wait_all();
+    __syncthreads();
+    if (k0 + kFaK <= last_key) copy_tile(a.k_bf16, k0 + kFaK, ks);
+    if (!work) continue;
+      // O += P V: the S fragments of keys [16 kk, 16 kk + 16) are P's A fragment.
 #pragma unroll
     for (int kk = 0; kk < kFaK / 16; ++kk) {
       const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
@@ -1036,33 +1057,33 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
   AttentionArgs a = args;
   // The Q8 copy of the output (args.out_q): written by the merge where the heads are whole Q8
   // blocks, else by a quantize_act launch after the kernel.
-  if (a.tensor_cores && a.n >= kTcAttentionMin && (a.head_dim == 64 || a.head_dim == 128)) {
+  const bool bf16 = a.k_bf16 != nullptr;
+  if (bf16) a.k_cache = a.v_cache = nullptr;  // one cache type: the BF16 rows when given
+  if (bf16 && a.n >= kTcAttentionMin && (a.head_dim == 64 || a.head_dim == 128)) {
     // Per device, so set at every launch (a host-side call); a failure shows at the launch.
-    const bool async = a.k_bf16 && a.v_bf16;
-    const auto kernel =
-        a.head_dim == 64
-            ? (async ? attention_tc_kernel<64, true> : attention_tc_kernel<64, false>)
-            : (async ? attention_tc_kernel<128, true> : attention_tc_kernel<128, false>);
+    const auto kernel = a.head_dim == 64 ? attention_tc_kernel<64> : attention_tc_kernel<128>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFaSmem));
     a.out_q = {};
     launch_kernel(kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kFaQ - 1) / kFaQ)), 128, kFaSmem, s, a);
   } else if (a.n > 1 && a.head_dim <= kPrefillHd && a.head_dim % 4 == 0) {
     a.out_q = {};
-    launch_kernel(attention_prefill_kernel, dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)), 32 * kAttnWarps, 0, s, a);
+    launch_kernel(bf16 ? attention_prefill_kernel<__nv_bfloat16> : attention_prefill_kernel<float>,
+                  dim3(unsigned(a.n_heads), unsigned((a.n + kPrefillQ - 1) / kPrefillQ)),
+                  32 * kAttnWarps, 0, s, a);
   } else {
     if (a.head_dim % 32 != 0) a.out_q = {};
     if (a.cluster && a.n == 1 && cluster_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
       const int group = a.n_heads / a.n_kv_heads;
       launch_cluster_kernel(
-          attention_gqa_cluster_kernel, dim3(unsigned(a.n_kv_heads), unsigned(kClusterSplits)),
+          bf16 ? attention_gqa_cluster_kernel<__nv_bfloat16> : attention_gqa_cluster_kernel<float>,
+          dim3(unsigned(a.n_kv_heads), unsigned(kClusterSplits)),
           32 * std::min(group, kGqaMaxWarps), gqa_cluster_smem_floats(group, a.head_dim) * 4,
           dim3(1, unsigned(kClusterSplits)), s, a);
       if (args.out_q.q && !a.out_q.q)
         quantize_act(a.out, int64_t(a.n_heads) * a.head_dim, args.out_q, s);
       return;
     }
-    if (a.n == 1 && a.k_bf16 && a.v_bf16 &&
-        tc_decode_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
+    if (a.n == 1 && bf16 && tc_decode_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
       const auto kernel =
           a.head_dim == 64 ? attention_tc_decode_kernel<64> : attention_tc_decode_kernel<128>;
       const size_t smem = a.head_dim == 64 ? td_smem_bytes<64>() : td_smem_bytes<128>();
@@ -1070,10 +1091,13 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
     } else if (gqa_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
       const int group = a.n_heads / a.n_kv_heads;
       const size_t smem = gqa_smem_floats(group, a.head_dim) * 4;
-      launch_kernel(attention_gqa_kernel, dim3(unsigned(a.n_kv_heads), unsigned(a.n_splits), unsigned(a.n)),
+      launch_kernel(bf16 ? attention_gqa_kernel<__nv_bfloat16> : attention_gqa_kernel<float>,
+                    dim3(unsigned(a.n_kv_heads), unsigned(a.n_splits), unsigned(a.n)),
                     32 * std::min(group, kGqaMaxWarps), smem, s, a);
     } else {
-      launch_kernel(attention_split_kernel, dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)), 32 * kAttnWarps, 0, s, a);
+      launch_kernel(bf16 ? attention_split_kernel<__nv_bfloat16> : attention_split_kernel<float>,
+                    dim3(unsigned(a.n_heads), unsigned(a.n), unsigned(a.n_splits)), 32 * kAttnWarps,
+                    0, s, a);
     }
     launch_kernel(attention_merge_kernel, dim3(unsigned(a.n_heads), unsigned(a.n)), 128,
                   size_t(a.n_splits) * 8, s, a);

@@ -383,15 +383,14 @@ Status CudaSession::init(const std::string& device_name) {
                            L.is_moe && L.shared.gate.rows > 0 ? hp.d_shared : 1});
   const size_t hidden = size_t(widest_mlp);
   const size_t widest = std::max({d, size_t(hp.q_dim()), hidden});
-  bool tc_attention = hp.head_dim == 64 || hp.head_dim == 128;
-  if (tc_attention) {
-    tc_attention = false;
-    for (const DevLayer& L : w_.layers) tc_attention |= L.wq.dtype != DType::kF32;
-  }
+  // BF16 cache rows unless a layer's weights are F32 (then F32 rows for every layer).
+  bool kv_bf16 = !w_.layers.empty();
+  for (const DevLayer& L : w_.layers) kv_bf16 &= L.wq.dtype != DType::kF32;
+  const size_t kv_elem = kv_bf16 ? 2 : 4;
   const auto need_for = [&](size_t c) {  // bytes of KV cache and scratch at chunk c
     const size_t partial = std::max<size_t>(c, 64);
-    return 2 * kv * 4 + (tc_attention ? 2 * kv * 2 : 0) + c * d * 4 * 6 +
-           c * size_t(hp.q_dim()) * 8 + c * size_t(hp.kv_dim()) * 8 +
+    return 2 * kv * kv_elem + c * d * 4 * 6 + c * size_t(hp.q_dim()) * 8 +
+           c * size_t(hp.kv_dim()) * 8 +
            partial * size_t(hp.n_heads) * size_t(hp.head_dim + 2) * 4 +
            c * size_t(hp.n_experts) * 4 + c * k * (8 + d * 4) + 2 * c * k * hidden * 4 +
            std::min<size_t>(c, kLogitRows) * size_t(hp.vocab) * 4 + c * k * widest * 2;
@@ -416,11 +415,12 @@ Status CudaSession::init(const std::string& device_name) {
                       std::to_string(gib(need)) + " GiB on " + device_name_ + " after the weights (" +
                       std::to_string(gib(arena_.bytes())) + " GiB); " +
                       std::to_string(gib(free_b)) + " GiB are free: use a smaller --n-ctx");
-  TS_ASSIGN(k_cache_, arena_.alloc_n<float>(kv));
-  TS_ASSIGN(v_cache_, arena_.alloc_n<float>(kv));
-  if (tc_attention) {
+  if (kv_bf16) {
     TS_ASSIGN(k_bf16_, arena_.alloc(kv * 2));
     TS_ASSIGN(v_bf16_, arena_.alloc(kv * 2));
+  } else {
+    TS_ASSIGN(k_cache_, arena_.alloc_n<float>(kv));
+    TS_ASSIGN(v_cache_, arena_.alloc_n<float>(kv));
   }
   std::vector<float> inv;
   for (int i = 0; i < hp.head_dim / 2; ++i)
@@ -578,12 +578,8 @@ CudaBenchInfo CudaSession::info() const {
     if (L.is_moe) bytes += uint64_t(hp_.top_k) * mlp_bytes(L.experts[0]);
   }
   b.decode_weight_bytes = bytes;
-  // A decode step over more keys than the cluster path takes reads the BF16 copies where the
-  // weights are not F32 (attention on tensor cores); up to kClusterAttentionKeys it reads the F32
-  // cache (0.5 MB a layer at 256 keys in qwen3-30b-a3b: counted as BF16 here too).
-  const bool kv_bf16 = !w_.layers.empty() && tc_decode(w_.layers[0]);
   b.kv_bytes_per_position =
-      2ull * uint64_t(hp_.n_layers) * uint64_t(hp_.kv_dim()) * (kv_bf16 ? 2 : 4);
+      2ull * uint64_t(hp_.n_layers) * uint64_t(hp_.kv_dim()) * (k_bf16_ ? 2 : 4);
   b.device_bytes = arena_.bytes();
   b.prefill_chunk = chunk_;
   for (const DevLayer& L : w_.layers)
@@ -959,8 +955,8 @@ Status CudaSession::attention_block(int layer, int n) {
       rope_kv_append({.q = q_,
                       .k = k_,
                       .v = v_,
-                      .k_cache = k_cache_ + layer_off,
-                      .v_cache = v_cache_ + layer_off,
+                      .k_cache = k_cache_ ? k_cache_ + layer_off : nullptr,
+                      .v_cache = v_cache_ ? v_cache_ + layer_off : nullptr,
                       .inv_freq = inv_freq_,
                       .pos = pos_dev_,
                       .n = n,
@@ -978,29 +974,25 @@ Status CudaSession::attention_block(int layer, int n) {
   const int splits = n == 1 && graph_splits_ > 0 ? graph_splits_ : attention_splits(n, pos_ + n);
   // A Q8_0 wo reads the attention output as Q8 blocks, written by the attention's merge.
   const bool wo_q8 = n <= kGemvMaxTokens && q8_activations(L.wo.dtype, L.wo.cols);
-  const bool bf16_attention = k_bf16_ && L.wq.dtype != DType::kF32;
-  const bool kv_bf16 = n == 1 && !attn_cluster_ && tc_decode(L);
-  const double kv_bytes = 2.0 * double(pos_ + n) * kvd * (kv_bf16 ? 2 : 4);
+  const double kv_bytes = 2.0 * double(pos_ + n) * kvd * (k_bf16_ ? 2 : 4);
   TS_TRY(prof_.time("attention", kv_bytes, stream_, [&] {
     return launch([&] {
-      attention(
-          {.q = q_,
-           .k_cache = k_cache_ + layer_off,
-           .v_cache = v_cache_ + layer_off,
-           .out = att_,
-           .partial = partial_,
-           .pos = pos_dev_,
-           .n = n,
-           .n_heads = hp_.n_heads,
-           .n_kv_heads = hp_.n_kv_heads,
-           .head_dim = hp_.head_dim,
-           .n_splits = splits,
-           .tensor_cores = L.wq.dtype != DType::kF32,
-           .k_bf16 = bf16_attention ? static_cast<const uint16_t*>(k_bf16_) + layer_off : nullptr,
-           .v_bf16 = bf16_attention ? static_cast<const uint16_t*>(v_bf16_) + layer_off : nullptr,
-           .out_q = wo_q8 ? qx_ : QAct{},
-           .cluster = n == 1 && attn_cluster_},
-          stream_);
+      attention({.q = q_,
+                 .k_cache = k_cache_ ? k_cache_ + layer_off : nullptr,
+                 .v_cache = v_cache_ ? v_cache_ + layer_off : nullptr,
+                 .out = att_,
+                 .partial = partial_,
+                 .pos = pos_dev_,
+                 .n = n,
+                 .n_heads = hp_.n_heads,
+                 .n_kv_heads = hp_.n_kv_heads,
+                 .head_dim = hp_.head_dim,
+                 .n_splits = splits,
+                 .k_bf16 = k_bf16_ ? static_cast<const uint16_t*>(k_bf16_) + layer_off : nullptr,
+                 .v_bf16 = v_bf16_ ? static_cast<const uint16_t*>(v_bf16_) + layer_off : nullptr,
+                 .out_q = wo_q8 ? qx_ : QAct{},
+                 .cluster = n == 1 && attn_cluster_},
+                stream_);
     });
   }));
   return prof_.time("wo", double(L.wo.n_bytes()), stream_, [&] {

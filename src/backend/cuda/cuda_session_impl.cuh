@@ -320,16 +320,12 @@ class CudaSession final : public runtime::Engine {
   bool cluster_step(int n) const {
     return n == 1 && cluster_attention_ok_ && pos_ + n <= kClusterAttentionKeys;
   }
-  // A one-token step of layer L's attention off the cluster path reads the cache's BF16
-  // copies, on tensor cores (attention() given k_bf16), rather than the F32 rows.
-  bool tc_decode(const DevLayer& L) const {
-    return k_bf16_ && L.wq.dtype != DType::kF32 &&
-           tc_decode_attention_applies(hp_.n_heads, hp_.n_kv_heads, hp_.head_dim);
-  }
 
   int n_ctx_ = 0, chunk_ = 0, pos_ = 0;
-  float *k_cache_ = nullptr, *v_cache_ = nullptr;  // [n_layers, n_ctx, kv_dim]
-  // BF16 copies of the cache for the tensor-core prefill attention (null for F32 models).
+  // The KV cache, [n_layers, n_ctx, kv_dim]: F32 rows where a layer's weights are F32 (the
+  // fixtures' exact path), else BF16 rows (a third of the bytes; the tensor-core attention
+  // reads BF16 anyway). One of the two pairs is allocated, the other null.
+  float *k_cache_ = nullptr, *v_cache_ = nullptr;
   void *k_bf16_ = nullptr, *v_bf16_ = nullptr;
   float* inv_freq_ = nullptr;
   // Scratch for one chunk (device).

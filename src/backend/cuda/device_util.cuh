@@ -185,6 +185,21 @@ __device__ __forceinline__ void unpack8(uint4 raw, float wf[8]) {
   }
 }
 
+// KV cache elements: F32 rows (F32 models) or BF16 rows (every other model), read as F32
+// (a BF16 value widens exactly, so a kernel over BF16 rows gives the bytes it gives over
+// F32 rows holding the same rounded values).
+__device__ __forceinline__ float kv_f32(float v) { return v; }
+__device__ __forceinline__ float kv_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+// Four consecutive elements (16 bytes of F32 or 8 of BF16, aligned as such).
+__device__ __forceinline__ float4 kv_load4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 kv_load4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(bf16_bits(u.x & 0xffffu), bf16_bits(u.x >> 16), bf16_bits(u.y & 0xffffu),
+                     bf16_bits(u.y >> 16));
+}
+
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
   return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
 }
@@ -228,6 +243,9 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 }
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // 16 bytes, or 16 zero bytes when !valid (gmem is then not read).

@@ -63,12 +63,12 @@ void moe_residual(float* x, const float* moe, const float* shared, const float* 
                   int d, cudaStream_t s);
 
 // RoPE (rotate-half) on q and k of n tokens at positions *pos + t, then k and v appended
-// to the layer's cache rows *pos + t.
+// to the layer's cache rows *pos + t: F32 rows, BF16 rows, or both (tests).
 struct RopeKvArgs {
   float* q;               // [n, n_heads * head_dim]
   const float* k;         // [n, kv_dim]
   const float* v;         // [n, kv_dim]
-  float* k_cache;         // [n_ctx, kv_dim] of this layer
+  float* k_cache;         // [n_ctx, kv_dim] of this layer, or null (no F32 rows)
   float* v_cache;
   const float* inv_freq;  // [head_dim / 2]
   const int* pos;         // device scalar: position of token 0
@@ -76,32 +76,30 @@ struct RopeKvArgs {
   const float* q_norm = nullptr;  // per-head RMSNorm weights [head_dim] applied first, or null
   const float* k_norm = nullptr;
   float eps = 0;
-  // Optional BF16 copies of the cache rows (for the tensor-core prefill attention), rounded
-  // to nearest even from the F32 values written: [n_ctx, kv_dim] of this layer each.
+  // BF16 cache rows, rounded to nearest even from the F32 values: [n_ctx, kv_dim] of this
+  // layer each, or null.
   void* k_bf16 = nullptr;
   void* v_bf16 = nullptr;
 };
 void rope_kv_append(const RopeKvArgs& a, cudaStream_t s);
 
 // Causal attention of n queries (positions *pos + t) over the cache, split over the key
-// range into n_splits parts that are merged afterwards (flash-decoding).
+// range into n_splits parts that are merged afterwards (flash-decoding). The cache is F32
+// rows (k_cache / v_cache: F32 models) or BF16 rows (k_bf16 / v_bf16: every other model);
+// given both, the BF16 rows are read.
 struct AttentionArgs {
   const float* q;        // [n, n_heads * head_dim]
-  const float* k_cache;  // [n_ctx, kv_dim]
+  const float* k_cache;  // [n_ctx, kv_dim] F32, or null
   const float* v_cache;
   float* out;            // [n, n_heads * head_dim]
   float* partial;        // [n, n_heads, n_splits, head_dim + 2] scratch
   const int* pos;
   int n, n_heads, n_kv_heads, head_dim, n_splits;
-  // Chunks of kTcAttentionMin+ tokens with head_dim 64 or 128: Q, K, V and
-  // the probabilities rounded to BF16 for tensor cores, F32 accumulation and softmax (for
-  // models whose weights are not F32; F32 models keep the F32 kernels).
-  bool tensor_cores = false;
-  // Optional BF16 copies of the cache (RopeKvArgs): the tensor-core kernel then stages keys
-  // and values with asynchronous copies, the next tile's while the current one computes, and
-  // gives the same bytes as from the F32 cache (which it rounds the same way). One token on
-  // the split path (not the cluster) then runs on tensor cores from them where
-  // tc_decode_attention_applies: Q, K, V and the probabilities in BF16, F32 sums, as prefill.
+  // BF16 cache rows [n_ctx, kv_dim], or null. With them, chunks of kTcAttentionMin+ tokens
+  // with head_dim 64 or 128 run on tensor cores (Q, K, V and the probabilities in BF16, F32
+  // accumulation and softmax), and so does one token on the split path (not the cluster)
+  // where tc_decode_attention_applies; the other kernels widen the BF16 rows to F32 as they
+  // read them (the bytes they give on F32 rows holding the same values).
   const void* k_bf16 = nullptr;
   const void* v_bf16 = nullptr;
   // Optional: out also as Q8 blocks (as quantize_act; n_heads * head_dim a multiple of 32),
@@ -109,7 +107,8 @@ struct AttentionArgs {
   QAct out_q = {};
   // One token over at most kClusterAttentionKeys keys, by KV head (cluster_attention_applies):
   // one thread block cluster per KV head merges its splits itself (no partial rows, no merge
-  // launch), the same bytes as the F32 split path; n_splits and partial are then unused.
+  // launch), the same bytes as the CUDA-core split path (attention_gqa_kernel and the merge)
+  // on the same cache rows; n_splits and partial are then unused.
   bool cluster = false;
 };
 constexpr int kTcAttentionMin = 16;

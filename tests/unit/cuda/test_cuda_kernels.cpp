@@ -414,6 +414,19 @@ TEST_P(CudaAttention, RopeAndAttentionMatchCpu) {
       ASSERT_EQ(kb[i], appended ? ts::f32_to_bf16(kc_got[i]) : uint16_t(0xffff)) << "k " << i;
       ASSERT_EQ(vb[i], appended ? ts::f32_to_bf16(vc_got[i]) : uint16_t(0xffff)) << "v " << i;
     }
+    // BF16 rows alone (the cache of a model whose weights are not F32): the same rows.
+    {
+      Dev dq2(q), dkb2(kc.size() * 2), dvb2(vc.size() * 2);
+      ts::cuda::RopeKvArgs rb = ra;
+      rb.q = dq2.as<float>();
+      rb.k_cache = rb.v_cache = nullptr;
+      rb.k_bf16 = dkb2.p;
+      rb.v_bf16 = dvb2.p;
+      ts::cuda::rope_kv_append(rb, nullptr);
+      EXPECT_EQ(dkb2.get<uint16_t>(), kb);
+      EXPECT_EQ(dvb2.get<uint16_t>(), vb);
+      EXPECT_EQ(dq2.get<float>(), dq.get<float>());
+    }
     ts::cuda::attention({.q = dq.as<float>(), .k_cache = dkc.as<float>(),
                          .v_cache = dvc.as<float>(), .out = dout.as<float>(),
                          .partial = dpart.as<float>(), .pos = dpos.as<int>(), .n = n,
@@ -720,28 +733,18 @@ TEST(CudaKernels, TensorCoreAttentionMatchesReference) {
           want[size_t(t * qd + h * c.hd + i)] = float(o / sum);
         }
       }
-    Dev dq(q), dkc(kc), dvc(vc), dpos(std::vector<int>{c.pos0}), dout(want.size() * 4);
-    ts::cuda::attention({.q = dq.as<float>(), .k_cache = dkc.as<float>(), .v_cache = dvc.as<float>(),
-                         .out = dout.as<float>(), .partial = nullptr, .pos = dpos.as<int>(),
-                         .n = c.n, .n_heads = c.n_heads, .n_kv_heads = c.n_kv, .head_dim = c.hd,
-                         .n_splits = 1, .tensor_cores = true},
-                        nullptr);
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-    // BF16 inputs and probabilities: about 2^-8 relative.
-    EXPECT_LE(max_rel(dout.get<float>(), want), 2e-2)
-        << "n " << c.n << " pos0 " << c.pos0 << " hd " << c.hd;
-    // From BF16 copies of the cache (asynchronous staging): the same bytes. Rows past the
-    // last query's position hold poison, which the kernel must not read.
+    // The BF16 cache rows; rows past the last query's position hold poison (NaN), which the
+    // kernel must not read.
     std::vector<uint16_t> kb(size_t(n_ctx + 64) * kvd, 0xffff), vb(kb.size(), 0xffff);
     for (size_t i = 0; i < kc.size(); ++i) {
       kb[i] = ts::f32_to_bf16(kc[i]);
       vb[i] = ts::f32_to_bf16(vc[i]);
     }
-    Dev dkb(kb), dvb(vb), dout2(want.size() * 4);
+    Dev dq(q), dkb(kb), dvb(vb), dpos(std::vector<int>{c.pos0}), dout(want.size() * 4);
     ts::cuda::attention({.q = dq.as<float>(),
-                         .k_cache = dkc.as<float>(),
-                         .v_cache = dvc.as<float>(),
-                         .out = dout2.as<float>(),
+                         .k_cache = nullptr,
+                         .v_cache = nullptr,
+                         .out = dout.as<float>(),
                          .partial = nullptr,
                          .pos = dpos.as<int>(),
                          .n = c.n,
@@ -749,13 +752,89 @@ TEST(CudaKernels, TensorCoreAttentionMatchesReference) {
                          .n_kv_heads = c.n_kv,
                          .head_dim = c.hd,
                          .n_splits = 1,
-                         .tensor_cores = true,
                          .k_bf16 = dkb.p,
                          .v_bf16 = dvb.p},
                         nullptr);
-    EXPECT_EQ(dout2.get<float>(), dout.get<float>())
-        << "BF16 copies: n " << c.n << " pos0 " << c.pos0 << " hd " << c.hd;
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    // BF16 inputs and probabilities: about 2^-8 relative.
+    EXPECT_LE(max_rel(dout.get<float>(), want), 2e-2)
+        << "n " << c.n << " pos0 " << c.pos0 << " hd " << c.hd;
   }
+}
+
+// The CUDA-core attention kernels over a BF16 cache (the cache of a model whose weights are
+// not F32, where tensor cores do not apply: the cluster path, chunks under kTcAttentionMin
+// tokens, head dims other than 64 / 128, groups over 16): the bytes the same kernels give over
+// F32 rows holding the same rounded values (a BF16 value widens exactly), output and Q8 copy;
+// BF16 rows past the last key poisoned. Cases: by KV head (groups of 32, head dim 96), by
+// query head (head dim 256, one and three tokens), as clusters, the tiled prefill kernel.
+TEST(CudaKernels, AttentionOverBf16CacheMatchesF32KernelsOnTheSameValues) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    int n_heads, n_kv, hd, pos0, n;
+    bool cluster;
+  };
+  int ran = 0;
+  for (const Case c : {Case{32, 1, 128, 300, 1, false}, Case{6, 2, 96, 200, 1, false},
+                       Case{8, 2, 256, 90, 1, false}, Case{8, 2, 256, 90, 3, false},
+                       Case{32, 4, 128, 200, 1, true}, Case{16, 1, 64, 100, 1, true},
+                       Case{8, 2, 64, 150, 5, false}, Case{6, 2, 96, 37, 40, false}}) {
+    if (c.cluster && !ts::cuda::cluster_attention_applies(c.n_heads, c.n_kv, c.hd)) continue;
+    if (c.n == 1 && !c.cluster) {  // not the tensor-core decode kernel
+      ASSERT_FALSE(ts::cuda::tc_decode_attention_applies(c.n_heads, c.n_kv, c.hd));
+    }
+    const int qd = c.n_heads * c.hd, kvd = c.n_kv * c.hd, n_ctx = c.pos0 + c.n;
+    const std::vector<float> q = randn(size_t(c.n * qd), 71),
+                             k = randn(size_t(n_ctx * kvd), 72, 2.0f),
+                             v = randn(size_t(n_ctx * kvd), 73);
+    std::vector<uint16_t> kb(size_t(n_ctx + 64) * kvd, 0xffff), vb(kb.size(), 0xffff);
+    std::vector<float> kr(k.size()), vr(v.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      kb[i] = ts::f32_to_bf16(k[i]);
+      vb[i] = ts::f32_to_bf16(v[i]);
+      kr[i] = ts::bf16_to_f32(kb[i]);
+      vr[i] = ts::bf16_to_f32(vb[i]);
+    }
+    const std::string what = "heads " + std::to_string(c.n_heads) + "/" + std::to_string(c.n_kv) +
+                             " hd " + std::to_string(c.hd) + " keys " + std::to_string(n_ctx) +
+                             " n " + std::to_string(c.n) + (c.cluster ? " cluster" : "");
+    const bool q8 = c.hd % 32 == 0;
+    const int splits = 3;
+    Dev dq(q), dkr(kr), dvr(vr), dkb(kb), dvb(vb), dpos(std::vector<int>{c.pos0});
+    const auto run = [&](bool bf16) {
+      Dev out(size_t(c.n * qd) * 4), qo{size_t(c.n * qd)}, d_o(size_t(c.n * qd) / 32 * 4),
+          part(size_t(c.n * c.n_heads * splits * (c.hd + 2)) * 4);
+      ts::cuda::AttentionArgs a{.q = dq.as<float>(),
+                                .k_cache = bf16 ? nullptr : dkr.as<float>(),
+                                .v_cache = bf16 ? nullptr : dvr.as<float>(),
+                                .out = out.as<float>(),
+                                .partial = part.as<float>(),
+                                .pos = dpos.as<int>(),
+                                .n = c.n,
+                                .n_heads = c.n_heads,
+                                .n_kv_heads = c.n_kv,
+                                .head_dim = c.hd,
+                                .n_splits = splits,
+                                .k_bf16 = bf16 ? dkb.p : nullptr,
+                                .v_bf16 = bf16 ? dvb.p : nullptr,
+                                .cluster = c.cluster};
+      if (q8 && c.n == 1) a.out_q = {qo.as<int8_t>(), d_o.as<float>()};
+      ts::cuda::attention(a, nullptr);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+      std::vector<float> got = out.get<float>();
+      if (q8 && c.n == 1) {
+        const std::vector<int8_t> qs = qo.get<int8_t>();
+        for (const int8_t x : qs) got.push_back(float(x));
+        for (const float x : d_o.get<float>()) got.push_back(x);
+      }
+      return got;
+    };
+    const std::vector<float> f32 = run(false), bf16 = run(true);
+    for (const float x : f32) ASSERT_TRUE(std::isfinite(x)) << what;
+    EXPECT_EQ(bf16, f32) << what;
+    ++ran;
+  }
+  EXPECT_EQ(ran, ts::cuda::cluster_attention_available() ? 8 : 6);
 }
 
 TEST(CudaKernels, RouteMatchesSelectExperts) {
