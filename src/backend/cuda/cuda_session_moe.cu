@@ -134,11 +134,12 @@ Status CudaSession::moe_block(int layer, int n) {
   return {};
 }
 
-// Rows per used expert (one 64-row tile) from which a chunk's Q8_0 experts are dequantized
-// to BF16 and run through the BF16 grouped kernel: docs/PERF.md measured it faster than the
-// Q8_0 kernel from 512-token prompts up (prefill 1.2x at 512 tokens, 1.46x at 4096). Q4_K
-// experts, which no grouped kernel reads in place, are dequantized for every chunk.
-constexpr int kDequantQ8MinRows = 64;
+// Rows per used expert (on average over the chunk) from which a chunk's Q8_0 experts are
+// dequantized to BF16 and run through the BF16 grouped kernel: docs/PERF.md measured the Q8_0
+// kernel (grouped_q8_mma_kernel) faster at 32 to 128 rows per expert and the BF16 copies
+// faster at 256 (prefill of 512 / 2,048 / 4,096 tokens, 128 experts top-8). Q4_K experts,
+// which no grouped kernel reads in place, are dequantized for every chunk.
+constexpr int kDequantQ8MinRows = 256;
 
 namespace {
 // Whether the experts can run on BF16 copies (dequantize_experts_bf16): each matrix Q8_0 or

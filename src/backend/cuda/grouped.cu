@@ -491,6 +491,165 @@ __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
     }
 }
 
+// The grouped GEMMs for Q8_0 weights read in place where k is a multiple of 128: the warp
+// layout of grouped_mma_kernel (64 rows x kN outputs a block, each warp all 64 rows x kN / 4
+// outputs on mma.sync m16n8k16), with the weights' raw Q8_0 bytes staged by cp.async, kQ8Step
+// columns (4 blocks, 136 bytes a row, 8-byte aligned) a stage, kQ8Stages stages in flight, and
+// each B fragment dequantized from shared memory as it is needed: the thread's two pairs of
+// quants times the block's scale, rounded to BF16 (the value dequantize_bf16 gives). The
+// WMMA kernel above stages a single 32-column step through registers, one step ahead: at ~32
+// rows per expert (a 512-token prompt over 128 experts) it read the weights at ~20% of DRAM
+// bandwidth (docs/PERF.md). Row fragments past the tile's rows are skipped (warp-uniform).
+// Every output sums its columns in one fixed order, wherever the weights live.
+constexpr int kQ8Step = 128, kQ8RowBytes = kQ8Step / 32 * 34;  // 136
+constexpr int kQ8XLd = kQ8Step + 8;  // x rows in BF16 (272 bytes: ldmatrix without conflicts)
+// Outputs per block: phase 1 64 (168 registers and 70 KB of shared memory: 3 blocks an SM),
+// phase 2 128 (167 registers, 70 KB: 3 blocks an SM); two stages. Measured against 128 / 128,
+// 64 / 64, 128 / 64 and three or four stages (fewer blocks an SM): docs/PERF.md.
+constexpr int kQ8GateUpN = 64, kQ8DownN = 128, kQ8Stages = 2;
+template <bool kGateUp, int kN>
+constexpr size_t kQ8Stage = size_t(kGroupTile) * kQ8XLd * 2 +
+                            size_t(kGateUp ? 2 : 1) * kN* kQ8RowBytes;
+template <bool kGateUp, int kN>
+__global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
+  pdl_wait();
+  constexpr int kNT = kN / 32;  // 8-output tiles per warp
+  extern __shared__ __align__(128) unsigned char q8_smem[];
+  const GroupTile tile = a.tiles[blockIdx.y];
+  const int n0 = blockIdx.x * kN;
+  const int n_rows = min(kN, a.n - n0);  // weight rows of this block
+  const size_t w_row = size_t(a.k / 32) * 34;
+  const uint8_t* w0 =
+      static_cast<const uint8_t*>(a.direct0 ? a.direct0 : a.w0[tile.expert]) + size_t(n0) * w_row;
+  const uint8_t* w1 = kGateUp
+                          ? static_cast<const uint8_t*>(a.direct1 ? a.direct1 : a.w1[tile.expert]) +
+                                size_t(n0) * w_row
+                          : nullptr;
+  const uint8_t* x = static_cast<const uint8_t*>(a.x) + size_t(tile.row0) * size_t(a.k) * 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tig = lane % 4;
+  const int mi = lane / 8, mr = lane % 8, wc = warp * (kN / 4);
+  const int steps = a.k / kQ8Step;
+  const int m_frags = (tile.m + 15) / 16;
+
+  float acc0[4][kNT][4], acc1[kGateUp ? 4 : 1][kNT][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        acc0[i][j][c] = 0.0f;
+        if (kGateUp) acc1[i][j][c] = 0.0f;
+      }
+  // Stage layout: x [64][kQ8XLd] BF16, then w0 [kMmaN][136] and w1 [kMmaN][136] raw bytes.
+  const auto xs_of = [&](int b) {
+    return reinterpret_cast<__nv_bfloat16*>(q8_smem + size_t(b) * kQ8Stage<kGateUp, kN>);
+  };
+  const auto ws_of = [&](int b, int m) {
+    return q8_smem + size_t(b) * kQ8Stage<kGateUp, kN> + size_t(kGroupTile) * kQ8XLd * 2 +
+           size_t(m) * kN * kQ8RowBytes;
+  };
+  const auto issue = [&](int step, int b) {  // a step's copies into buffer b
+    __nv_bfloat16* xs = xs_of(b);
+    const int k0 = step * kQ8Step;
+#pragma unroll
+    for (int i = 0; i < kGroupTile * (kQ8Step / 8) / 128; ++i) {
+      const int c = threadIdx.x + 128 * i, row = c / (kQ8Step / 8), piece = c % (kQ8Step / 8);
+      const bool ok = row < tile.m;
+      const uint8_t* src = ok ? x + (size_t(row) * a.k + k0 + piece * 8) * 2 : x;
+      cp_async16_zfill(xs + row * kQ8XLd + piece * 8, src, ok);
+    }
+#pragma unroll
+    for (int m = 0; m < (kGateUp ? 2 : 1); ++m) {
+      const uint8_t* w = (m == 0 ? w0 : w1) + size_t(step) * kQ8RowBytes;
+      uint8_t* ws = ws_of(b, m);
+      for (int c = threadIdx.x; c < kN * (kQ8RowBytes / 8); c += 128) {
+        const int row = c / (kQ8RowBytes / 8), piece = c % (kQ8RowBytes / 8);
+        const bool ok = row < n_rows;
+        cp_async8_zfill(ws + row * kQ8RowBytes + piece * 8,
+                        ok ? w + size_t(row) * w_row + piece * 8 : w, ok);
+      }
+    }
+  };
+  // B fragment of 8 outputs (rows r0 .. r0 + 7 of the staged weights) and 16 columns at c0:
+  // the thread's row r0 + grp, columns c0 + 2 tig (+1) and c0 + 8 + 2 tig (+1).
+  const auto b_frag = [&](const uint8_t* ws, int r0, int c0, unsigned& b0, unsigned& b1) {
+    const uint8_t* blk = ws + (r0 + grp) * kQ8RowBytes + (c0 / 32) * 34;
+    const float d = f16_bits(*reinterpret_cast<const uint16_t*>(blk));
+    const uint8_t* q = blk + 2 + c0 % 32 + 2 * tig;
+    // The four quants biased to unsigned (q + 128) and each made the low byte of the float
+    // 2^23 + q + 128: one byte permute and one exact subtraction a value on full-rate pipes,
+    // where int8 -> float conversions run at a fraction of the rate and bound the kernel.
+    const uint32_t u = (uint32_t(*reinterpret_cast<const uint16_t*>(q)) |
+                        uint32_t(*reinterpret_cast<const uint16_t*>(q + 8)) << 16) ^
+                       0x80808080u;
+    constexpr float kMagic = 8388736.0f;  // 2^23 + 128
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      v[i] = __int_as_float(int(__byte_perm(u, 0x4b000000u, 0x7650u + unsigned(i)))) - kMagic;
+    b0 = pack_bf16(d * v[0], d * v[1]);
+    b1 = pack_bf16(d * v[2], d * v[3]);
+  };
+  for (int st = 0; st < kQ8Stages - 1; ++st) {
+    if (st < steps) issue(st, st);
+    cp_async_commit();
+  }
+  for (int step = 0; step < steps; ++step) {
+    const int b = step % kQ8Stages;
+    cp_async_wait_group<kQ8Stages - 2>();  // this step's copies landed
+    __syncthreads();
+    // The previous step's buffer: its readers passed the barrier.
+    const int next = step + kQ8Stages - 1;
+    if (next < steps) issue(next, next % kQ8Stages);
+    cp_async_commit();
+    const __nv_bfloat16* xs = xs_of(b);
+    const uint8_t* ws0 = ws_of(b, 0);
+    const uint8_t* ws1 = ws_of(b, 1);
+#pragma unroll 2
+    for (int kk = 0; kk < kQ8Step; kk += 16) {
+      unsigned fa[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (i < m_frags)
+          ldsm_x4(fa[i], xs + (16 * i + (mi % 2) * 8 + mr) * kQ8XLd + kk + (mi / 2) * 8);
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        unsigned b0, b1;
+        b_frag(ws0, wc + 8 * j, kk, b0, b1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (i < m_frags) mma_bf16(acc0[i][j], fa[i], b0, b1);
+        if (kGateUp) {
+          b_frag(ws1, wc + 8 * j, kk, b0, b1);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (i < m_frags) mma_bf16(acc1[i][j], fa[i], b0, b1);
+        }
+      }
+    }
+  }
+  // Thread holds rows 16 i + grp (+ 8), outputs wc + 8 j + 2 tig (+ 1).
+  const bool pairs = a.n % 2 == 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * i + grp + 8 * h;
+      if (r >= tile.m) continue;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const int col = n0 + wc + 8 * j + 2 * tig;
+        if (col >= a.n) continue;
+        const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
+        const int iu = kGateUp ? i : 0;  // phase 2 has no up (acc1 is one row)
+        store_grouped_pair<kGateUp>(a.out, o, acc0[i][j][2 * h], acc0[i][j][2 * h + 1],
+                                    acc1[iu][j][2 * h], acc1[iu][j][2 * h + 1], col + 1 < a.n,
+                                    pairs);
+      }
+    }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- host launchers
@@ -552,6 +711,15 @@ void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
   }
   if (a.dtype == DType::kBF16) {
     grouped_mma(kGateUp, a, s);
+    return;
+  }
+  if (a.dtype == DType::kQ8_0 && a.k % kQ8Step == 0) {
+    constexpr int kN = kGateUp ? kQ8GateUpN : kQ8DownN;
+    constexpr size_t smem = kQ8Stages * kQ8Stage<kGateUp, kN>;
+    const auto kernel = grouped_q8_mma_kernel<kGateUp, kN>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    const dim3 grid(unsigned((a.n + kN - 1) / kN), unsigned(a.n_tiles));
+    launch_kernel(kernel, grid, 128, smem, s, a);
     return;
   }
   const dim3 grid(unsigned((a.n + kGroupTile - 1) / kGroupTile), unsigned(a.n_tiles));

@@ -262,7 +262,7 @@ void check_grouped_prefill(const std::string& cfg, ts::DType t, int n_prompt,
   std::vector<int> prompt;
   for (int i = 0; i < n_prompt; ++i) prompt.push_back((i * 37 + 11) % vocab);
   const auto run = [&](ts::runtime::GpuExpertOptions g, int chunk) {
-    ts::runtime::SessionOptions o{.n_ctx = 512, .prefill_chunk = chunk};
+    ts::runtime::SessionOptions o{.n_ctx = std::max(512, n_prompt), .prefill_chunk = chunk};
     o.gpu_experts = g;
     auto e = ts::cuda::make_synthetic_cuda_session(
         hp.value(), std::move(o), 0,
@@ -302,15 +302,16 @@ std::string grouped_config(int d_expert) {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
     "vocab_size": 512, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": )" +
          std::to_string(d_expert) + R"(, "intermediate_size": 512, "norm_topk_prob": true,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 512})";
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 2048})";
 }
 
 TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string cfg = grouped_config(96);
-  // 100 tokens: 25 rows per expert (Q8_0 experts read as blocks by the grouped kernel);
-  // 400: 100 rows per expert (Q8_0 experts dequantized to BF16 for the chunk first).
-  for (const int n_prompt : {100, 400})
+  // 100 and 400 tokens: 25 and 100 rows per expert (Q8_0 experts read as blocks by the grouped
+  // kernels: d_model 256 on grouped_q8_mma_kernel, d_expert 96 on the WMMA one); 1,100: 275
+  // rows per expert (Q8_0 experts dequantized to BF16 for the chunk first, kDequantQ8MinRows).
+  for (const int n_prompt : {100, 400, 1100})
     for (ts::DType t : {ts::DType::kBF16, ts::DType::kQ8_0}) {
       SCOPED_TRACE(std::string(ts::dtype_name(t)) + ", " + std::to_string(n_prompt) + " tokens");
       check_grouped_prefill(cfg, t, n_prompt);

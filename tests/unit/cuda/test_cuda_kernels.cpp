@@ -1339,11 +1339,13 @@ TEST(CudaKernels, DequantizeExpertsToBf16MatchesDequantizeBf16) {
 // The grouped tensor-core GEMMs against a double-precision reference on the same BF16 inputs
 // (x rounded to BF16, weights as dequantize_bf16 gives them): experts of 1, 64, 70 and 130
 // rows (tile edges), output widths off the kernels' output blocks, tables vs direct addresses.
+// Q8_0 weights take grouped_q8_mma_kernel where k is a multiple of 128 and the WMMA kernel
+// otherwise: the shapes give each phase both.
 TEST(CudaKernels, GroupedGemmsMatchReference) {
   SKIP_WITHOUT_GPU();
-  // Three shapes: outputs within one block and across two or more (BF16 blocks are 128
-  // outputs wide, or 128 / 256 on the warpgroup-MMA kernels; Q8_0 ones 64), 3 to 12 column
-  // steps of 32 or 64, some ending past k.
+  // Five shapes: outputs within one block and across two or more (BF16 blocks are 128
+  // outputs wide, or 128 / 256 on the warpgroup-MMA kernels; Q8_0 ones 128, or 64 on the WMMA
+  // kernel), 1 to 12 column steps of 32, 64 or 128, some ending past k.
   struct Shape {
     int d, de;
   };
@@ -1360,7 +1362,8 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
   // Kernels: 0 = what grouped_gate_up / grouped_down choose; 1 = the mma.sync BF16 kernels
   // called directly, which devices without warpgroup MMA choose (run here too when the
   // device has it, so every kernel is checked on the GPU machine).
-  for (const Shape sh : {Shape{160, 96}, Shape{256, 160}, Shape{384, 224}})
+  for (const Shape sh :
+       {Shape{160, 96}, Shape{256, 160}, Shape{384, 224}, Shape{384, 256}, Shape{224, 128}})
     for (const auto& [t, kernel] :
          {std::pair{DType::kBF16, 0}, std::pair{DType::kBF16, 1}, std::pair{DType::kQ8_0, 0}}) {
       if (kernel == 1 && ts::cuda::grouped_tile_rows(t) == ts::cuda::kGroupTile) continue;
