@@ -444,8 +444,8 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(sel_w_, arena_.alloc_n<float>(c * k));
   TS_ASSIGN(group_src_, arena_.alloc_n<int>(c * k));
   TS_ASSIGN(group_row_of_, arena_.alloc_n<int>(c * k));
-  TS_ASSIGN(group_tiles_, arena_.alloc_n<GroupTile>(c * k / size_t(kGroupTile) +
-                                                     size_t(std::max(1, hp.n_experts)) + 1));
+  TS_ASSIGN(group_tiles_, arena_.alloc_n<GroupTile>(c * k / size_t(kQ8SmallTile) +
+                                                    size_t(std::max(1, hp.n_experts)) + 1));
   TS_ASSIGN(slot_rows_, arena_.alloc_n<float>(c * k * d));
   TS_ASSIGN(h1_, arena_.alloc_n<float>(c * k * hidden));
   TS_ASSIGN(h2_, arena_.alloc_n<float>(c * k * hidden));
@@ -948,15 +948,20 @@ Status CudaSession::attention_block(int layer, int n) {
       rmsnorm(k_, L.k_norm, k_, n, kvd, hp_.rms_eps, stream_);
       break;
   }
+  // This layer's cache rows: the F32 pair or the BF16 pair (the other null).
   const size_t layer_off = size_t(layer) * size_t(n_ctx_) * size_t(kvd);
+  float* const k_rows = k_cache_ ? k_cache_ + layer_off : nullptr;
+  float* const v_rows = v_cache_ ? v_cache_ + layer_off : nullptr;
+  uint16_t* const k_rows16 = k_bf16_ ? static_cast<uint16_t*>(k_bf16_) + layer_off : nullptr;
+  uint16_t* const v_rows16 = v_bf16_ ? static_cast<uint16_t*>(v_bf16_) + layer_off : nullptr;
   const bool per_head = hp_.qk_norm == model::QkNorm::kPerHead;
   TS_TRY(prof_.time("rope + kv append", double(n) * (qd + 3 * kvd) * 8, stream_, [&] {
     return launch([&] {
       rope_kv_append({.q = q_,
                       .k = k_,
                       .v = v_,
-                      .k_cache = k_cache_ ? k_cache_ + layer_off : nullptr,
-                      .v_cache = v_cache_ ? v_cache_ + layer_off : nullptr,
+                      .k_cache = k_rows,
+                      .v_cache = v_rows,
                       .inv_freq = inv_freq_,
                       .pos = pos_dev_,
                       .n = n,
@@ -966,8 +971,8 @@ Status CudaSession::attention_block(int layer, int n) {
                       .q_norm = per_head ? L.q_norm : nullptr,
                       .k_norm = per_head ? L.k_norm : nullptr,
                       .eps = hp_.rms_eps,
-                      .k_bf16 = k_bf16_ ? static_cast<uint16_t*>(k_bf16_) + layer_off : nullptr,
-                      .v_bf16 = v_bf16_ ? static_cast<uint16_t*>(v_bf16_) + layer_off : nullptr},
+                      .k_bf16 = k_rows16,
+                      .v_bf16 = v_rows16},
                      stream_);
     });
   }));
@@ -978,8 +983,8 @@ Status CudaSession::attention_block(int layer, int n) {
   TS_TRY(prof_.time("attention", kv_bytes, stream_, [&] {
     return launch([&] {
       attention({.q = q_,
-                 .k_cache = k_cache_ ? k_cache_ + layer_off : nullptr,
-                 .v_cache = v_cache_ ? v_cache_ + layer_off : nullptr,
+                 .k_cache = k_rows,
+                 .v_cache = v_rows,
                  .out = att_,
                  .partial = partial_,
                  .pos = pos_dev_,
@@ -988,8 +993,8 @@ Status CudaSession::attention_block(int layer, int n) {
                  .n_kv_heads = hp_.n_kv_heads,
                  .head_dim = hp_.head_dim,
                  .n_splits = splits,
-                 .k_bf16 = k_bf16_ ? static_cast<const uint16_t*>(k_bf16_) + layer_off : nullptr,
-                 .v_bf16 = v_bf16_ ? static_cast<const uint16_t*>(v_bf16_) + layer_off : nullptr,
+                 .k_bf16 = k_rows16,
+                 .v_bf16 = v_rows16,
                  .out_q = wo_q8 ? qx_ : QAct{},
                  .cluster = n == 1 && attn_cluster_},
                 stream_);

@@ -208,10 +208,20 @@ Status CudaSession::grouped_experts(int layer, int n) {
       dq_ && dequantizable(L.experts[0]) &&
       (any_q4_k(L.experts[0]) || (in_place && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used));
   const bool tiled = in_place || dq;
+  // Q8_0 experts read in place, none with more than kQ8SmallTile rows in the chunk: tiles of
+  // that height (half the accumulators a block, four blocks an SM instead of three; +10% at
+  // 128-token prompts, docs/PERF.md). A taller expert would be cut in two tiles, each reading
+  // its weights (measured slower at 512 tokens), so then the chunk keeps kGroupTile.
+  int most_rows = 0;
+  for (int e = 0; e < hp_.n_experts; ++e)
+    most_rows = std::max(most_rows, count[size_t(e) + 1] - count[size_t(e)]);
+  const int tile_rows = dq ? grouped_tile_rows(DType::kBF16)
+                        : et == DType::kQ8_0 && most_rows <= kQ8SmallTile ? kQ8SmallTile
+                                                                          : grouped_tile_rows(et);
   std::vector<GroupTile> tiles;
   std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
   if (tiled) {
-    const int rows = grouped_tile_rows(dq ? DType::kBF16 : L.experts[0].gate.dtype);
+    const int rows = tile_rows;
     for (int e = 0; e < hp_.n_experts; ++e) {
       first_tile[size_t(e)] = int(tiles.size());
       for (int off = count[size_t(e)]; off < count[size_t(e) + 1]; off += rows)
@@ -235,7 +245,8 @@ Status CudaSession::grouped_experts(int layer, int n) {
                   .x = xg,
                   .n = de,
                   .k = d,
-                  .out = h2_};
+                  .out = h2_,
+                  .tile_rows = tile_rows};
     grouped_gate_up(a, stream_);
     a = GroupedArgs{.tiles = group_tiles_ + t0,
                     .n_tiles = nt,
@@ -245,7 +256,8 @@ Status CudaSession::grouped_experts(int layer, int n) {
                     .x = h2_,
                     .n = d,
                     .k = de,
-                    .out = slot_rows_};
+                    .out = slot_rows_,
+                    .tile_rows = tile_rows};
     grouped_down(a, stream_);
   };
   const void** layer_tab[3] = {L.gate_tab, L.up_tab, L.down_tab};

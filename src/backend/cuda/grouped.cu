@@ -388,6 +388,56 @@ __device__ __forceinline__ void mma_copy_bf16(const uint8_t* base, int rows, int
   }
 }
 
+// Runs `steps` steps through kStages cp.async buffers: issue(step, buffer) starts a step's
+// copies, compute(buffer) runs once they landed, kStages - 1 steps in flight ahead of it. One
+// commit group per step (empty past the last step, so the count of pending groups is always the
+// same); a step's buffer is refilled only after every thread passed the barrier that follows
+// its reading.
+template <int kStages, class Issue, class Compute>
+__device__ __forceinline__ void cp_async_pipeline(int steps, const Issue& issue,
+                                                  const Compute& compute) {
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < steps) issue(st, st);
+    cp_async_commit();
+  }
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait_group<kStages - 2>();  // this step's copies landed
+    __syncthreads();
+    // The previous step's buffer: its readers passed the barrier.
+    const int next = step + kStages - 1;
+    if (next < steps) issue(next, next % kStages);
+    cp_async_commit();
+    compute(step % kStages);
+  }
+}
+
+// The mma.sync kernels' epilogue: the thread's accumulators of rows 16 i + grp (+ 8) of the
+// tile and outputs col0 + 8 j + 2 tig (+ 1), through store_grouped_pair.
+template <bool kGateUp, int kMF, int kNT>
+__device__ __forceinline__ void store_mma_tile(const GroupedArgs& a, const GroupTile& tile,
+                                               int col0, const float (&acc0)[kMF][kNT][4],
+                                               const float (&acc1)[kGateUp ? kMF : 1][kNT][4]) {
+  const int lane = threadIdx.x % 32, grp = lane / 4, tig = lane % 4;
+  const bool pairs = a.n % 2 == 0;
+#pragma unroll
+  for (int i = 0; i < kMF; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * i + grp + 8 * h;
+      if (r >= tile.m) continue;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const int col = col0 + 8 * j + 2 * tig;
+        if (col >= a.n) continue;
+        const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
+        const int iu = kGateUp ? i : 0;  // phase 2 has no up (acc1 is one row)
+        store_grouped_pair<kGateUp>(a.out, o, acc0[i][j][2 * h], acc0[i][j][2 * h + 1],
+                                    acc1[iu][j][2 * h], acc1[iu][j][2 * h + 1], col + 1 < a.n,
+                                    pairs);
+      }
+    }
+}
+
 template <bool kGateUp, int kStages>
 __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
   pdl_wait();
@@ -403,7 +453,7 @@ __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
   w0 += size_t(n0) * w_row;
   if (kGateUp) w1 += size_t(n0) * w_row;
   const uint8_t* x = static_cast<const uint8_t*>(a.x) + size_t(tile.row0) * size_t(a.k) * 2;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tig = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int mi = lane / 8, mr = lane % 8, wc = warp * 32;
   const int steps = (a.k + kGK - 1) / kGK;
 
@@ -427,20 +477,7 @@ __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
     mma_copy_bf16<kMmaN>(w0, n_rows, a.k, step * kGK, w0s_of(b));
     if (kGateUp) mma_copy_bf16<kMmaN>(w1, n_rows, a.k, step * kGK, w1s_of(b));
   };
-  // kStages - 1 steps in flight ahead of the one computing; one commit group per step (empty
-  // past the last step, so the count of pending groups is always the same).
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (st < steps) issue(st, st);
-    cp_async_commit();
-  }
-  for (int step = 0; step < steps; ++step) {
-    const int b = step % kStages;
-    cp_async_wait_group<kStages - 2>();  // this step's copies landed
-    __syncthreads();
-    // The previous step's buffer: its readers passed the barrier.
-    const int next = step + kStages - 1;
-    if (next < steps) issue(next, next % kStages);
-    cp_async_commit();
+  cp_async_pipeline<kStages>(steps, issue, [&](int b) {
     const __nv_bfloat16* xs = xs_of(b);
     const __nv_bfloat16* ws0 = w0s_of(b);
     const __nv_bfloat16* ws1 = w1s_of(b);
@@ -469,26 +506,8 @@ __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
         }
       }
     }
-  }
-  // Thread holds rows 16 i + grp (+ 8), outputs wc + 8 j + 2 tig (+ 1).
-  const bool pairs = a.n % 2 == 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * i + grp + 8 * h;
-      if (r >= tile.m) continue;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = n0 + wc + 8 * j + 2 * tig;
-        if (col >= a.n) continue;
-        const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
-        const int iu = kGateUp ? i : 0;  // phase 2 has no up (acc1 is one row)
-        store_grouped_pair<kGateUp>(a.out, o, acc0[i][j][2 * h], acc0[i][j][2 * h + 1],
-                                    acc1[iu][j][2 * h], acc1[iu][j][2 * h + 1], col + 1 < a.n,
-                                    pairs);
-      }
-    }
+  });
+  store_mma_tile<kGateUp>(a, tile, n0 + wc, acc0, acc1);
 }
 
 // The grouped GEMMs for Q8_0 weights read in place where k is a multiple of 128: the warp
@@ -507,13 +526,13 @@ constexpr int kQ8XLd = kQ8Step + 8;  // x rows in BF16 (272 bytes: ldmatrix with
 // phase 2 128 (167 registers, 70 KB: 3 blocks an SM); two stages. Measured against 128 / 128,
 // 64 / 64, 128 / 64 and three or four stages (fewer blocks an SM): docs/PERF.md.
 constexpr int kQ8GateUpN = 64, kQ8DownN = 128, kQ8Stages = 2;
-template <bool kGateUp, int kN>
-constexpr size_t kQ8Stage = size_t(kGroupTile) * kQ8XLd * 2 +
-                            size_t(kGateUp ? 2 : 1) * kN* kQ8RowBytes;
-template <bool kGateUp, int kN>
+template <bool kGateUp, int kN, int kM>
+constexpr size_t kQ8Stage = size_t(kM) * kQ8XLd * 2 + size_t(kGateUp ? 2 : 1) * kN* kQ8RowBytes;
+template <bool kGateUp, int kN, int kM>
 __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
   pdl_wait();
   constexpr int kNT = kN / 32;  // 8-output tiles per warp
+  constexpr int kMF = kM / 16;  // 16-row fragments per tile
   extern __shared__ __align__(128) unsigned char q8_smem[];
   const GroupTile tile = a.tiles[blockIdx.y];
   const int n0 = blockIdx.x * kN;
@@ -531,9 +550,9 @@ __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
   const int steps = a.k / kQ8Step;
   const int m_frags = (tile.m + 15) / 16;
 
-  float acc0[4][kNT][4], acc1[kGateUp ? 4 : 1][kNT][4];
+  float acc0[kMF][kNT][4], acc1[kGateUp ? kMF : 1][kNT][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kMF; ++i)
 #pragma unroll
     for (int j = 0; j < kNT; ++j)
 #pragma unroll
@@ -541,19 +560,19 @@ __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
         acc0[i][j][c] = 0.0f;
         if (kGateUp) acc1[i][j][c] = 0.0f;
       }
-  // Stage layout: x [64][kQ8XLd] BF16, then w0 [kMmaN][136] and w1 [kMmaN][136] raw bytes.
+  // Stage layout: x [kM][kQ8XLd] BF16, then w0 [kN][136] and w1 [kN][136] raw bytes.
   const auto xs_of = [&](int b) {
-    return reinterpret_cast<__nv_bfloat16*>(q8_smem + size_t(b) * kQ8Stage<kGateUp, kN>);
+    return reinterpret_cast<__nv_bfloat16*>(q8_smem + size_t(b) * kQ8Stage<kGateUp, kN, kM>);
   };
   const auto ws_of = [&](int b, int m) {
-    return q8_smem + size_t(b) * kQ8Stage<kGateUp, kN> + size_t(kGroupTile) * kQ8XLd * 2 +
+    return q8_smem + size_t(b) * kQ8Stage<kGateUp, kN, kM> + size_t(kM) * kQ8XLd * 2 +
            size_t(m) * kN * kQ8RowBytes;
   };
   const auto issue = [&](int step, int b) {  // a step's copies into buffer b
     __nv_bfloat16* xs = xs_of(b);
     const int k0 = step * kQ8Step;
 #pragma unroll
-    for (int i = 0; i < kGroupTile * (kQ8Step / 8) / 128; ++i) {
+    for (int i = 0; i < kM * (kQ8Step / 8) / 128; ++i) {
       const int c = threadIdx.x + 128 * i, row = c / (kQ8Step / 8), piece = c % (kQ8Step / 8);
       const bool ok = row < tile.m;
       const uint8_t* src = ok ? x + (size_t(row) * a.k + k0 + piece * 8) * 2 : x;
@@ -591,26 +610,15 @@ __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
     b0 = pack_bf16(d * v[0], d * v[1]);
     b1 = pack_bf16(d * v[2], d * v[3]);
   };
-  for (int st = 0; st < kQ8Stages - 1; ++st) {
-    if (st < steps) issue(st, st);
-    cp_async_commit();
-  }
-  for (int step = 0; step < steps; ++step) {
-    const int b = step % kQ8Stages;
-    cp_async_wait_group<kQ8Stages - 2>();  // this step's copies landed
-    __syncthreads();
-    // The previous step's buffer: its readers passed the barrier.
-    const int next = step + kQ8Stages - 1;
-    if (next < steps) issue(next, next % kQ8Stages);
-    cp_async_commit();
+  cp_async_pipeline<kQ8Stages>(steps, issue, [&](int b) {
     const __nv_bfloat16* xs = xs_of(b);
     const uint8_t* ws0 = ws_of(b, 0);
     const uint8_t* ws1 = ws_of(b, 1);
 #pragma unroll 2
     for (int kk = 0; kk < kQ8Step; kk += 16) {
-      unsigned fa[4][4];
+      unsigned fa[kMF][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < kMF; ++i)
         if (i < m_frags)
           ldsm_x4(fa[i], xs + (16 * i + (mi % 2) * 8 + mr) * kQ8XLd + kk + (mi / 2) * 8);
 #pragma unroll
@@ -618,36 +626,18 @@ __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
         unsigned b0, b1;
         b_frag(ws0, wc + 8 * j, kk, b0, b1);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < kMF; ++i)
           if (i < m_frags) mma_bf16(acc0[i][j], fa[i], b0, b1);
         if (kGateUp) {
           b_frag(ws1, wc + 8 * j, kk, b0, b1);
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
+          for (int i = 0; i < kMF; ++i)
             if (i < m_frags) mma_bf16(acc1[i][j], fa[i], b0, b1);
         }
       }
     }
-  }
-  // Thread holds rows 16 i + grp (+ 8), outputs wc + 8 j + 2 tig (+ 1).
-  const bool pairs = a.n % 2 == 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * i + grp + 8 * h;
-      if (r >= tile.m) continue;
-#pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-        const int col = n0 + wc + 8 * j + 2 * tig;
-        if (col >= a.n) continue;
-        const size_t o = size_t(tile.row0 + r) * size_t(a.n) + size_t(col);
-        const int iu = kGateUp ? i : 0;  // phase 2 has no up (acc1 is one row)
-        store_grouped_pair<kGateUp>(a.out, o, acc0[i][j][2 * h], acc0[i][j][2 * h + 1],
-                                    acc1[iu][j][2 * h], acc1[iu][j][2 * h + 1], col + 1 < a.n,
-                                    pairs);
-      }
-    }
+  });
+  store_mma_tile<kGateUp>(a, tile, n0 + wc, acc0, acc1);
 }
 
 }  // namespace
@@ -715,8 +705,11 @@ void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
   }
   if (a.dtype == DType::kQ8_0 && a.k % kQ8Step == 0) {
     constexpr int kN = kGateUp ? kQ8GateUpN : kQ8DownN;
-    constexpr size_t smem = kQ8Stages * kQ8Stage<kGateUp, kN>;
-    const auto kernel = grouped_q8_mma_kernel<kGateUp, kN>;
+    const bool small = a.tile_rows <= kQ8SmallTile;
+    const size_t smem = kQ8Stages * (small ? kQ8Stage<kGateUp, kN, kQ8SmallTile>
+                                           : kQ8Stage<kGateUp, kN, kGroupTile>);
+    const auto kernel = small ? grouped_q8_mma_kernel<kGateUp, kN, kQ8SmallTile>
+                              : grouped_q8_mma_kernel<kGateUp, kN, kGroupTile>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     const dim3 grid(unsigned((a.n + kN - 1) / kN), unsigned(a.n_tiles));
     launch_kernel(kernel, grid, 128, smem, s, a);

@@ -1361,19 +1361,24 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
   }
   // Kernels: 0 = what grouped_gate_up / grouped_down choose; 1 = the mma.sync BF16 kernels
   // called directly, which devices without warpgroup MMA choose (run here too when the
-  // device has it, so every kernel is checked on the GPU machine).
+  // device has it, so every kernel is checked on the GPU machine); 2 = Q8_0 on tiles of
+  // kQ8SmallTile rows.
   for (const Shape sh :
        {Shape{160, 96}, Shape{256, 160}, Shape{384, 224}, Shape{384, 256}, Shape{224, 128}})
-    for (const auto& [t, kernel] :
-         {std::pair{DType::kBF16, 0}, std::pair{DType::kBF16, 1}, std::pair{DType::kQ8_0, 0}}) {
+    for (const auto& [t, kernel] : {std::pair{DType::kBF16, 0}, std::pair{DType::kBF16, 1},
+                                    std::pair{DType::kQ8_0, 0}, std::pair{DType::kQ8_0, 2}}) {
       if (kernel == 1 && ts::cuda::grouped_tile_rows(t) == ts::cuda::kGroupTile) continue;
       const int d = sh.d, de = sh.de;
       const std::string what = std::string(ts::dtype_name(t)) + " d " + std::to_string(d) +
-                               (kernel == 1 ? " (mma.sync kernels)" : "");
+                               (kernel == 1   ? " (mma.sync kernels)"
+                                : kernel == 2 ? " (tiles of 32 rows)"
+                                              : "");
       const std::vector<int> rows_of = {1, 64, 70, 130};  // rows per expert, sorted by expert
       // Tiles of 64 rows, or 128 on the warpgroup-MMA kernels (where 1, 64 and the 2 rows
       // past 128 leave the second warpgroup idle; 70 and 128 use both).
-      const int tile_rows = kernel == 1 ? ts::cuda::kGroupTile : ts::cuda::grouped_tile_rows(t);
+      const int tile_rows = kernel == 1   ? ts::cuda::kGroupTile
+                            : kernel == 2 ? ts::cuda::kQ8SmallTile
+                                          : ts::cuda::grouped_tile_rows(t);
       const int n_experts = int(rows_of.size());
       std::vector<ts::cuda::GroupTile> tiles;
       std::vector<int> first;
@@ -1435,7 +1440,8 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
                                   .x = dx.p,
                                   .n = de,
                                   .k = d,
-                                  .out = dh.p};
+                                  .out = dh.p,
+                                  .tile_rows = tile_rows};
           kernel == 1 ? ts::cuda::grouped_mma(true, a, nullptr)
                       : ts::cuda::grouped_gate_up(a, nullptr);
           a = ts::cuda::GroupedArgs{.tiles = dtiles.as<ts::cuda::GroupTile>() + t0,
@@ -1446,7 +1452,8 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
                                     .x = dh.p,
                                     .n = d,
                                     .k = de,
-                                    .out = dy.p};
+                                    .out = dy.p,
+                                    .tile_rows = tile_rows};
           kernel == 1 ? ts::cuda::grouped_mma(false, a, nullptr)
                       : ts::cuda::grouped_down(a, nullptr);
         }
