@@ -134,12 +134,12 @@ Status CudaSession::moe_block(int layer, int n) {
   return {};
 }
 
-// Rows per used expert (on average over the chunk) from which a chunk's Q8_0 experts are
-// dequantized to BF16 and run through the BF16 grouped kernel: docs/PERF.md measured the Q8_0
-// kernel (grouped_q8_mma_kernel) faster at 32 to 128 rows per expert and the BF16 copies
-// faster at 256 (prefill of 512 / 2,048 / 4,096 tokens, 128 experts top-8). Q4_K experts,
-// which no grouped kernel reads in place, are dequantized for every chunk.
-constexpr int kDequantQ8MinRows = 256;
+// Rows per used expert (on average over the chunk) from which a chunk's quantized experts are
+// dequantized to BF16 and run through the BF16 grouped kernel rather than read in place by
+// grouped_q8_mma_kernel: docs/PERF.md measured in place faster for Q8_0 at 32 to 128 rows per
+// expert and the copies at 256; for Q4_K (heavier to decode, two blocks an SM) in place at 8 to
+// 64 rows, the copies at 128 and on the bench's concentrated 512-token chunks.
+constexpr int kDequantQ8MinRows = 256, kDequantQ4KMinRows = 64;
 
 namespace {
 // Whether the experts can run on BF16 copies (dequantize_experts_bf16): each matrix Q8_0 or
@@ -151,9 +151,6 @@ bool dequantizable(const DevMlp& x) {
         !grouped_supports(DType::kBF16, w->cols))
       return false;
   return true;
-}
-bool any_q4_k(const DevMlp& x) {
-  return x.gate.dtype == DType::kQ4_K || x.up.dtype == DType::kQ4_K || x.down.dtype == DType::kQ4_K;
 }
 }  // namespace
 
@@ -194,30 +191,32 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // to the ring's length, so loading the next experts overlaps computing this one.
   void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
   gather_rows(xn_, group_src_, ns, d, xg, gate_in, stream_);
-  // BF16 and Q8_0 experts run as two grouped tensor-core launches over tiles of each
-  // expert's rows (all experts at once when all are bound together, else expert by expert);
-  // Q4_K experts (or a mix of Q4_K and Q8_0) the same on BF16 copies of them; other types
-  // run three cuBLAS GEMMs per
-  // expert. (One dtype for all three: both phases run the kernels of the gate's type.)
-  const DType et = L.experts[0].gate.dtype;
-  const bool in_place = L.experts[0].up.dtype == et && L.experts[0].down.dtype == et &&
-                        grouped_supports(et, d) && grouped_supports(et, de);
-  // Long chunks with Q8_0 experts, and every chunk with Q4_K among them, run on BF16 copies
-  // of them (kDequantQ8MinRows).
+  // BF16, Q8_0 and Q4_K experts run as two grouped tensor-core launches over tiles of each
+  // expert's rows (all experts at once when all are bound together, else expert by expert),
+  // phase 1 by the gate's type and phase 2 by the down matrix's (a Q4_K_M file's Q4_K gate /
+  // up with Q8_0 down, requantized from Q6_K at load); other types run three cuBLAS GEMMs per
+  // expert.
+  const DType et = L.experts[0].gate.dtype, dt = L.experts[0].down.dtype;
+  const auto blocks = [](DType t) { return t == DType::kQ8_0 || t == DType::kQ4_K; };
+  const bool in_place = L.experts[0].up.dtype == et && (dt == et || (blocks(et) && blocks(dt))) &&
+                        grouped_supports(et, d) && grouped_supports(dt, de);
+  // Long chunks of quantized experts (and every chunk where the kernels cannot read them in
+  // place) run on BF16 copies of them (kDequantQ8MinRows, kDequantQ4KMinRows).
+  const int dq_rows = et == DType::kQ4_K ? kDequantQ4KMinRows : kDequantQ8MinRows;
   const bool dq =
-      dq_ && dequantizable(L.experts[0]) &&
-      (any_q4_k(L.experts[0]) || (in_place && int64_t(ns) >= int64_t(kDequantQ8MinRows) * used));
+      dq_ && dequantizable(L.experts[0]) && (!in_place || int64_t(ns) >= int64_t(dq_rows) * used);
   const bool tiled = in_place || dq;
-  // Q8_0 experts read in place, none with more than kQ8SmallTile rows in the chunk: tiles of
-  // that height (half the accumulators a block, four blocks an SM instead of three; +10% at
-  // 128-token prompts, docs/PERF.md). A taller expert would be cut in two tiles, each reading
-  // its weights (measured slower at 512 tokens), so then the chunk keeps kGroupTile.
+  // Quantized experts read in place, none with more than kQ8SmallTile rows in the chunk:
+  // tiles of that height (half the accumulators a block, four blocks an SM instead of three;
+  // +10% at 128-token Q8_0 prompts, docs/PERF.md). A taller expert would be cut in two tiles,
+  // each reading its weights (measured slower at 512 tokens), so then the chunk keeps
+  // kGroupTile.
   int most_rows = 0;
   for (int e = 0; e < hp_.n_experts; ++e)
     most_rows = std::max(most_rows, count[size_t(e) + 1] - count[size_t(e)]);
-  const int tile_rows = dq ? grouped_tile_rows(DType::kBF16)
-                        : et == DType::kQ8_0 && most_rows <= kQ8SmallTile ? kQ8SmallTile
-                                                                          : grouped_tile_rows(et);
+  const int tile_rows = dq                                        ? grouped_tile_rows(DType::kBF16)
+                        : blocks(et) && most_rows <= kQ8SmallTile ? kQ8SmallTile
+                                                                  : grouped_tile_rows(et);
   std::vector<GroupTile> tiles;
   std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
   if (tiled) {
@@ -234,7 +233,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // Phase 1 into h2_ (BF16 [ns, de]), phase 2 into slot_rows_, for tiles [t0, t0 + nt):
   // weights through the tables tab (gate, up, down) or, for one expert's tiles, at direct.
   const auto run_tiles = [&](int t0, int nt, const void** const* tab, const void* const* direct,
-                             DType dtype) {
+                             DType dtype, DType down_dtype) {
     GroupedArgs a{.tiles = group_tiles_ + t0,
                   .n_tiles = nt,
                   .w0 = tab ? tab[0] : nullptr,
@@ -252,7 +251,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
                     .n_tiles = nt,
                     .w0 = tab ? tab[2] : nullptr,
                     .direct0 = direct ? direct[2] : nullptr,
-                    .dtype = dtype,
+                    .dtype = down_dtype,
                     .x = h2_,
                     .n = d,
                     .k = de,
@@ -319,7 +318,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
   if (all_at_once) {
     if (cached() && C.table_stale) TS_TRY(sync_expert_table(layer));
     if (!dq) {
-      run_tiles(0, int(tiles.size()), layer_tab, nullptr, L.experts[0].gate.dtype);
+      run_tiles(0, int(tiles.size()), layer_tab, nullptr, et, dt);
     } else {
       // Groups of dq_group_ used experts: dequantize, then their tiles (contiguous, since
       // tiles are in expert order); the next group's copies wait for these GEMMs (one stream).
@@ -339,7 +338,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
         q.count = int(g1 - g0);
         dequantize_experts_bf16(q, stream_);
         const int t0 = first_tile[size_t(ids[g0])], t1 = first_tile[size_t(ids[g1 - 1]) + 1];
-        run_tiles(t0, t1 - t0, dq_tab, nullptr, DType::kBF16);
+        run_tiles(t0, t1 - t0, dq_tab, nullptr, DType::kBF16, DType::kBF16);
       }
     }
   }
@@ -374,10 +373,10 @@ Status CudaSession::grouped_experts(int layer, int n) {
         dequantize_experts_bf16(q, stream_);
         const void* copy[3];
         for (int m = 0; m < 3; ++m) copy[m] = dq_ + dq_off_[m];
-        run_tiles(t0, nt, nullptr, copy, DType::kBF16);
+        run_tiles(t0, nt, nullptr, copy, DType::kBF16, DType::kBF16);
       } else {
         const void* at[3] = {x.gate.data, x.up.data, x.down.data};
-        run_tiles(t0, nt, nullptr, at, L.experts[0].gate.dtype);
+        run_tiles(t0, nt, nullptr, at, et, dt);
       }
       if (staged >= 0) CUDA_TRY(cudaEventRecord(staging_free_[size_t(staged)], stream_));
       continue;

@@ -510,26 +510,46 @@ __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
   store_mma_tile<kGateUp>(a, tile, n0 + wc, acc0, acc1);
 }
 
-// The grouped GEMMs for Q8_0 weights read in place where k is a multiple of 128: the warp
-// layout of grouped_mma_kernel (64 rows x kN outputs a block, each warp all 64 rows x kN / 4
-// outputs on mma.sync m16n8k16), with the weights' raw Q8_0 bytes staged by cp.async, kQ8Step
-// columns (4 blocks, 136 bytes a row, 8-byte aligned) a stage, kQ8Stages stages in flight, and
-// each B fragment dequantized from shared memory as it is needed: the thread's two pairs of
-// quants times the block's scale, rounded to BF16 (the value dequantize_bf16 gives). The
+// The grouped GEMMs for Q8_0 weights (k a multiple of 128) and Q4_K weights read in place: the
+// warp layout of grouped_mma_kernel (64 rows x kN outputs a block, each warp all 64 rows x
+// kN / 4 outputs on mma.sync m16n8k16), with the weights' raw bytes staged by cp.async — Q8_0
+// 128 columns a stage (4 blocks, 136 bytes a row, 8-byte pieces), Q4_K 256 (one super-block,
+// 144 bytes a row, 16-byte pieces) —, kQ8Stages stages in flight, and each B fragment
+// dequantized from shared memory as it is needed: the thread's two pairs of quants with their
+// block's scale (Q4_K: sub-block scale and min, q4k_value's steps), rounded to BF16 (the
+// value dequantize_bf16 gives). The
 // WMMA kernel above stages a single 32-column step through registers, one step ahead: at ~32
 // rows per expert (a 512-token prompt over 128 experts) it read the weights at ~20% of DRAM
 // bandwidth (docs/PERF.md). Row fragments past the tile's rows are skipped (warp-uniform).
 // Every output sums its columns in one fixed order, wherever the weights live.
-constexpr int kQ8Step = 128, kQ8RowBytes = kQ8Step / 32 * 34;  // 136
-constexpr int kQ8XLd = kQ8Step + 8;  // x rows in BF16 (272 bytes: ldmatrix without conflicts)
+// Columns a stage, bytes a weight row takes in it, cp.async piece: Q8_0 or Q4_K.
+template <bool kQ4K>
+constexpr int kQStep = kQ4K ? 256 : 128;
+template <bool kQ4K>
+constexpr int kQRowBytes = kQ4K ? 144 : 136;
+template <bool kQ4K>
+constexpr int kQPiece = kQ4K ? 16 : 8;
+// x rows in BF16, 16 bytes past the step (272 / 528 bytes: ldmatrix without conflicts).
+template <bool kQ4K>
+constexpr int kQXLd = kQStep<kQ4K> + 8;
 // Outputs per block: phase 1 64 (168 registers and 70 KB of shared memory: 3 blocks an SM),
 // phase 2 128 (167 registers, 70 KB: 3 blocks an SM); two stages. Measured against 128 / 128,
 // 64 / 64, 128 / 64 and three or four stages (fewer blocks an SM): docs/PERF.md.
 constexpr int kQ8GateUpN = 64, kQ8DownN = 128, kQ8Stages = 2;
-template <bool kGateUp, int kN, int kM>
-constexpr size_t kQ8Stage = size_t(kM) * kQ8XLd * 2 + size_t(kGateUp ? 2 : 1) * kN* kQ8RowBytes;
-template <bool kGateUp, int kN, int kM>
-__global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
+template <bool kGateUp, int kN, int kM, bool kQ4K>
+constexpr size_t kQ8Stage = size_t(kM) * kQXLd<kQ4K> * 2 +
+                            size_t(kGateUp ? 2 : 1) * kN* kQRowBytes<kQ4K>;
+// Blocks an SM the registers are held to (shared memory allows as many): Q8_0 three on tiles of
+// 64 rows, four on tiles of 32; Q4_K (two stages of 104 KB on tiles of 64 rows) two.
+template <int kM, bool kQ4K>
+constexpr int kQMinBlocks = kM == kQ8SmallTile ? 4
+                            : kQ4K             ? 2
+                                               : 3;
+template <bool kGateUp, int kN, int kM, bool kQ4K>
+__global__ void __launch_bounds__(128, (kQMinBlocks<kM, kQ4K>))
+    grouped_q8_mma_kernel(GroupedArgs a) {
+  constexpr int kStep = kQStep<kQ4K>, kRowBytes = kQRowBytes<kQ4K>, kPiece = kQPiece<kQ4K>;
+  constexpr int kXLd = kQXLd<kQ4K>;
   pdl_wait();
   constexpr int kNT = kN / 32;  // 8-output tiles per warp
   constexpr int kMF = kM / 16;  // 16-row fragments per tile
@@ -537,7 +557,7 @@ __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
   const GroupTile tile = a.tiles[blockIdx.y];
   const int n0 = blockIdx.x * kN;
   const int n_rows = min(kN, a.n - n0);  // weight rows of this block
-  const size_t w_row = size_t(a.k / 32) * 34;
+  const size_t w_row = kQ4K ? size_t(a.k / 256) * 144 : size_t(a.k / 32) * 34;
   const uint8_t* w0 =
       static_cast<const uint8_t*>(a.direct0 ? a.direct0 : a.w0[tile.expert]) + size_t(n0) * w_row;
   const uint8_t* w1 = kGateUp
@@ -547,7 +567,7 @@ __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
   const uint8_t* x = static_cast<const uint8_t*>(a.x) + size_t(tile.row0) * size_t(a.k) * 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tig = lane % 4;
   const int mi = lane / 8, mr = lane % 8, wc = warp * (kN / 4);
-  const int steps = a.k / kQ8Step;
+  const int steps = a.k / kStep;
   const int m_frags = (tile.m + 15) / 16;
 
   float acc0[kMF][kNT][4], acc1[kGateUp ? kMF : 1][kNT][4];
@@ -560,40 +580,63 @@ __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
         acc0[i][j][c] = 0.0f;
         if (kGateUp) acc1[i][j][c] = 0.0f;
       }
-  // Stage layout: x [kM][kQ8XLd] BF16, then w0 [kN][136] and w1 [kN][136] raw bytes.
+  // Stage layout: x [kM][kXLd] BF16, then w0 [kN][kRowBytes] and w1 [kN][kRowBytes] raw bytes.
   const auto xs_of = [&](int b) {
-    return reinterpret_cast<__nv_bfloat16*>(q8_smem + size_t(b) * kQ8Stage<kGateUp, kN, kM>);
+    return reinterpret_cast<__nv_bfloat16*>(q8_smem + size_t(b) * kQ8Stage<kGateUp, kN, kM, kQ4K>);
   };
   const auto ws_of = [&](int b, int m) {
-    return q8_smem + size_t(b) * kQ8Stage<kGateUp, kN, kM> + size_t(kM) * kQ8XLd * 2 +
-           size_t(m) * kN * kQ8RowBytes;
+    return q8_smem + size_t(b) * kQ8Stage<kGateUp, kN, kM, kQ4K> + size_t(kM) * kXLd * 2 +
+           size_t(m) * kN * kRowBytes;
   };
   const auto issue = [&](int step, int b) {  // a step's copies into buffer b
     __nv_bfloat16* xs = xs_of(b);
-    const int k0 = step * kQ8Step;
+    const int k0 = step * kStep;
 #pragma unroll
-    for (int i = 0; i < kM * (kQ8Step / 8) / 128; ++i) {
-      const int c = threadIdx.x + 128 * i, row = c / (kQ8Step / 8), piece = c % (kQ8Step / 8);
+    for (int i = 0; i < kM * (kStep / 8) / 128; ++i) {
+      const int c = threadIdx.x + 128 * i, row = c / (kStep / 8), piece = c % (kStep / 8);
       const bool ok = row < tile.m;
       const uint8_t* src = ok ? x + (size_t(row) * a.k + k0 + piece * 8) * 2 : x;
-      cp_async16_zfill(xs + row * kQ8XLd + piece * 8, src, ok);
+      cp_async16_zfill(xs + row * kXLd + piece * 8, src, ok);
     }
 #pragma unroll
     for (int m = 0; m < (kGateUp ? 2 : 1); ++m) {
-      const uint8_t* w = (m == 0 ? w0 : w1) + size_t(step) * kQ8RowBytes;
+      const uint8_t* w = (m == 0 ? w0 : w1) + size_t(step) * kRowBytes;
       uint8_t* ws = ws_of(b, m);
-      for (int c = threadIdx.x; c < kN * (kQ8RowBytes / 8); c += 128) {
-        const int row = c / (kQ8RowBytes / 8), piece = c % (kQ8RowBytes / 8);
+      for (int c = threadIdx.x; c < kN * (kRowBytes / kPiece); c += 128) {
+        const int row = c / (kRowBytes / kPiece), piece = c % (kRowBytes / kPiece);
         const bool ok = row < n_rows;
-        cp_async8_zfill(ws + row * kQ8RowBytes + piece * 8,
-                        ok ? w + size_t(row) * w_row + piece * 8 : w, ok);
+        const uint8_t* src = ok ? w + size_t(row) * w_row + piece * kPiece : w;
+        if constexpr (kQ4K)
+          cp_async16_zfill(ws + row * kRowBytes + piece * kPiece, src, ok);
+        else
+          cp_async8_zfill(ws + row * kRowBytes + piece * kPiece, src, ok);
       }
     }
   };
   // B fragment of 8 outputs (rows r0 .. r0 + 7 of the staged weights) and 16 columns at c0:
   // the thread's row r0 + grp, columns c0 + 2 tig (+1) and c0 + 8 + 2 tig (+1).
   const auto b_frag = [&](const uint8_t* ws, int r0, int c0, unsigned& b0, unsigned& b1) {
-    const uint8_t* blk = ws + (r0 + grp) * kQ8RowBytes + (c0 / 32) * 34;
+    if constexpr (kQ4K) {
+      // One super-block a row: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+      // quants (column c in byte 16 + 32 (c / 64) + c % 32, the high nibble for odd sub-blocks
+      // of 32). The 16 columns lie in one sub-block.
+      const uint8_t* blk = ws + (r0 + grp) * kRowBytes;
+      const int sub = c0 / 32;
+      const float d = f16_bits(*reinterpret_cast<const uint16_t*>(blk));
+      const float dmin = f16_bits(*reinterpret_cast<const uint16_t*>(blk + 2));
+      float sc, mn;
+      q4k_scale_min(blk + 4, sub, &sc, &mn);
+      const uint8_t* q = blk + 16 + 32 * (sub / 2) + c0 % 32 + 2 * tig;
+      const uint32_t p = (uint32_t(*reinterpret_cast<const uint16_t*>(q)) |
+                          uint32_t(*reinterpret_cast<const uint16_t*>(q + 8)) << 16) >>
+                         (4 * (sub & 1));
+      b0 = pack_bf16(q4k_value(d, sc, dmin, mn, int(p & 15)),
+                     q4k_value(d, sc, dmin, mn, int((p >> 8) & 15)));
+      b1 = pack_bf16(q4k_value(d, sc, dmin, mn, int((p >> 16) & 15)),
+                     q4k_value(d, sc, dmin, mn, int((p >> 24) & 15)));
+      return;
+    }
+    const uint8_t* blk = ws + (r0 + grp) * kRowBytes + (c0 / 32) * 34;
     const float d = f16_bits(*reinterpret_cast<const uint16_t*>(blk));
     const uint8_t* q = blk + 2 + c0 % 32 + 2 * tig;
     // The four quants biased to unsigned (q + 128) and each made the low byte of the float
@@ -615,12 +658,12 @@ __global__ void __launch_bounds__(128) grouped_q8_mma_kernel(GroupedArgs a) {
     const uint8_t* ws0 = ws_of(b, 0);
     const uint8_t* ws1 = ws_of(b, 1);
 #pragma unroll 2
-    for (int kk = 0; kk < kQ8Step; kk += 16) {
+    for (int kk = 0; kk < kStep; kk += 16) {
       unsigned fa[kMF][4];
 #pragma unroll
       for (int i = 0; i < kMF; ++i)
         if (i < m_frags)
-          ldsm_x4(fa[i], xs + (16 * i + (mi % 2) * 8 + mr) * kQ8XLd + kk + (mi / 2) * 8);
+          ldsm_x4(fa[i], xs + (16 * i + (mi % 2) * 8 + mr) * kXLd + kk + (mi / 2) * 8);
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
         unsigned b0, b1;
@@ -686,6 +729,7 @@ int grouped_tile_rows(DType type) {
 bool grouped_supports(DType type, int64_t cols) {
   if (type == DType::kBF16) return cols % 8 == 0;
   if (type == DType::kQ8_0) return cols % 32 == 0;
+  if (type == DType::kQ4_K) return cols % 256 == 0;
   return false;
 }
 
@@ -703,13 +747,17 @@ void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
     grouped_mma(kGateUp, a, s);
     return;
   }
-  if (a.dtype == DType::kQ8_0 && a.k % kQ8Step == 0) {
+  if ((a.dtype == DType::kQ8_0 && a.k % kQStep<false> == 0) || a.dtype == DType::kQ4_K) {
     constexpr int kN = kGateUp ? kQ8GateUpN : kQ8DownN;
-    const bool small = a.tile_rows <= kQ8SmallTile;
-    const size_t smem = kQ8Stages * (small ? kQ8Stage<kGateUp, kN, kQ8SmallTile>
-                                           : kQ8Stage<kGateUp, kN, kGroupTile>);
-    const auto kernel = small ? grouped_q8_mma_kernel<kGateUp, kN, kQ8SmallTile>
-                              : grouped_q8_mma_kernel<kGateUp, kN, kGroupTile>;
+    const bool small = a.tile_rows <= kQ8SmallTile, q4k = a.dtype == DType::kQ4_K;
+    const size_t smem = kQ8Stages * (q4k ? (small ? kQ8Stage<kGateUp, kN, kQ8SmallTile, true>
+                                                  : kQ8Stage<kGateUp, kN, kGroupTile, true>)
+                                         : (small ? kQ8Stage<kGateUp, kN, kQ8SmallTile, false>
+                                                  : kQ8Stage<kGateUp, kN, kGroupTile, false>));
+    const auto kernel = q4k ? (small ? grouped_q8_mma_kernel<kGateUp, kN, kQ8SmallTile, true>
+                                     : grouped_q8_mma_kernel<kGateUp, kN, kGroupTile, true>)
+                            : (small ? grouped_q8_mma_kernel<kGateUp, kN, kQ8SmallTile, false>
+                                     : grouped_q8_mma_kernel<kGateUp, kN, kGroupTile, false>);
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     const dim3 grid(unsigned((a.n + kN - 1) / kN), unsigned(a.n_tiles));
     launch_kernel(kernel, grid, 128, smem, s, a);

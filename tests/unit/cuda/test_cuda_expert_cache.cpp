@@ -319,13 +319,14 @@ TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
     }
 }
 
-// Q4_K experts (rows of 256-multiples) on BF16 copies for every chunk, 25 and 100 rows per
-// expert, alone and with Q8_0 down matrices (a Q4_K_M file's Q6_K ones requantized at load);
-// the dense Q4_K matrices through the same dequantization for cuBLAS.
-TEST(CudaExpertCacheGrouped, Q4KExpertsPrefillOnBf16CopiesMatchesResidentAndGemvPath) {
+// Q4_K experts (rows of 256-multiples) read in place by the grouped kernel at 10 and 25 rows
+// per expert and on BF16 copies at 100 (kDequantQ4KMinRows), alone and with Q8_0 down matrices
+// (a Q4_K_M file's Q6_K ones requantized at load: phase 2 on the Q8_0 kernel); the dense Q4_K
+// matrices through the dequantization for cuBLAS.
+TEST(CudaExpertCacheGrouped, Q4KExpertsPrefillMatchesResidentAndGemvPath) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string cfg = grouped_config(256);
-  for (const int n_prompt : {100, 400})
+  for (const int n_prompt : {40, 100, 400})
     for (const bool q8_down : {false, true}) {
       SCOPED_TRACE(std::to_string(n_prompt) + " tokens, down " + (q8_down ? "Q8_0" : "Q4_K"));
       check_grouped_prefill(cfg, ts::DType::kQ4_K, n_prompt,

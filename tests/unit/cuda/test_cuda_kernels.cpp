@@ -1340,7 +1340,8 @@ TEST(CudaKernels, DequantizeExpertsToBf16MatchesDequantizeBf16) {
 // (x rounded to BF16, weights as dequantize_bf16 gives them): experts of 1, 64, 70 and 130
 // rows (tile edges), output widths off the kernels' output blocks, tables vs direct addresses.
 // Q8_0 weights take grouped_q8_mma_kernel where k is a multiple of 128 and the WMMA kernel
-// otherwise: the shapes give each phase both.
+// otherwise: the shapes give each phase both. Q4_K weights (k a multiple of 256) take
+// grouped_q8_mma_kernel's Q4_K form, on the shapes that have such widths.
 TEST(CudaKernels, GroupedGemmsMatchReference) {
   SKIP_WITHOUT_GPU();
   // Five shapes: outputs within one block and across two or more (BF16 blocks are 128
@@ -1363,11 +1364,13 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
   // called directly, which devices without warpgroup MMA choose (run here too when the
   // device has it, so every kernel is checked on the GPU machine); 2 = Q8_0 on tiles of
   // kQ8SmallTile rows.
-  for (const Shape sh :
-       {Shape{160, 96}, Shape{256, 160}, Shape{384, 224}, Shape{384, 256}, Shape{224, 128}})
-    for (const auto& [t, kernel] : {std::pair{DType::kBF16, 0}, std::pair{DType::kBF16, 1},
-                                    std::pair{DType::kQ8_0, 0}, std::pair{DType::kQ8_0, 2}}) {
+  for (const Shape sh : {Shape{160, 96}, Shape{256, 160}, Shape{384, 224}, Shape{384, 256},
+                         Shape{224, 128}, Shape{512, 256}, Shape{768, 512}})
+    for (const auto& [t, kernel] :
+         {std::pair{DType::kBF16, 0}, std::pair{DType::kBF16, 1}, std::pair{DType::kQ8_0, 0},
+          std::pair{DType::kQ8_0, 2}, std::pair{DType::kQ4_K, 0}, std::pair{DType::kQ4_K, 2}}) {
       if (kernel == 1 && ts::cuda::grouped_tile_rows(t) == ts::cuda::kGroupTile) continue;
+      if (!ts::cuda::grouped_supports(t, sh.d) || !ts::cuda::grouped_supports(t, sh.de)) continue;
       const int d = sh.d, de = sh.de;
       const std::string what = std::string(ts::dtype_name(t)) + " d " + std::to_string(d) +
                                (kernel == 1   ? " (mma.sync kernels)"
