@@ -444,7 +444,7 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(sel_w_, arena_.alloc_n<float>(c * k));
   TS_ASSIGN(group_src_, arena_.alloc_n<int>(c * k));
   TS_ASSIGN(group_row_of_, arena_.alloc_n<int>(c * k));
-  TS_ASSIGN(group_tiles_, arena_.alloc_n<GroupTile>(c * k / size_t(kQ8SmallTile) +
+  TS_ASSIGN(group_tiles_, arena_.alloc_n<GroupTile>(c * k / size_t(kQuantSmallTile) +
                                                     size_t(std::max(1, hp.n_experts)) + 1));
   TS_ASSIGN(slot_rows_, arena_.alloc_n<float>(c * k * d));
   TS_ASSIGN(h1_, arena_.alloc_n<float>(c * k * hidden));

@@ -136,7 +136,7 @@ Status CudaSession::moe_block(int layer, int n) {
 
 // Rows per used expert (on average over the chunk) from which a chunk's quantized experts are
 // dequantized to BF16 and run through the BF16 grouped kernel rather than read in place by
-// grouped_q8_mma_kernel: docs/PERF.md measured in place faster for Q8_0 at 32 to 128 rows per
+// grouped_quant_mma_kernel: docs/PERF.md measured in place faster for Q8_0 at 32 to 128 rows per
 // expert and the copies at 256; for Q4_K (heavier to decode, two blocks an SM) in place at 8 to
 // 64 rows, the copies at 128 and on the bench's concentrated 512-token chunks.
 constexpr int kDequantQ8MinRows = 256, kDequantQ4KMinRows = 64;
@@ -206,7 +206,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
   const bool dq =
       dq_ && dequantizable(L.experts[0]) && (!in_place || int64_t(ns) >= int64_t(dq_rows) * used);
   const bool tiled = in_place || dq;
-  // Quantized experts read in place, none with more than kQ8SmallTile rows in the chunk:
+  // Quantized experts read in place, none with more than kQuantSmallTile rows in the chunk:
   // tiles of that height (half the accumulators a block, four blocks an SM instead of three;
   // +10% at 128-token Q8_0 prompts, docs/PERF.md). A taller expert would be cut in two tiles,
   // each reading its weights (measured slower at 512 tokens), so then the chunk keeps
@@ -214,9 +214,9 @@ Status CudaSession::grouped_experts(int layer, int n) {
   int most_rows = 0;
   for (int e = 0; e < hp_.n_experts; ++e)
     most_rows = std::max(most_rows, count[size_t(e) + 1] - count[size_t(e)]);
-  const int tile_rows = dq                                        ? grouped_tile_rows(DType::kBF16)
-                        : blocks(et) && most_rows <= kQ8SmallTile ? kQ8SmallTile
-                                                                  : grouped_tile_rows(et);
+  const int tile_rows = dq ? grouped_tile_rows(DType::kBF16)
+                        : blocks(et) && most_rows <= kQuantSmallTile ? kQuantSmallTile
+                                                                     : grouped_tile_rows(et);
   std::vector<GroupTile> tiles;
   std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
   if (tiled) {

@@ -514,14 +514,15 @@ __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
 // warp layout of grouped_mma_kernel (64 rows x kN outputs a block, each warp all 64 rows x
 // kN / 4 outputs on mma.sync m16n8k16), with the weights' raw bytes staged by cp.async — Q8_0
 // 128 columns a stage (4 blocks, 136 bytes a row, 8-byte pieces), Q4_K 256 (one super-block,
-// 144 bytes a row, 16-byte pieces) —, kQ8Stages stages in flight, and each B fragment
+// 144 bytes a row, 16-byte pieces) —, kQStages stages in flight, and each B fragment
 // dequantized from shared memory as it is needed: the thread's two pairs of quants with their
-// block's scale (Q4_K: sub-block scale and min, q4k_value's steps), rounded to BF16 (the
-// value dequantize_bf16 gives). The
-// WMMA kernel above stages a single 32-column step through registers, one step ahead: at ~32
-// rows per expert (a 512-token prompt over 128 experts) it read the weights at ~20% of DRAM
-// bandwidth (docs/PERF.md). Row fragments past the tile's rows are skipped (warp-uniform).
-// Every output sums its columns in one fixed order, wherever the weights live.
+// block's scale (Q4_K: sub-block scale and min, q4k_value's steps), rounded to BF16 (the value
+// dequantize_bf16 gives). The WMMA kernel above stages a single 32-column step through
+// registers, one step ahead: at ~32 rows per expert (a 512-token prompt over 128 experts) it
+// read Q8_0 weights at ~20% of DRAM bandwidth (docs/PERF.md). Row fragments past the tile's
+// rows are skipped (warp-uniform). Every output sums its columns in one fixed order, wherever
+// the weights live.
+//
 // Columns a stage, bytes a weight row takes in it, cp.async piece: Q8_0 or Q4_K.
 template <bool kQ4K>
 constexpr int kQStep = kQ4K ? 256 : 128;
@@ -532,28 +533,28 @@ constexpr int kQPiece = kQ4K ? 16 : 8;
 // x rows in BF16, 16 bytes past the step (272 / 528 bytes: ldmatrix without conflicts).
 template <bool kQ4K>
 constexpr int kQXLd = kQStep<kQ4K> + 8;
-// Outputs per block: phase 1 64 (168 registers and 70 KB of shared memory: 3 blocks an SM),
-// phase 2 128 (167 registers, 70 KB: 3 blocks an SM); two stages. Measured against 128 / 128,
-// 64 / 64, 128 / 64 and three or four stages (fewer blocks an SM): docs/PERF.md.
-constexpr int kQ8GateUpN = 64, kQ8DownN = 128, kQ8Stages = 2;
+// Outputs per block: phase 1 64, phase 2 128 (Q8_0 on 64-row tiles: 168 registers and 70 KB
+// of shared memory each, 3 blocks an SM); two stages. Measured against 128 / 128, 64 / 64,
+// 128 / 64 and three or four stages (fewer blocks an SM): docs/PERF.md.
+constexpr int kQGateUpN = 64, kQDownN = 128, kQStages = 2;
 template <bool kGateUp, int kN, int kM, bool kQ4K>
-constexpr size_t kQ8Stage = size_t(kM) * kQXLd<kQ4K> * 2 +
-                            size_t(kGateUp ? 2 : 1) * kN* kQRowBytes<kQ4K>;
+constexpr size_t kQStage = size_t(kM) * kQXLd<kQ4K> * 2 +
+                           size_t(kGateUp ? 2 : 1) * kN* kQRowBytes<kQ4K>;
 // Blocks an SM the registers are held to (shared memory allows as many): Q8_0 three on tiles of
 // 64 rows, four on tiles of 32; Q4_K (two stages of 104 KB on tiles of 64 rows) two.
 template <int kM, bool kQ4K>
-constexpr int kQMinBlocks = kM == kQ8SmallTile ? 4
-                            : kQ4K             ? 2
-                                               : 3;
+constexpr int kQMinBlocks = kM == kQuantSmallTile ? 4
+                            : kQ4K                ? 2
+                                                  : 3;
 template <bool kGateUp, int kN, int kM, bool kQ4K>
 __global__ void __launch_bounds__(128, (kQMinBlocks<kM, kQ4K>))
-    grouped_q8_mma_kernel(GroupedArgs a) {
+    grouped_quant_mma_kernel(GroupedArgs a) {
   constexpr int kStep = kQStep<kQ4K>, kRowBytes = kQRowBytes<kQ4K>, kPiece = kQPiece<kQ4K>;
   constexpr int kXLd = kQXLd<kQ4K>;
   pdl_wait();
   constexpr int kNT = kN / 32;  // 8-output tiles per warp
   constexpr int kMF = kM / 16;  // 16-row fragments per tile
-  extern __shared__ __align__(128) unsigned char q8_smem[];
+  extern __shared__ __align__(128) unsigned char q_smem[];
   const GroupTile tile = a.tiles[blockIdx.y];
   const int n0 = blockIdx.x * kN;
   const int n_rows = min(kN, a.n - n0);  // weight rows of this block
@@ -582,10 +583,10 @@ __global__ void __launch_bounds__(128, (kQMinBlocks<kM, kQ4K>))
       }
   // Stage layout: x [kM][kXLd] BF16, then w0 [kN][kRowBytes] and w1 [kN][kRowBytes] raw bytes.
   const auto xs_of = [&](int b) {
-    return reinterpret_cast<__nv_bfloat16*>(q8_smem + size_t(b) * kQ8Stage<kGateUp, kN, kM, kQ4K>);
+    return reinterpret_cast<__nv_bfloat16*>(q_smem + size_t(b) * kQStage<kGateUp, kN, kM, kQ4K>);
   };
   const auto ws_of = [&](int b, int m) {
-    return q8_smem + size_t(b) * kQ8Stage<kGateUp, kN, kM, kQ4K> + size_t(kM) * kXLd * 2 +
+    return q_smem + size_t(b) * kQStage<kGateUp, kN, kM, kQ4K> + size_t(kM) * kXLd * 2 +
            size_t(m) * kN * kRowBytes;
   };
   const auto issue = [&](int step, int b) {  // a step's copies into buffer b
@@ -653,7 +654,7 @@ __global__ void __launch_bounds__(128, (kQMinBlocks<kM, kQ4K>))
     b0 = pack_bf16(d * v[0], d * v[1]);
     b1 = pack_bf16(d * v[2], d * v[3]);
   };
-  cp_async_pipeline<kQ8Stages>(steps, issue, [&](int b) {
+  cp_async_pipeline<kQStages>(steps, issue, [&](int b) {
     const __nv_bfloat16* xs = xs_of(b);
     const uint8_t* ws0 = ws_of(b, 0);
     const uint8_t* ws1 = ws_of(b, 1);
@@ -748,16 +749,16 @@ void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
     return;
   }
   if ((a.dtype == DType::kQ8_0 && a.k % kQStep<false> == 0) || a.dtype == DType::kQ4_K) {
-    constexpr int kN = kGateUp ? kQ8GateUpN : kQ8DownN;
-    const bool small = a.tile_rows <= kQ8SmallTile, q4k = a.dtype == DType::kQ4_K;
-    const size_t smem = kQ8Stages * (q4k ? (small ? kQ8Stage<kGateUp, kN, kQ8SmallTile, true>
-                                                  : kQ8Stage<kGateUp, kN, kGroupTile, true>)
-                                         : (small ? kQ8Stage<kGateUp, kN, kQ8SmallTile, false>
-                                                  : kQ8Stage<kGateUp, kN, kGroupTile, false>));
-    const auto kernel = q4k ? (small ? grouped_q8_mma_kernel<kGateUp, kN, kQ8SmallTile, true>
-                                     : grouped_q8_mma_kernel<kGateUp, kN, kGroupTile, true>)
-                            : (small ? grouped_q8_mma_kernel<kGateUp, kN, kQ8SmallTile, false>
-                                     : grouped_q8_mma_kernel<kGateUp, kN, kGroupTile, false>);
+    constexpr int kN = kGateUp ? kQGateUpN : kQDownN;
+    const bool small = a.tile_rows <= kQuantSmallTile, q4k = a.dtype == DType::kQ4_K;
+    const size_t smem = kQStages * (q4k ? (small ? kQStage<kGateUp, kN, kQuantSmallTile, true>
+                                                 : kQStage<kGateUp, kN, kGroupTile, true>)
+                                        : (small ? kQStage<kGateUp, kN, kQuantSmallTile, false>
+                                                 : kQStage<kGateUp, kN, kGroupTile, false>));
+    const auto kernel = q4k ? (small ? grouped_quant_mma_kernel<kGateUp, kN, kQuantSmallTile, true>
+                                     : grouped_quant_mma_kernel<kGateUp, kN, kGroupTile, true>)
+                            : (small ? grouped_quant_mma_kernel<kGateUp, kN, kQuantSmallTile, false>
+                                     : grouped_quant_mma_kernel<kGateUp, kN, kGroupTile, false>);
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     const dim3 grid(unsigned((a.n + kN - 1) / kN), unsigned(a.n_tiles));
     launch_kernel(kernel, grid, 128, smem, s, a);

@@ -259,10 +259,10 @@ void slot_sum(const float* rows, const int* row_of, const float* weights, int n,
 
 // Expert-grouped GEMMs on tensor cores (BF16 x BF16, F32 accumulation) for prefill: the
 // chunk's (token, rank) rows are sorted by expert and cut into tiles of up to kGroupTile rows
-// of one expert; one launch runs every tile. Weights are read in place as BF16 or Q8_0
+// of one expert; one launch runs every tile. Weights are read in place as BF16, Q8_0 or Q4_K
 // blocks (dequantized to BF16 in shared memory, the value dequantize_bf16 gives).
 constexpr int kGroupTile = 64;
-constexpr int kQ8SmallTile = 32;
+constexpr int kQuantSmallTile = 32;  // Q8_0 / Q4_K tiles where no expert has more rows
 constexpr int kWgTile = 128;  // the warpgroup-MMA kernels' tiles (grouped_sm90.cu)
 struct GroupTile {
   int expert;  // index into the weight tables
@@ -283,8 +283,9 @@ struct GroupedArgs {
   int n = 0;                // output columns (rows of each weight matrix)
   int k = 0;                // weight columns
   void* out = nullptr;      // phase 1: BF16 [rows, n]; phase 2: F32 [rows, n]
-  // The most rows a tile has: grouped_tile_rows(dtype), or kQ8SmallTile for Q8_0 weights cut
-  // into tiles of that height (grouped_q8_mma_kernel then holds half the accumulators).
+  // The most rows a tile has: grouped_tile_rows(dtype), or kQuantSmallTile for Q8_0 / Q4_K
+  // weights cut into tiles of that height (grouped_quant_mma_kernel then holds half the
+  // accumulators).
   int tile_rows = kGroupTile;
 };
 // Whether the grouped kernels take weights of `type` with `cols` columns (BF16: a multiple

@@ -309,8 +309,8 @@ TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string cfg = grouped_config(96);
   // 40, 100 and 400 tokens: 10, 25 and 100 rows per expert (Q8_0 experts read as blocks by the
-  // grouped kernels: d_model 256 on grouped_q8_mma_kernel, d_expert 96 on the WMMA one; at 40
-  // tokens no expert has more than kQ8SmallTile rows: tiles of that height); 1,100: 275 rows
+  // grouped kernels: d_model 256 on grouped_quant_mma_kernel, d_expert 96 on the WMMA one; at 40
+  // tokens no expert has more than kQuantSmallTile rows: tiles of that height); 1,100: 275 rows
   // per expert (Q8_0 experts dequantized to BF16 for the chunk first, kDequantQ8MinRows).
   for (const int n_prompt : {40, 100, 400, 1100})
     for (ts::DType t : {ts::DType::kBF16, ts::DType::kQ8_0}) {

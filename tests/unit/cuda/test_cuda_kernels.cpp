@@ -1339,9 +1339,9 @@ TEST(CudaKernels, DequantizeExpertsToBf16MatchesDequantizeBf16) {
 // The grouped tensor-core GEMMs against a double-precision reference on the same BF16 inputs
 // (x rounded to BF16, weights as dequantize_bf16 gives them): experts of 1, 64, 70 and 130
 // rows (tile edges), output widths off the kernels' output blocks, tables vs direct addresses.
-// Q8_0 weights take grouped_q8_mma_kernel where k is a multiple of 128 and the WMMA kernel
+// Q8_0 weights take grouped_quant_mma_kernel where k is a multiple of 128 and the WMMA kernel
 // otherwise: the shapes give each phase both. Q4_K weights (k a multiple of 256) take
-// grouped_q8_mma_kernel's Q4_K form, on the shapes that have such widths.
+// grouped_quant_mma_kernel's Q4_K form, on the shapes that have such widths.
 TEST(CudaKernels, GroupedGemmsMatchReference) {
   SKIP_WITHOUT_GPU();
   // Five shapes: outputs within one block and across two or more (BF16 blocks are 128
@@ -1363,7 +1363,7 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
   // Kernels: 0 = what grouped_gate_up / grouped_down choose; 1 = the mma.sync BF16 kernels
   // called directly, which devices without warpgroup MMA choose (run here too when the
   // device has it, so every kernel is checked on the GPU machine); 2 = Q8_0 on tiles of
-  // kQ8SmallTile rows.
+  // kQuantSmallTile rows.
   for (const Shape sh : {Shape{160, 96}, Shape{256, 160}, Shape{384, 224}, Shape{384, 256},
                          Shape{224, 128}, Shape{512, 256}, Shape{768, 512}})
     for (const auto& [t, kernel] :
@@ -1380,7 +1380,7 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
       // Tiles of 64 rows, or 128 on the warpgroup-MMA kernels (where 1, 64 and the 2 rows
       // past 128 leave the second warpgroup idle; 70 and 128 use both).
       const int tile_rows = kernel == 1   ? ts::cuda::kGroupTile
-                            : kernel == 2 ? ts::cuda::kQ8SmallTile
+                            : kernel == 2 ? ts::cuda::kQuantSmallTile
                                           : ts::cuda::grouped_tile_rows(t);
       const int n_experts = int(rows_of.size());
       std::vector<ts::cuda::GroupTile> tiles;
