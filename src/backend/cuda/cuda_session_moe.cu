@@ -147,9 +147,7 @@ namespace {
 // widths the BF16 grouped kernel takes.
 bool dequantizable(const DevMlp& x) {
   for (const DevMatrix* w : {&x.gate, &x.up, &x.down})
-    if ((w->dtype != DType::kQ8_0 && w->dtype != DType::kQ4_K) ||
-        !grouped_supports(DType::kBF16, w->cols))
-      return false;
+    if (!dtype_is_quantized(w->dtype) || !grouped_supports(DType::kBF16, w->cols)) return false;
   return true;
 }
 }  // namespace
@@ -165,8 +163,11 @@ Status CudaSession::grouped_experts(int layer, int n) {
   std::vector<int> count(size_t(hp_.n_experts) + 1, 0);
   std::vector<int> src(static_cast<size_t>(ns)), row_of(static_cast<size_t>(ns));
   for (int s = 0; s < ns; ++s) ++count[size_t(h_ids_[s]) + 1];
-  int used = 0;
-  for (int e = 0; e < hp_.n_experts; ++e) used += count[size_t(e) + 1] > 0;
+  int used = 0, most_rows = 0;  // experts used; the most rows one has
+  for (int e = 0; e < hp_.n_experts; ++e) {
+    used += count[size_t(e) + 1] > 0;
+    most_rows = std::max(most_rows, count[size_t(e) + 1]);
+  }
   used_fraction_ = double(used) / double(hp_.n_experts);
   for (int e = 0; e < hp_.n_experts; ++e) count[size_t(e) + 1] += count[size_t(e)];
   std::vector<int> fill(count.begin(), count.end() - 1);
@@ -197,8 +198,8 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // up with Q8_0 down, requantized from Q6_K at load); other types run three cuBLAS GEMMs per
   // expert.
   const DType et = L.experts[0].gate.dtype, dt = L.experts[0].down.dtype;
-  const auto blocks = [](DType t) { return t == DType::kQ8_0 || t == DType::kQ4_K; };
-  const bool in_place = L.experts[0].up.dtype == et && (dt == et || (blocks(et) && blocks(dt))) &&
+  const bool in_place = L.experts[0].up.dtype == et &&
+                        (dt == et || (dtype_is_quantized(et) && dtype_is_quantized(dt))) &&
                         grouped_supports(et, d) && grouped_supports(dt, de);
   // Long chunks of quantized experts (and every chunk where the kernels cannot read them in
   // place) run on BF16 copies of them (kDequantQ8MinRows, kDequantQ4KMinRows).
@@ -211,20 +212,17 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // +10% at 128-token Q8_0 prompts, docs/PERF.md). A taller expert would be cut in two tiles,
   // each reading its weights (measured slower at 512 tokens), so then the chunk keeps
   // kGroupTile.
-  int most_rows = 0;
-  for (int e = 0; e < hp_.n_experts; ++e)
-    most_rows = std::max(most_rows, count[size_t(e) + 1] - count[size_t(e)]);
   const int tile_rows = dq ? grouped_tile_rows(DType::kBF16)
-                        : blocks(et) && most_rows <= kQuantSmallTile ? kQuantSmallTile
-                                                                     : grouped_tile_rows(et);
+                        : dtype_is_quantized(et) && most_rows <= kQuantSmallTile
+                            ? kQuantSmallTile
+                            : grouped_tile_rows(et);
   std::vector<GroupTile> tiles;
   std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
   if (tiled) {
-    const int rows = tile_rows;
     for (int e = 0; e < hp_.n_experts; ++e) {
       first_tile[size_t(e)] = int(tiles.size());
-      for (int off = count[size_t(e)]; off < count[size_t(e) + 1]; off += rows)
-        tiles.push_back({e, off, std::min(rows, count[size_t(e) + 1] - off)});
+      for (int off = count[size_t(e)]; off < count[size_t(e) + 1]; off += tile_rows)
+        tiles.push_back({e, off, std::min(tile_rows, count[size_t(e) + 1] - off)});
     }
     first_tile[size_t(hp_.n_experts)] = int(tiles.size());
     CUDA_TRY(cudaMemcpyAsync(group_tiles_, tiles.data(), tiles.size() * sizeof(GroupTile),
