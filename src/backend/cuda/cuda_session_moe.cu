@@ -182,16 +182,6 @@ Status CudaSession::grouped_experts(int layer, int n) {
   const DType gate_in = gemm_input_type(L.experts[0].gate.dtype);
   const DType down_in = gemm_input_type(L.experts[0].down.dtype);
   const size_t gate_es = gate_in == DType::kF32 ? 4 : 2;
-  // Gathered rows: F16/BF16 in act_; F32 in slot_rows_, where each expert's down projection
-  // then overwrites its own rows after its gate/up GEMMs have read them (one stream, in
-  // order). The down outputs [ns, d_model] always land in slot_rows_.
-  //
-  // With the GPU expert cache, each used expert is bound before its GEMMs: hits stay in
-  // their slots (protected for the whole layer), misses are copied once into a free slot or,
-  // when none is left, into the staging ring; the copy stream runs ahead of the GEMMs by up
-  // to the ring's length, so loading the next experts overlaps computing this one.
-  void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
-  gather_rows(xn_, group_src_, ns, d, xg, gate_in, stream_);
   // BF16, Q8_0 and Q4_K experts run as two grouped tensor-core launches over tiles of each
   // expert's rows (all experts at once when all are bound together, else expert by expert),
   // phase 1 by the gate's type and phase 2 by the down matrix's (a Q4_K_M file's Q4_K gate /
@@ -207,6 +197,19 @@ Status CudaSession::grouped_experts(int layer, int n) {
   const bool dq =
       dq_ && dequantizable(L.experts[0]) && (!in_place || int64_t(ns) >= int64_t(dq_rows) * used);
   const bool tiled = in_place || dq;
+  // Q8_0 / Q4_K gate and up read in place: phase 1 on F16 MMAs where the input fits F16
+  // (fewer instructions a weight than the BF16 form, whose conversions bound it: docs/PERF.md).
+  const bool x_f16 = L.experts_f16_input && in_place && !dq && grouped_takes_f16(et, d);
+  // Gathered rows: F16/BF16 in act_; F32 in slot_rows_, where each expert's down projection
+  // then overwrites its own rows after its gate/up GEMMs have read them (one stream, in
+  // order). The down outputs [ns, d_model] always land in slot_rows_.
+  //
+  // With the GPU expert cache, each used expert is bound before its GEMMs: hits stay in
+  // their slots (protected for the whole layer), misses are copied once into a free slot or,
+  // when none is left, into the staging ring; the copy stream runs ahead of the GEMMs by up
+  // to the ring's length, so loading the next experts overlaps computing this one.
+  void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
+  gather_rows(xn_, group_src_, ns, d, xg, x_f16 ? DType::kF16 : gate_in, stream_);
   // Quantized experts read in place, none with more than kQuantSmallTile rows in the chunk:
   // tiles of that height (half the accumulators a block, four blocks an SM instead of three;
   // +10% at 128-token Q8_0 prompts, docs/PERF.md). A taller expert would be cut in two tiles,
@@ -243,7 +246,8 @@ Status CudaSession::grouped_experts(int layer, int n) {
                   .n = de,
                   .k = d,
                   .out = h2_,
-                  .tile_rows = tile_rows};
+                  .tile_rows = tile_rows,
+                  .x_f16 = x_f16 && dtype != DType::kBF16};
     grouped_gate_up(a, stream_);
     a = GroupedArgs{.tiles = group_tiles_ + t0,
                     .n_tiles = nt,

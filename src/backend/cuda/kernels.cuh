@@ -287,10 +287,15 @@ struct GroupedArgs {
   // weights cut into tiles of that height (grouped_quant_mma_kernel then holds half the
   // accumulators).
   int tile_rows = kGroupTile;
+  // x is F16 (phase 1 of Q8_0 / Q4_K weights read in place: grouped_takes_f16), else BF16.
+  bool x_f16 = false;
 };
 // Whether the grouped kernels take weights of `type` with `cols` columns (BF16: a multiple
 // of 8; Q8_0: of 32).
 bool grouped_supports(DType type, int64_t cols);
+// Whether phase 1 of `type` weights with `cols` columns runs on F16 x (GroupedArgs::x_f16):
+// the quantized experts read in place (Q8_0 with cols a multiple of 128, Q4_K).
+bool grouped_takes_f16(DType type, int64_t cols);
 // Phase 1: out = bf16(silu(x W0^T) * (x W1^T)) (gate, up). Phase 2: out = x W0^T (down).
 void grouped_gate_up(const GroupedArgs& a, cudaStream_t s);
 void grouped_down(const GroupedArgs& a, cudaStream_t s);

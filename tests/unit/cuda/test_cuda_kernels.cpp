@@ -1368,20 +1368,28 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
                          Shape{224, 128}, Shape{512, 256}, Shape{768, 512}})
     for (const auto& [t, kernel] :
          {std::pair{DType::kBF16, 0}, std::pair{DType::kBF16, 1}, std::pair{DType::kQ8_0, 0},
-          std::pair{DType::kQ8_0, 2}, std::pair{DType::kQ4_K, 0}, std::pair{DType::kQ4_K, 2}}) {
+          std::pair{DType::kQ8_0, 2}, std::pair{DType::kQ8_0, 3}, std::pair{DType::kQ8_0, 4},
+          std::pair{DType::kQ4_K, 0}, std::pair{DType::kQ4_K, 2}, std::pair{DType::kQ4_K, 3},
+          std::pair{DType::kQ4_K, 4}}) {
       if (kernel == 1 && ts::cuda::grouped_tile_rows(t) == ts::cuda::kGroupTile) continue;
       if (!ts::cuda::grouped_supports(t, sh.d) || !ts::cuda::grouped_supports(t, sh.de)) continue;
       const int d = sh.d, de = sh.de;
+      // 3, 4: Q8_0 / Q4_K phase 1 on F16 x (tiles of 64, 32 rows), where k is a multiple of
+      // 128 (Q8_0; Q4_K's are of 256).
+      const bool f16 = kernel >= 3;
+      if (f16 && d % 128 != 0) continue;
       const std::string what = std::string(ts::dtype_name(t)) + " d " + std::to_string(d) +
                                (kernel == 1   ? " (mma.sync kernels)"
                                 : kernel == 2 ? " (tiles of 32 rows)"
+                                : kernel == 3 ? " (F16 x)"
+                                : kernel == 4 ? " (F16 x, tiles of 32 rows)"
                                               : "");
       const std::vector<int> rows_of = {1, 64, 70, 130};  // rows per expert, sorted by expert
       // Tiles of 64 rows, or 128 on the warpgroup-MMA kernels (where 1, 64 and the 2 rows
       // past 128 leave the second warpgroup idle; 70 and 128 use both).
-      const int tile_rows = kernel == 1   ? ts::cuda::kGroupTile
-                            : kernel == 2 ? ts::cuda::kQuantSmallTile
-                                          : ts::cuda::grouped_tile_rows(t);
+      const int tile_rows = kernel == 1 || kernel == 3   ? ts::cuda::kGroupTile
+                            : kernel == 2 || kernel == 4 ? ts::cuda::kQuantSmallTile
+                                                         : ts::cuda::grouped_tile_rows(t);
       const int n_experts = int(rows_of.size());
       std::vector<ts::cuda::GroupTile> tiles;
       std::vector<int> first;
@@ -1420,7 +1428,10 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
       }
       const std::vector<float> xf = randn(size_t(ns * d), 41);
       std::vector<uint16_t> xb;
-      for (float v : xf) xb.push_back(ts::f32_to_bf16(v));
+      for (float v : xf) xb.push_back(f16 ? ts::f32_to_f16(v) : ts::f32_to_bf16(v));
+      const auto x_value = [&](size_t i) {
+        return f16 ? ts::f16_to_f32(xb[i]) : ts::bf16_to_f32(xb[i]);
+      };
       std::vector<int> expert_of;
       for (int e = 0; e < n_experts; ++e)
         expert_of.insert(expert_of.end(), size_t(rows_of[size_t(e)]), e);
@@ -1444,7 +1455,8 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
                                   .n = de,
                                   .k = d,
                                   .out = dh.p,
-                                  .tile_rows = tile_rows};
+                                  .tile_rows = tile_rows,
+                                  .x_f16 = f16};
           kernel == 1 ? ts::cuda::grouped_mma(true, a, nullptr)
                       : ts::cuda::grouped_gate_up(a, nullptr);
           a = ts::cuda::GroupedArgs{.tiles = dtiles.as<ts::cuda::GroupTile>() + t0,
@@ -1473,7 +1485,7 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
         for (int j = 0; j < de; ++j) {
           double g = 0, u = 0;
           for (int c = 0; c < d; ++c) {
-            const double xv = ts::bf16_to_f32(xb[size_t(r * d + c)]);
+            const double xv = x_value(size_t(r * d + c));
             g += xv * Gf[size_t(e)][size_t(j * d + c)];
             u += xv * Uf[size_t(e)][size_t(j * d + c)];
           }
@@ -1487,7 +1499,8 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
           y_want[size_t(r * d + j)] = float(y);
         }
       }
-      // h is rounded to BF16 (relative 2^-9); y accumulates in F32.
+      // h is rounded to BF16 (relative 2^-9); y accumulates in F32. (On F16 x the weights
+      // are the F16 nearest d q, the reference's their BF16 values: within 2^-9 too.)
       EXPECT_LE(max_rel(h_got, h_want), 8e-3) << what;
       EXPECT_LE(max_rel(y_tab, y_want), 1e-5) << what;
       for (Dev* p : owned) delete p;
