@@ -32,7 +32,7 @@ constexpr const char* kUsage =
     "  verify   PACK_DIR                                     check files against manifest\n"
     "  analyze-router HIST_OR_TRACE [--slots N,..] [--json]  routing entropy, cache hit rates\n"
     "  bench --device cuda [--model DIR | --synthetic CONFIG.json --dtype bf16|q8_0] [--quant q8_0]\n"
-    "           [--contexts 128,4096 --prompts 512,4096 --gen-tokens N --profile --json]\n"
+    "           [--contexts 128,4096 --prompts 512,4096 --gen-tokens N --no-warmup --profile --json]\n"
     "DIR: a Hugging Face model directory, a pack, or a GGUF file (llama.cpp's; split: its first file)\n"
     "common flags: --threads N  --device cpu|cuda[:N]  --quant q8_0 (cuda: quantize at load)\n"
     "  --prefill-chunk N   tokens per prefill chunk (default: cpu 256; cuda 4096, 2048 if tight)\n"
