@@ -2,10 +2,12 @@
 // renormalisation / rank order, RoPE and RMSNorm against direct formulas.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
 #include "backend/cpu/ops.h"
+#include "core/dtype.h"
 #include "model/hparams.h"
 #include "model/router.h"
 
@@ -158,6 +160,52 @@ TEST(Ops, RmsNormMatchesFormula) {
     for (int i = 0; i < n; ++i)
       EXPECT_NEAR(y[size_t(r * n + i)], w[size_t(i)] * x[size_t(r * n + i)] * inv, 1e-5);
   }
+}
+
+// rmsnorm_fits_f16: weights at its bound keep every output of rows built to reach it (all the
+// energy in one element, at scales from 1e-20 to 1e18, with and without eps; random rows)
+// within F16's range, through the F16 conversion the CUDA prefill uses; weights 20% past it
+// give an output F16 cannot hold, and are refused; non-finite or empty weights are refused.
+TEST(Ops, RmsNormFitsF16BoundsEveryRow) {
+  const int n = 2048;
+  const auto worst = [&](const std::vector<float>& w, float eps) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> x(static_cast<size_t>(n)), y(static_cast<size_t>(n));
+    double most = 0;
+    for (int trial = 0; trial < 40; ++trial) {
+      std::fill(x.begin(), x.end(), 0.0f);
+      if (trial < 20) {  // on the largest weights (100, 101), at 1e-20 .. 1e18
+        x[size_t(100 + trial % 2)] = std::pow(10.0f, 2.0f * float(trial) - 20.0f);
+      } else {
+        for (float& v : x) v = nd(rng) * std::pow(10.0f, float(trial - 30));
+      }
+      ts::cpu::rmsnorm_rows(x.data(), w.data(), y.data(), 1, n, eps);
+      for (float v : y) most = std::max(most, std::fabs(double(ts::f16_to_f32(ts::f32_to_f16(v)))));
+    }
+    return most;
+  };
+  // sqrt(2048) = 45.25...: 60,000 / 45.25 = 1,325.8.
+  std::vector<float> w(size_t(n), 0.5f);
+  w[100] = 1325.0f;
+  w[101] = -1325.0f;
+  EXPECT_TRUE(ts::cpu::rmsnorm_fits_f16(w));
+  for (float eps : {0.0f, 1e-6f}) {
+    const double got = worst(w, eps);
+    EXPECT_LE(got, 65504.0) << "eps " << eps;
+    EXPECT_GT(got, 50000.0) << "eps " << eps << ": the rows should come near the bound";
+  }
+  std::vector<float> past(w);
+  past[100] = 1325.0f * 1.2f;
+  EXPECT_FALSE(ts::cpu::rmsnorm_fits_f16(past));
+  EXPECT_TRUE(std::isinf(worst(past, 0.0f))) << "an output past F16 that the bound refuses";
+  std::vector<float> bad(w);
+  bad[7] = NAN;
+  EXPECT_FALSE(ts::cpu::rmsnorm_fits_f16(bad));
+  bad[7] = INFINITY;
+  EXPECT_FALSE(ts::cpu::rmsnorm_fits_f16(bad));
+  EXPECT_FALSE(ts::cpu::rmsnorm_fits_f16({}));
+  EXPECT_TRUE(ts::cpu::rmsnorm_fits_f16(std::vector<float>(size_t(n), 1.0f)));
 }
 
 TEST(Ops, RopeRotatesHalvesByPositionTimesFrequency) {

@@ -32,6 +32,15 @@ void rmsnorm_rows(const float* x, const float* w, float* y, int64_t n_rows, int6
   }
 }
 
+bool rmsnorm_fits_f16(std::span<const float> w) {
+  float most = 0.0f;
+  for (float v : w) {
+    if (!std::isfinite(v)) return false;
+    most = std::max(most, std::fabs(v));
+  }
+  return !w.empty() && double(most) * std::sqrt(double(w.size())) <= 60000.0;
+}
+
 void rope_apply(float* x, int n_heads, const RopeTable& rope, int position) {
   const int half = rope.head_dim / 2;
   for (int i = 0; i < half; ++i) {

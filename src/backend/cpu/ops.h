@@ -15,6 +15,12 @@ namespace ts::cpu {
 // y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], over rows of length n (in place allowed).
 void rmsnorm_rows(const float* x, const float* w, float* y, int64_t n_rows, int64_t n, float eps);
 
+// Whether every output of rmsnorm_rows with weights w lies within F16's range (65,504),
+// whatever the row: |x_i| / rms(x) <= sqrt(n) (one element holding all of the row's energy),
+// so |y_i| <= sqrt(n) max |w_i|, held to 60,000 for the rounding of rms in F32. False for
+// empty or non-finite weights. (The CUDA prefill gathers the experts' input in F16 on it.)
+bool rmsnorm_fits_f16(std::span<const float> w);
+
 // Rotates pairs (i, i + head_dim/2) of each head (the rotate_half convention of
 // transformers) of x [n_heads * head_dim] for one position.
 struct RopeTable {

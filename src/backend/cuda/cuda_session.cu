@@ -1,3 +1,4 @@
+#include "backend/cpu/ops.h"
 #include "backend/cpu/quant.h"
 #include "backend/cuda/cuda_session_impl.cuh"
 
@@ -112,18 +113,6 @@ class Uploader {
   size_t raw_cap_ = 0, f32_cap_ = 0;
 };
 
-// Whether rows RMS-normalized with weights w stay within F16's range: |x_i| / rms(x) <=
-// sqrt(d) (one element holding all of the row's energy), so |x_i w_i| <= sqrt(d) max |w_i|;
-// a margin for the rounding of rms below F16's largest finite value, 65,504.
-bool f16_input_bound(const std::vector<float>& w, int d) {
-  float most = 0.0f;
-  for (float v : w) {
-    if (!std::isfinite(v)) return false;
-    most = std::max(most, std::fabs(v));
-  }
-  return !w.empty() && double(most) * std::sqrt(double(d)) <= 60000.0;
-}
-
 Result<std::string> open_device(int device) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
@@ -225,7 +214,7 @@ Status CudaSession::upload(const runtime::LoadedModel& model) {
     DevLayer& D = w_.layers[size_t(l)];
     TS_ASSIGN(D.attn_norm, up.vec(L.attn_norm));
     TS_ASSIGN(D.ffn_norm, up.vec(L.ffn_norm));
-    D.experts_f16_input = f16_input_bound(L.ffn_norm, hp_.d_model);
+    D.experts_f16_input = cpu::rmsnorm_fits_f16(L.ffn_norm);
     TS_ASSIGN(D.bq, up.vec(L.bq));
     TS_ASSIGN(D.bk, up.vec(L.bk));
     TS_ASSIGN(D.bv, up.vec(L.bv));
@@ -315,7 +304,7 @@ Status CudaSession::synthesize(const SyntheticOptions& syn) {
     DevLayer& D = w_.layers[size_t(l)];
     TS_ASSIGN(D.attn_norm, up.ones(d));
     TS_ASSIGN(D.ffn_norm, up.ones(d));
-    D.experts_f16_input = f16_input_bound(std::vector<float>(size_t(d), 1.0f), d);
+    D.experts_f16_input = cpu::rmsnorm_fits_f16(std::vector<float>(size_t(d), 1.0f));
     TS_ASSIGN(D.wq, up.random(syn.dtype, hp_.q_dim(), d, ++seed));
     TS_ASSIGN(D.wk, up.random(syn.dtype, hp_.kv_dim(), d, ++seed));
     TS_ASSIGN(D.wv, up.random(syn.dtype, hp_.kv_dim(), d, ++seed));
