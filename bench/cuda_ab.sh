@@ -11,8 +11,9 @@
 #        EXTRA="more bench flags", e.g. the GPU expert cache (docs/PERF.md "the order of a
 #        binding's copies"): EXTRA="--residency host --expert-cache-slots 64 --routing uniform"
 # prints one line per run: AB <binary> <dtype> <decode tok/s per context> <prefill tok/s per
-# prompt>, and with an expert cache its first decode's hit rate, H2D GB/s while copying, the
-# share of the time copying and the host binding time per token
+# prompt> <warm|cold: how prefill was timed>, and with an expert cache its first decode's hit
+# rate, H2D GB/s while copying, the share of the time copying and the host binding time per
+# token
 # (a binary may be a wrapper script, e.g. one that sets an environment variable)
 set -euo pipefail
 rounds=$1
@@ -30,9 +31,13 @@ for _ in $(seq "$rounds"); do
 import json, sys
 j = json.load(open(sys.argv[1]))
 c = j["decode"][0].get("expert_cache") if j["decode"] else None
+# Prefill timed warm (each length run once untimed first) or cold (a first prompt: binaries
+# from before the bench warmed up, --no-warmup, or an expert cache): compare like with like.
+warm = any(p.get("warm", False) for p in j["prefill"])
 print("AB", sys.argv[2].ljust(32), sys.argv[3].ljust(5),
       " ".join("%8.1f" % d["tokens_per_s"] for d in j["decode"]),
       " ".join("%8.0f" % p["tokens_per_s"] for p in j["prefill"]),
+      ("warm" if warm else "cold") if j["prefill"] else "",
       "" if not c else "hits %.3f copy %.2f GB/s share %.3f bind %.0f us/token" % (
           c["hit_rate"], c["h2d_gbps_copying"], c["copy_share"], c.get("bind_us_per_token", 0)))
 PY
