@@ -247,7 +247,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
                   .k = d,
                   .out = h2_,
                   .tile_rows = tile_rows,
-                  .x_f16 = x_f16 && dtype != DType::kBF16};
+                  .x_f16 = x_f16};
     grouped_gate_up(a, stream_);
     a = GroupedArgs{.tiles = group_tiles_ + t0,
                     .n_tiles = nt,

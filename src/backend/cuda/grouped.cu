@@ -686,6 +686,13 @@ __global__ void __launch_bounds__(128, (kQMinBlocks<kM, kQ4K>))
     b0 = pack_bf16(d * v[0], d * v[1]);
     b1 = pack_bf16(d * v[2], d * v[3]);
   };
+  // The fragments' type: F16 or BF16.
+  const auto mma = [](float(&d)[4], const unsigned(&fa)[4], unsigned b0, unsigned b1) {
+    if constexpr (kF16)
+      mma_f16(d, fa, b0, b1);
+    else
+      mma_bf16(d, fa, b0, b1);
+  };
   cp_async_pipeline<kQStages>(steps, issue, [&](int b) {
     const __nv_bfloat16* xs = xs_of(b);
     const uint8_t* ws0 = ws_of(b, 0);
@@ -703,22 +710,12 @@ __global__ void __launch_bounds__(128, (kQMinBlocks<kM, kQ4K>))
         b_frag(ws0, wc + 8 * j, kk, b0, b1);
 #pragma unroll
         for (int i = 0; i < kMF; ++i)
-          if (i < m_frags) {
-            if constexpr (kF16)
-              mma_f16(acc0[i][j], fa[i], b0, b1);
-            else
-              mma_bf16(acc0[i][j], fa[i], b0, b1);
-          }
+          if (i < m_frags) mma(acc0[i][j], fa[i], b0, b1);
         if (kGateUp) {
           b_frag(ws1, wc + 8 * j, kk, b0, b1);
 #pragma unroll
           for (int i = 0; i < kMF; ++i)
-            if (i < m_frags) {
-              if constexpr (kF16)
-                mma_f16(acc1[i][j], fa[i], b0, b1);
-              else
-                mma_bf16(acc1[i][j], fa[i], b0, b1);
-            }
+            if (i < m_frags) mma(acc1[i][j], fa[i], b0, b1);
         }
       }
     }
