@@ -300,11 +300,13 @@ Status CudaSession::synthesize(const SyntheticOptions& syn) {
   }
   TS_ASSIGN(w_.final_norm, up.ones(d));
   w_.layers.resize(size_t(hp_.n_layers));
+  // Every layer's ffn_norm is ones: the same bound the loaded weights are asked, once.
+  const bool ones_fit_f16 = cpu::rmsnorm_fits_f16(std::vector<float>(size_t(d), 1.0f));
   for (int l = 0; l < hp_.n_layers; ++l) {
     DevLayer& D = w_.layers[size_t(l)];
     TS_ASSIGN(D.attn_norm, up.ones(d));
     TS_ASSIGN(D.ffn_norm, up.ones(d));
-    D.experts_f16_input = cpu::rmsnorm_fits_f16(std::vector<float>(size_t(d), 1.0f));
+    D.experts_f16_input = ones_fit_f16;
     TS_ASSIGN(D.wq, up.random(syn.dtype, hp_.q_dim(), d, ++seed));
     TS_ASSIGN(D.wk, up.random(syn.dtype, hp_.kv_dim(), d, ++seed));
     TS_ASSIGN(D.wv, up.random(syn.dtype, hp_.kv_dim(), d, ++seed));

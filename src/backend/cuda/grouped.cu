@@ -806,7 +806,7 @@ void launch_grouped(const GroupedArgs& a, cudaStream_t s) {
     grouped_mma(kGateUp, a, s);
     return;
   }
-  if ((a.dtype == DType::kQ8_0 && a.k % kQStep<false> == 0) || a.dtype == DType::kQ4_K) {
+  if (grouped_takes_f16(a.dtype, a.k)) {  // Q8_0 / Q4_K read in place
     constexpr int kN = kGateUp ? kQGateUpN : kQDownN;
     const bool q4k = a.dtype == DType::kQ4_K;
     if constexpr (kGateUp) {  // phase 1 only: phase 2 reads BF16 h
