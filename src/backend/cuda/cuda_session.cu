@@ -174,6 +174,8 @@ Status CudaSession::begin(int device) {
   use_graphs_ = !(env && std::string(env) == "0");
   const char* pe = std::getenv("TURBOSPARK_CUDA_PREDICT");
   predict_ = !(pe && std::string(pe) == "0");
+  const char* re = std::getenv("TURBOSPARK_CUDA_ROUTE_IN_P1");
+  route_in_p1_ = !(re && std::string(re) == "0");
   // (Probes the device once, here: never during a graph capture.)
   const bool clusters = cluster_launch_available();
   cluster_attention_ok_ =

@@ -24,7 +24,12 @@ Status CudaSession::moe_block(int layer, int n) {
                              .renormalize = hp_.moe.renormalize,
                              .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
                              .host_flag = to_host ? ids_flag_dev_ : nullptr};
-  if (n == 1 && !sampled_routing_ && norm_route_applies(L.router.dtype, d)) {
+  const bool fused_route = n == 1 && !sampled_routing_ && norm_route_applies(L.router.dtype, d);
+  // Decode with the experts resident: the top-k moves into phase 1's blocks, each ranking the
+  // logits up to its own slot (MoeArgs::route), so the router's launch ends at its logits.
+  // Not where the host reads the ids between the launches (the expert cache, router traces).
+  const bool rank_in_p1 = fused_route && route_in_p1_ && !cached() && !to_host && !iv_.trace_router;
+  if (fused_route) {
     // Decode: norm, router and top-k in one launch (each was a launch of its own, paid
     // mostly in latency: docs/PERF.md).
     TS_TRY(prof_.time("norm+router+top-k", double(L.router.n_bytes()), stream_, [&] {
@@ -39,7 +44,8 @@ Status CudaSession::moe_block(int layer, int n) {
                     .router_dtype = L.router.dtype,
                     .logits = router_,
                     .counter = route_counter_,
-                    .route = route_args},
+                    .route = route_args,
+                    .route_here = !rank_in_p1},
                    stream_);
       });
     }));
@@ -90,6 +96,7 @@ Status CudaSession::moe_block(int layer, int n) {
       a.xq = qx_.q;
       a.xd = qx_.d;
     }
+    if (rank_in_p1) a.route = route_args;
     if (cached()) {
       // Phase 1 of the slots that hit runs during the binding (bind_ids); below, the rest.
       a.slot_mask = slot_hit_;

@@ -446,18 +446,26 @@ __device__ __forceinline__ void raise_host_flag(const RouteArgs& a, int lane) {
 }
 
 // Token t's routing by one warp: top_k rounds of a warp-wide argmax (ties to the lower id).
-__device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane) {
+// Writes ids, weights and hist where a.ids is set; returns the id at rank `want` (every lane).
+// Without a.ids the rounds stop at `want` (phase 1 ranking its own slot: slot_expert). Ranks
+// that no probability fills (only with NaN probabilities) name expert 0 with weight 0, as
+// block_route_one's do, so every id indexes the tables.
+__device__ __forceinline__ int route_token(const RouteArgs& a, int t, int lane, int want = -1) {
   constexpr int kPer = kRoutePer;
   float p[kPer];
   route_probs(a, t, lane, p);
   float picked_sum = 0, mine_w = 0.0f;
-  int mine_e = 0;
-  for (int r = 0; r < a.top_k; ++r) {
+  int mine_e = 0, wanted = 0;
+  const int rounds = a.ids ? a.top_k : want + 1;
+  // Groups of 32 past the last expert hold only -1 (none is ever picked while a probability
+  // is left): the scans stop where route_probs' do.
+  const int used = (a.n_experts + 31) / 32;
+  for (int r = 0; r < rounds; ++r) {
     float best = -2.0f;
     int best_e = INT_MAX;
 #pragma unroll
     for (int i = 0; i < kPer; ++i)
-      if (p[i] > best) {  // strictly greater: the lower id wins ties within a lane
+      if (i < used && p[i] > best) {  // strictly greater: the lower id wins ties in a lane
         best = p[i];
         best_e = lane + 32 * i;
       }
@@ -473,6 +481,12 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane)
 #pragma unroll
     for (int i = 0; i < kPer; ++i)
       if (lane + 32 * i == best_e) p[i] = -1.0f;
+    if (!(best >= 0.0f)) {  // no probability left (NaN ones): expert 0, weight 0
+      best_e = 0;
+      best = 0.0f;
+    }
+    if (r == want) wanted = best_e;
+    if (!a.ids) continue;
     // Lane r % 32 keeps rank r's id and weight until its group of 32 ranks is written.
     if (lane == r % 32) {
       mine_e = best_e;
@@ -492,11 +506,13 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int t, int lane)
       }
     }
   }
+  if (!a.ids) return wanted;
   if (a.renormalize && a.top_k > 32) {
     __syncwarp();
     for (int r = lane; r < a.top_k; r += 32) a.weights[size_t(t) * a.top_k + r] /= picked_sum;
   }
   raise_host_flag(a, lane);
+  return wanted;
 }
 
 // One token's routing by a whole block (norm_route_kernel's last): warp 0 takes the
@@ -628,6 +644,7 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
   // The last block counts itself: the barrier orders every thread's writes before thread
   // 0's fence, which is cumulative, so one fence per block (as cooperative groups' grid sync)
   // instead of one per thread before the count and again after it (+0.7% decode, docs/PERF.md).
+  if (!a.route_here) return;
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -641,14 +658,32 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
   block_route_one(a.route);
 }
 
+// Slot s's expert in phase 1: read from ids, or (MoeArgs::route) ranked by warp 0 from the
+// router's logits and handed to the block's other warps. Every thread of the block calls it.
+__device__ __forceinline__ int slot_expert(const MoeArgs& a, int s) {
+  if (!a.route.logits) return a.ids[s];
+  __shared__ int picked;
+  if (threadIdx.x < 32) {
+    RouteArgs ra = a.route;
+    if (blockIdx.x != 0 || s != 0) {  // one block writes ids, weights and hist
+      ra.ids = nullptr;
+      ra.hist = nullptr;
+    }
+    const int e = route_token(ra, 0, int(threadIdx.x), s);
+    if (threadIdx.x == 0) picked = e;
+  }
+  __syncthreads();
+  return picked;
+}
+
 // grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
 template <DType T>
 __device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
   pdl_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
+  const int e = slot_expert(a, s), t = s / a.top_k;
   if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
-  const int e = a.ids[s], t = s / a.top_k;
   const size_t rb = dtype_row_bytes_dev(T, a.d_model);
   const float* x = a.xn + size_t(t) * a.d_model;
   float g[1] = {}, u[1] = {};
@@ -679,8 +714,8 @@ __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs
   extern __shared__ float4 gate_up_smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
+  const int e = slot_expert(a, s), t = s / a.top_k;
   if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
-  const int e = a.ids[s], t = s / a.top_k;
   const size_t rb = dtype_row_bytes_dev(DType::kQ8_0, a.d_model);
   uint8_t* tile = reinterpret_cast<uint8_t*>(gate_up_smem) + size_t(warp) * 2 * rb;
   warp_copy_async(tile, static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb, int(rb), lane);

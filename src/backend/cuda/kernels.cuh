@@ -166,6 +166,8 @@ struct NormRouteArgs {
   // Threads per block: 0 = rmsnorm_block(d), whose bits rmsnorm() writes; a prediction may
   // take fewer, to find room beside other kernels' blocks (its bits then differ).
   int block = 0;
+  // False: the logits only (phase 1 ranks them: MoeArgs::route); counter and route unused.
+  bool route_here = true;
 };
 // Router types the fused launch takes (F32, BF16, F16) and widths (a multiple of 32).
 bool norm_route_applies(DType router_dtype, int d);
@@ -197,6 +199,12 @@ struct MoeArgs {
   // BF16 / F16 phase 1: -1 picks its kernel by the grid's waves (gemv.cu gate_up_wide);
   // tests force 1 (40 registers) or 0 (default) to compare the two.
   int force_wide = -1;
+  // Decode (n == 1) with the top-k in phase 1 (route.logits set): every phase 1 block ranks
+  // the router's logits itself, as route() does, up to its own slot's rank; block (0, 0) also
+  // writes route.ids, weights and hist for phase 2 (ids and weights must then be route's
+  // arrays) and the statistics. The router's launch then ends at its logits
+  // (NormRouteArgs::route_here false): its last block's count and ranking leave the chain.
+  RouteArgs route = {};
 };
 // The gate and up matrices of the experts a layer is predicted to pick, asked into L2 ahead
 // of its phases (cp.async.bulk.prefetch.L2: no registers, no shared memory, nothing waits for

@@ -963,6 +963,121 @@ TEST(CudaKernels, NormRouteMatchesNormRouterAndTopK) {
   }
 }
 
+// Decode's top-k inside phase 1 (MoeArgs::route): every block ranks the logits up to its own
+// slot, block (0, 0) writes ids / weights / hist. The same ids, weights, histogram and h, to
+// the bit, as route() followed by phase 1 reading the ids — for every phase 1 kernel (Q8_0
+// staged with Q8 activations, Q8_0 / Q4_K / F32 rows, BF16 both widths), expert counts off 32
+// (60, 300 with top 40: ranks written in two groups), ties at the top and at the last rank
+// taken, and logits with NaN (ids must still index the tables).
+TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    DType type;
+    int n_experts, k, force_wide;
+    bool q8act, nan;
+  };
+  const Case cases[] = {
+      {DType::kQ8_0, 128, 8, -1, true, false},  {DType::kQ8_0, 60, 4, -1, true, false},
+      {DType::kQ8_0, 300, 40, -1, true, false}, {DType::kQ8_0, 128, 8, -1, false, false},
+      {DType::kQ4_K, 128, 8, -1, true, false},  {DType::kBF16, 128, 8, 1, false, false},
+      {DType::kBF16, 128, 8, 0, false, false},  {DType::kF32, 8, 2, -1, false, false},
+      {DType::kQ8_0, 128, 8, -1, true, true},   {DType::kBF16, 60, 4, 1, false, true}};
+  const int d = 256, de = 64;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(ts::dtype_name(c.type)) + " experts " + std::to_string(c.n_experts) +
+                 " top " + std::to_string(c.k) + " wide " + std::to_string(c.force_wide) +
+                 (c.q8act ? " q8 x" : "") + (c.nan ? " NaN" : ""));
+    std::vector<std::vector<uint8_t>> G, U;
+    std::vector<Dev*> owned;
+    std::vector<const void*> gp, up;
+    for (int e = 0; e < c.n_experts; ++e) {
+      G.push_back(make_matrix(c.type, de, d, uint32_t(700 + e)));
+      U.push_back(make_matrix(c.type, de, d, uint32_t(900 + e)));
+      for (auto [v, tab] : {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up}}) {
+        owned.push_back(new Dev(*v));
+        tab->push_back(owned.back()->p);
+      }
+    }
+    std::vector<float> logits = randn(size_t(c.n_experts), uint32_t(31 + c.n_experts), 2.0f);
+    // Ties: the best logit copied onto another expert (a tie at the top), and rank k - 1's onto
+    // rank k's (a tie for the last place taken).
+    std::vector<int> order(static_cast<size_t>(c.n_experts));
+    for (int e = 0; e < c.n_experts; ++e) order[size_t(e)] = e;
+    std::sort(order.begin(), order.end(),
+              [&](int i, int j) { return logits[size_t(i)] > logits[size_t(j)]; });
+    logits[size_t(order[5 % c.n_experts])] = logits[size_t(order[0])];
+    logits[size_t(order[size_t(c.k)])] = logits[size_t(order[size_t(c.k - 1)])];
+    if (c.nan) logits[size_t(order[1])] = std::nanf("");
+    const std::vector<float> x = randn(size_t(d), 37);
+    Dev dg(gp), du(up), dl(logits), dx(x), dxq(static_cast<size_t>(d)), dxd(size_t(d / 32) * 4);
+    ts::cuda::quantize_act(dx.as<float>(), d, {dxq.as<int8_t>(), dxd.as<float>()}, nullptr);
+    struct Out {
+      Dev ids, w, hist, h;
+    };
+    const auto make_out = [&] {
+      return new Out{Dev(std::vector<int>(size_t(c.k), -7)),
+                     Dev(std::vector<float>(size_t(c.k), -7.0f)),
+                     Dev(std::vector<unsigned long long>(size_t(c.n_experts), 0)),
+                     Dev(std::vector<float>(size_t(c.k * de), -7.0f))};
+    };
+    const std::unique_ptr<Out> ref(make_out()), got(make_out());
+    const auto route_args = [&](Out& o) {
+      return ts::cuda::RouteArgs{.logits = dl.as<float>(),
+                                 .ids = o.ids.as<int>(),
+                                 .weights = o.w.as<float>(),
+                                 .hist = o.hist.as<unsigned long long>(),
+                                 .n = 1,
+                                 .n_experts = c.n_experts,
+                                 .top_k = c.k,
+                                 .renormalize = true};
+    };
+    const auto moe_args = [&](Out& o) {
+      ts::cuda::MoeArgs a{.gate = dg.as<const void*>(),
+                          .up = du.as<const void*>(),
+                          .down = nullptr,
+                          .gate_dtype = c.type,
+                          .down_dtype = c.type,
+                          .ids = o.ids.as<int>(),
+                          .weights = o.w.as<float>(),
+                          .xn = dx.as<float>(),
+                          .h = o.h.as<float>(),
+                          .out = nullptr,
+                          .n = 1,
+                          .d_model = d,
+                          .d_expert = de,
+                          .top_k = c.k};
+      if (c.q8act) {
+        a.xq = dxq.as<int8_t>();
+        a.xd = dxd.as<float>();
+      }
+      a.force_wide = c.force_wide;
+      return a;
+    };
+    ts::cuda::route(route_args(*ref), nullptr);
+    ts::cuda::moe_gate_up(moe_args(*ref), nullptr);
+    ts::cuda::MoeArgs a = moe_args(*got);
+    a.route = route_args(*got);
+    ts::cuda::moe_gate_up(a, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int> ids = got->ids.get<int>();
+    EXPECT_EQ(ids, ref->ids.get<int>());
+    for (int e : ids) EXPECT_TRUE(e >= 0 && e < c.n_experts) << e;
+    EXPECT_EQ(got->w.get<uint32_t>(), ref->w.get<uint32_t>());
+    EXPECT_EQ(got->hist.get<unsigned long long>(), ref->hist.get<unsigned long long>());
+    EXPECT_EQ(got->h.get<uint32_t>(), ref->h.get<uint32_t>());
+    if (!c.nan) {
+      // And the CPU's selection (select_experts): the same ids.
+      std::vector<int> want_ids(static_cast<size_t>(c.k));
+      std::vector<float> want_w(static_cast<size_t>(c.k));
+      ts::model::select_experts(logits, {.renormalize = true},
+                                {.ids = want_ids, .weights = want_w});
+      EXPECT_EQ(ids, want_ids);
+      EXPECT_LE(max_rel(got->w.get<float>(), want_w), 1e-6);
+    }
+    for (Dev* p : owned) delete p;
+  }
+}
+
 // The expert cache's decode path: one token's ids also land in mapped host memory, and the
 // flag is raised only after them.
 TEST(CudaKernels, RouteWritesIdsAndFlagToMappedHostMemory) {
