@@ -175,7 +175,7 @@ Status CudaSession::begin(int device) {
   const char* pe = std::getenv("TURBOSPARK_CUDA_PREDICT");
   predict_ = !(pe && std::string(pe) == "0");
   const char* re = std::getenv("TURBOSPARK_CUDA_ROUTE_IN_P1");
-  route_in_p1_ = !(re && std::string(re) == "0");
+  route_in_p1_ = !re ? -1 : std::string(re) == "0" ? 0 : 1;
   // (Probes the device once, here: never during a graph capture.)
   const bool clusters = cluster_launch_available();
   cluster_attention_ok_ =

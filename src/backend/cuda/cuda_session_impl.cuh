@@ -366,9 +366,10 @@ class CudaSession final : public runtime::Engine {
   // prefetched: at most half of top_k and of the L2 (TURBOSPARK_CUDA_PREDICT_RANKS=N to
   // measure; 0: predicted, nothing prefetched).
   bool predict_ = true;
-  // Decode's top-k in phase 1's blocks (MoeArgs::route); TURBOSPARK_CUDA_ROUTE_IN_P1=0: in
-  // the router's last block (to measure).
-  bool route_in_p1_ = true;
+  // Decode's top-k in phase 1's blocks (MoeArgs::route): -1 where measured faster (Q8_0
+  // experts: docs/PERF.md), else in the router's last block; TURBOSPARK_CUDA_ROUTE_IN_P1=0
+  // never, =1 for every expert type (to measure, and to test the path on every kernel).
+  int route_in_p1_ = -1;
   int predict_ranks_ = 0;
   bool predicting_ = false;      // capturing a decode graph with predict_
   cudaStream_t side_ = nullptr;  // the predictions and prefetches

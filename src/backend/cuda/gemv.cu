@@ -659,10 +659,14 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
 }
 
 // Slot s's expert in phase 1: read from ids, or (MoeArgs::route) ranked by warp 0 from the
-// router's logits and handed to the block's other warps. Every thread of the block calls it.
-__device__ __forceinline__ int slot_expert(const MoeArgs& a, int s) {
+// router's logits and handed to the block's other warps through `picked`, kRouteSmem bytes of
+// dynamic shared memory that only launches with a route add (so the kernels' shared memory,
+// and what fits beside them on an SM, is unchanged without one). Every thread of the block
+// calls it.
+constexpr size_t kRouteSmem = 16;
+
+__device__ __forceinline__ int slot_expert(const MoeArgs& a, int s, int* picked) {
   if (!a.route.logits) return a.ids[s];
-  __shared__ int picked;
   if (threadIdx.x < 32) {
     RouteArgs ra = a.route;
     if (blockIdx.x != 0 || s != 0) {  // one block writes ids, weights and hist
@@ -670,10 +674,10 @@ __device__ __forceinline__ int slot_expert(const MoeArgs& a, int s) {
       ra.hist = nullptr;
     }
     const int e = route_token(ra, 0, int(threadIdx.x), s);
-    if (threadIdx.x == 0) picked = e;
+    if (threadIdx.x == 0) *picked = e;
   }
   __syncthreads();
-  return picked;
+  return *picked;
 }
 
 // grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
@@ -682,7 +686,8 @@ __device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
   pdl_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
-  const int e = slot_expert(a, s), t = s / a.top_k;
+  extern __shared__ int4 gate_up_rows_smem[];  // kRouteSmem with a route, else none
+  const int e = slot_expert(a, s, reinterpret_cast<int*>(gate_up_rows_smem)), t = s / a.top_k;
   if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
   const size_t rb = dtype_row_bytes_dev(T, a.d_model);
   const float* x = a.xn + size_t(t) * a.d_model;
@@ -714,9 +719,11 @@ __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs
   extern __shared__ float4 gate_up_smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
-  const int e = slot_expert(a, s), t = s / a.top_k;
-  if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
   const size_t rb = dtype_row_bytes_dev(DType::kQ8_0, a.d_model);
+  // The route's scratch past the rows' tiles.
+  int* picked = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(gate_up_smem) + kWarps * 2 * rb);
+  const int e = slot_expert(a, s, picked), t = s / a.top_k;
+  if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
   uint8_t* tile = reinterpret_cast<uint8_t*>(gate_up_smem) + size_t(warp) * 2 * rb;
   warp_copy_async(tile, static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb, int(rb), lane);
   warp_copy_async(tile + rb, static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb, int(rb), lane);
@@ -1117,7 +1124,7 @@ template <DType T>
 void launch_gate_up_16(const MoeArgs& a, dim3 grid, cudaStream_t s) {
   const auto kernel =
       gate_up_wide<T>(a, grid.x * grid.y) ? moe_gate_up_wide_kernel<T> : moe_gate_up_kernel<T>;
-  launch_kernel(kernel, grid, 32 * kWarps, 0, s, a);
+  launch_kernel(kernel, grid, 32 * kWarps, a.route.logits ? kRouteSmem : 0, s, a);
 }
 
 // Grid (ranks, 2: gate and up), each thread asking chunks of kPrefetchChunk bytes of its
@@ -1167,8 +1174,11 @@ void count_predicted(const int* pred, const int* real, int layers, int top_k,
 
 void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned((a.d_expert + kWarps - 1) / kWarps), unsigned(a.n * a.top_k));
+  const size_t route = a.route.logits ? kRouteSmem : 0;
   switch (a.gate_dtype) {
-    case DType::kF32: launch_kernel(moe_gate_up_kernel<DType::kF32>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kF32:
+      launch_kernel(moe_gate_up_kernel<DType::kF32>, grid, 32 * kWarps, route, s, a);
+      break;
     case DType::kF16:
       launch_gate_up_16<DType::kF16>(a, grid, s);
       break;
@@ -1178,11 +1188,13 @@ void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
     case DType::kQ8_0:
       if (moe_gate_up_staged(a))
         launch_kernel(moe_gate_up_q8_kernel, grid, 32 * kWarps,
-                      size_t(kWarps) * 2 * dtype_row_bytes(DType::kQ8_0, a.d_model), s, a);
+                      size_t(kWarps) * 2 * dtype_row_bytes(DType::kQ8_0, a.d_model) + route, s, a);
       else
-        launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, 0, s, a);
+        launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, route, s, a);
       break;
-    case DType::kQ4_K: launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, 0, s, a); break;
+    case DType::kQ4_K:
+      launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, route, s, a);
+      break;
   }
 }
 
