@@ -29,7 +29,8 @@ Status CudaSession::moe_block(int layer, int n) {
   // logits up to its own slot (MoeArgs::route), so the router's launch ends at its logits.
   // Not where the host reads the ids between the launches (the expert cache, router traces).
   const bool rank_in_p1 =
-      fused_route && !cached() && !to_host && !iv_.trace_router &&
+      fused_route && hp_.n_experts <= kMaxPhaseRouteExperts && !cached() && !to_host &&
+      !iv_.trace_router &&
       (route_in_p1_ == 1 || (route_in_p1_ == -1 && L.experts[0].gate.dtype == DType::kQ8_0));
   if (fused_route) {
     // Decode: norm, router and top-k in one launch (each was a launch of its own, paid

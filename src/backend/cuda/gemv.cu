@@ -404,15 +404,17 @@ bool gemv_staged(DType t, const GemvParams& p) {
 }
 
 constexpr int kRoutePer = kMaxExperts / 32;
+// The top-k in the expert phases (MoeArgs::route) holds a lane's probabilities in registers
+// beside the phases' own: up to kMaxPhaseRouteExperts experts (route_in_phases_applies).
+constexpr int kPhaseRoutePer = kMaxPhaseRouteExperts / 32;
 
 // Token t's softmax over its logits by one warp: lane holds experts lane, lane + 32, ...
 // (-1 past n_experts). The logits are read from L2 (__ldcg): norm_route_kernel routes on
 // logits other blocks of the same grid wrote. The loops stop at the last group of 32 that
 // holds an expert (warp-uniform), so 128 experts take 4 of kRoutePer steps; the steps skipped
 // would add 0 to the sum and -inf to the max, so the bits are those of the full loop.
-__device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane,
-                                            float (&p)[kRoutePer]) {
-  constexpr int kPer = kRoutePer;
+template <int kPer = kRoutePer>
+__device__ __forceinline__ void route_probs(const RouteArgs& a, int t, int lane, float (&p)[kPer]) {
   const int used = (a.n_experts + 31) / 32;
   const float* lg = a.logits + size_t(t) * a.n_experts;
   float mx = -INFINITY;
@@ -450,8 +452,10 @@ __device__ __forceinline__ void raise_host_flag(const RouteArgs& a, int lane) {
 // Without a.ids the rounds stop at `want` (phase 1 ranking its own slot: slot_expert). Ranks
 // that no probability fills (only with NaN probabilities) name expert 0 with weight 0, as
 // block_route_one's do, so every id indexes the tables.
+// kPer: groups of 32 experts a lane holds (n_experts <= 32 kPer; fewer take fewer registers,
+// same bits).
+template <int kPer = kRoutePer>
 __device__ __forceinline__ int route_token(const RouteArgs& a, int t, int lane, int want = -1) {
-  constexpr int kPer = kRoutePer;
   float p[kPer];
   route_probs(a, t, lane, p);
   float picked_sum = 0, mine_w = 0.0f;
@@ -673,7 +677,7 @@ __device__ __forceinline__ int slot_expert(const MoeArgs& a, int s, int* picked)
       ra.ids = nullptr;
       ra.hist = nullptr;
     }
-    const int e = route_token(ra, 0, int(threadIdx.x), s);
+    const int e = route_token<kPhaseRoutePer>(ra, 0, int(threadIdx.x), s);
     if (threadIdx.x == 0) *picked = e;
   }
   __syncthreads();
@@ -852,7 +856,8 @@ __global__ void moe_down_sum_kernel(MoeArgs a) {
 // before the one before this (phase 1, and for Q4_K h's quantization after it), so complete
 // once that one has passed its own wait, which it has when this one launches, the tables and the
 // rows are weights, and with the GPU expert cache this launch also waits on the copies' event. Only
-// h (and its Q8 copy), written by the kernel before, is read after the wait.
+// h (and its Q8 copy), written by the kernel before, is read after the wait. With the top-k in
+// phase 1 (MoeArgs::route) phase 1 writes the ids, so each warp ranks the router's logits itself.
 constexpr int kMaxRankWarps = 8;
 constexpr int kRankRows = 4;
 constexpr int kRankRowBytes = 1088;  // Q8_0 rows staged per warp: up to 1,024 columns
@@ -873,7 +878,19 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps, kRankMinBlocks<T>)
   const int r0 = blockIdx.x * kRankRows, t = blockIdx.y, s = t * a.top_k + k;
   const int rows = min(kRankRows, a.d_model - r0);
   const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
-  const int e = __ldcg(a.ids + s);
+  int e;
+  if (a.route.logits) {
+    // The top-k in phase 1 (MoeArgs::route): the ids are phase 1's, the kernel just before,
+    // so not to be read before the wait; the logits are the router's, two kernels back. Warp
+    // k ranks them up to its own rank, as phase 1's blocks do (the weights, read after the
+    // wait, are phase 1's).
+    RouteArgs ra = a.route;
+    ra.ids = nullptr;
+    ra.hist = nullptr;
+    e = route_token<kPhaseRoutePer>(ra, t, lane, k);
+  } else {
+    e = __ldcg(a.ids + s);
+  }
   const uint8_t* row0 = reinterpret_cast<const uint8_t*>(
                             __ldcg(reinterpret_cast<const unsigned long long*>(a.down) + e)) +
                         size_t(r0) * rb;

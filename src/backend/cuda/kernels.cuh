@@ -199,13 +199,17 @@ struct MoeArgs {
   // BF16 / F16 phase 1: -1 picks its kernel by the grid's waves (gemv.cu gate_up_wide);
   // tests force 1 (40 registers) or 0 (default) to compare the two.
   int force_wide = -1;
-  // Decode (n == 1) with the top-k in phase 1 (route.logits set): every phase 1 block ranks
-  // the router's logits itself, as route() does, up to its own slot's rank; block (0, 0) also
-  // writes route.ids, weights and hist for phase 2 (ids and weights must then be route's
-  // arrays) and the statistics. The router's launch then ends at its logits
+  // Decode (n == 1) with the top-k in the phases (route.logits set; n_experts at most
+  // kMaxPhaseRouteExperts): every phase 1 block ranks the router's logits itself, as route()
+  // does, up to its own slot's rank; block (0, 0) also writes route.ids, weights and hist (ids
+  // and weights must then be route's arrays) for phase 2 and the statistics. Phase 2 by rank
+  // stages its rows before its wait, before phase 1's ids exist: each of its warps ranks the
+  // logits up to its own rank. The router's launch then ends at its logits
   // (NormRouteArgs::route_here false): its last block's count and ranking leave the chain.
   RouteArgs route = {};
 };
+// Up to this many experts the top-k may run in the expert phases (MoeArgs::route).
+constexpr int kMaxPhaseRouteExperts = 128;
 // The gate and up matrices of the experts a layer is predicted to pick, asked into L2 ahead
 // of its phases (cp.async.bulk.prefetch.L2: no registers, no shared memory, nothing waits for
 // it). Only a prediction: the phases read the experts the router picks, whatever was

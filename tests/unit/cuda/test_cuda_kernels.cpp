@@ -964,11 +964,14 @@ TEST(CudaKernels, NormRouteMatchesNormRouterAndTopK) {
 }
 
 // Decode's top-k inside phase 1 (MoeArgs::route): every block ranks the logits up to its own
-// slot, block (0, 0) writes ids / weights / hist. The same ids, weights, histogram and h, to
-// the bit, as route() followed by phase 1 reading the ids — for every phase 1 kernel (Q8_0
-// staged with Q8 activations, Q8_0 / Q4_K / F32 rows, BF16 both widths), expert counts off 32
-// (60, 300 with top 40: ranks written in two groups), ties at the top and at the last rank
-// taken, and logits with NaN (ids must still index the tables).
+// slot, block (0, 0) writes ids / weights / hist; phase 2 by rank, which stages its rows before
+// its wait, ranks them again per warp (the ids are phase 1's, not yet written then). The same
+// ids, weights, histogram, h and output, to the bit, as route() followed by the phases reading
+// the ids — for every phase 1 kernel (Q8_0 staged with Q8 activations, Q8_0 / Q4_K / F32 rows,
+// BF16 both widths), phase 2 by rank and by row (top 40: ranks written in two groups), expert
+// counts off 32 (60, 8), ties at the top and at the last rank taken, and logits
+// with NaN (ids must still index the tables). The ids start as a valid wrong pick, so a phase
+// that read them too early would give other bytes.
 TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
   SKIP_WITHOUT_GPU();
   struct Case {
@@ -978,22 +981,24 @@ TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
   };
   const Case cases[] = {
       {DType::kQ8_0, 128, 8, -1, true, false},  {DType::kQ8_0, 60, 4, -1, true, false},
-      {DType::kQ8_0, 300, 40, -1, true, false}, {DType::kQ8_0, 128, 8, -1, false, false},
+      {DType::kQ8_0, 128, 40, -1, true, false}, {DType::kQ8_0, 128, 8, -1, false, false},
       {DType::kQ4_K, 128, 8, -1, true, false},  {DType::kBF16, 128, 8, 1, false, false},
       {DType::kBF16, 128, 8, 0, false, false},  {DType::kF32, 8, 2, -1, false, false},
       {DType::kQ8_0, 128, 8, -1, true, true},   {DType::kBF16, 60, 4, 1, false, true}};
-  const int d = 256, de = 64;
+  const int d = 256, de = 256;
   for (const Case& c : cases) {
     SCOPED_TRACE(std::string(ts::dtype_name(c.type)) + " experts " + std::to_string(c.n_experts) +
                  " top " + std::to_string(c.k) + " wide " + std::to_string(c.force_wide) +
                  (c.q8act ? " q8 x" : "") + (c.nan ? " NaN" : ""));
-    std::vector<std::vector<uint8_t>> G, U;
+    std::vector<std::vector<uint8_t>> G, U, D;
     std::vector<Dev*> owned;
-    std::vector<const void*> gp, up;
+    std::vector<const void*> gp, up, dp;
     for (int e = 0; e < c.n_experts; ++e) {
       G.push_back(make_matrix(c.type, de, d, uint32_t(700 + e)));
       U.push_back(make_matrix(c.type, de, d, uint32_t(900 + e)));
-      for (auto [v, tab] : {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up}}) {
+      D.push_back(make_matrix(c.type, d, de, uint32_t(1100 + e)));
+      for (auto [v, tab] :
+           {std::pair{&G.back(), &gp}, std::pair{&U.back(), &up}, std::pair{&D.back(), &dp}}) {
         owned.push_back(new Dev(*v));
         tab->push_back(owned.back()->p);
       }
@@ -1009,16 +1014,22 @@ TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
     logits[size_t(order[size_t(c.k)])] = logits[size_t(order[size_t(c.k - 1)])];
     if (c.nan) logits[size_t(order[1])] = std::nanf("");
     const std::vector<float> x = randn(size_t(d), 37);
-    Dev dg(gp), du(up), dl(logits), dx(x), dxq(static_cast<size_t>(d)), dxd(size_t(d / 32) * 4);
+    Dev dg(gp), du(up), dd(dp), dl(logits), dx(x), dxq(static_cast<size_t>(d)),
+        dxd(size_t(d / 32) * 4);
     ts::cuda::quantize_act(dx.as<float>(), d, {dxq.as<int8_t>(), dxd.as<float>()}, nullptr);
     struct Out {
-      Dev ids, w, hist, h;
+      Dev ids, w, hist, h, hq, hd, out;
     };
     const auto make_out = [&] {
-      return new Out{Dev(std::vector<int>(size_t(c.k), -7)),
+      std::vector<int> wrong(static_cast<size_t>(c.k));
+      for (int r = 0; r < c.k; ++r) wrong[size_t(r)] = (r * 7 + 1) % c.n_experts;
+      return new Out{Dev(wrong),
                      Dev(std::vector<float>(size_t(c.k), -7.0f)),
                      Dev(std::vector<unsigned long long>(size_t(c.n_experts), 0)),
-                     Dev(std::vector<float>(size_t(c.k * de), -7.0f))};
+                     Dev(std::vector<float>(size_t(c.k * de), -7.0f)),
+                     Dev(size_t(c.k * de)),
+                     Dev(size_t(c.k * de / 32) * 4),
+                     Dev(std::vector<float>(size_t(d), -7.0f))};
     };
     const std::unique_ptr<Out> ref(make_out()), got(make_out());
     const auto route_args = [&](Out& o) {
@@ -1034,14 +1045,14 @@ TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
     const auto moe_args = [&](Out& o) {
       ts::cuda::MoeArgs a{.gate = dg.as<const void*>(),
                           .up = du.as<const void*>(),
-                          .down = nullptr,
+                          .down = dd.as<const void*>(),
                           .gate_dtype = c.type,
                           .down_dtype = c.type,
                           .ids = o.ids.as<int>(),
                           .weights = o.w.as<float>(),
                           .xn = dx.as<float>(),
                           .h = o.h.as<float>(),
-                          .out = nullptr,
+                          .out = o.out.as<float>(),
                           .n = 1,
                           .d_model = d,
                           .d_expert = de,
@@ -1053,11 +1064,22 @@ TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
       a.force_wide = c.force_wide;
       return a;
     };
+    // Both phases, h quantized between them for Q4_K (as the session does).
+    const auto phases = [&](ts::cuda::MoeArgs a, Out& o) {
+      ts::cuda::moe_gate_up(a, nullptr);
+      if (c.type == DType::kQ4_K) {
+        ts::cuda::quantize_act(o.h.as<float>(), int64_t(c.k) * de,
+                               {o.hq.as<int8_t>(), o.hd.as<float>()}, nullptr);
+        a.hq = o.hq.as<int8_t>();
+        a.hd = o.hd.as<float>();
+      }
+      ts::cuda::moe_down_sum(a, nullptr);
+    };
     ts::cuda::route(route_args(*ref), nullptr);
-    ts::cuda::moe_gate_up(moe_args(*ref), nullptr);
+    phases(moe_args(*ref), *ref);
     ts::cuda::MoeArgs a = moe_args(*got);
     a.route = route_args(*got);
-    ts::cuda::moe_gate_up(a, nullptr);
+    phases(a, *got);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<int> ids = got->ids.get<int>();
     EXPECT_EQ(ids, ref->ids.get<int>());
@@ -1065,6 +1087,7 @@ TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
     EXPECT_EQ(got->w.get<uint32_t>(), ref->w.get<uint32_t>());
     EXPECT_EQ(got->hist.get<unsigned long long>(), ref->hist.get<unsigned long long>());
     EXPECT_EQ(got->h.get<uint32_t>(), ref->h.get<uint32_t>());
+    EXPECT_EQ(got->out.get<uint32_t>(), ref->out.get<uint32_t>());
     if (!c.nan) {
       // And the CPU's selection (select_experts): the same ids.
       std::vector<int> want_ids(static_cast<size_t>(c.k));
