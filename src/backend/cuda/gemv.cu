@@ -405,7 +405,7 @@ bool gemv_staged(DType t, const GemvParams& p) {
 
 constexpr int kRoutePer = kMaxExperts / 32;
 // The top-k in the expert phases (MoeArgs::route) holds a lane's probabilities in registers
-// beside the phases' own: up to kMaxPhaseRouteExperts experts (route_in_phases_applies).
+// beside the phases' own: up to kMaxPhaseRouteExperts experts (the session checks).
 constexpr int kPhaseRoutePer = kMaxPhaseRouteExperts / 32;
 
 // Token t's softmax over its logits by one warp: lane holds experts lane, lane + 32, ...
@@ -607,7 +607,7 @@ __host__ __device__ constexpr size_t norm_route_smem(int d, int rows, size_t row
   return size_t(d) * 8 + size_t(rows) * row_bytes;
 }
 
-template <DType T>
+template <DType T, bool kRouteHere>
 __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
   extern __shared__ float4 norm_route_smem4[];
   const int d = a.d, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -645,10 +645,10 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
     const float v = warp_sum(acc);
     if (lane == 0) a.logits[e] = v;
   }
+  if constexpr (!kRouteHere) return;  // the expert phases rank the logits (MoeArgs::route)
   // The last block counts itself: the barrier orders every thread's writes before thread
   // 0's fence, which is cumulative, so one fence per block (as cooperative groups' grid sync)
   // instead of one per thread before the count and again after it (+0.7% decode, docs/PERF.md).
-  if (!a.route_here) return;
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -666,11 +666,11 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
 // router's logits and handed to the block's other warps through `picked`, kRouteSmem bytes of
 // dynamic shared memory that only launches with a route add (so the kernels' shared memory,
 // and what fits beside them on an SM, is unchanged without one). Every thread of the block
-// calls it.
+// calls it. The phase kernels take it as a template choice (kRoute), so without a route they
+// are the code they were before it existed.
 constexpr size_t kRouteSmem = 16;
 
 __device__ __forceinline__ int slot_expert(const MoeArgs& a, int s, int* picked) {
-  if (!a.route.logits) return a.ids[s];
   if (threadIdx.x < 32) {
     RouteArgs ra = a.route;
     if (blockIdx.x != 0 || s != 0) {  // one block writes ids, weights and hist
@@ -684,15 +684,21 @@ __device__ __forceinline__ int slot_expert(const MoeArgs& a, int s, int* picked)
   return *picked;
 }
 
-// grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row).
-template <DType T>
+// grid (ceil(d_expert / kWarps), n * top_k): warp per (slot, row). kRoute: the slot's expert
+// ranked here (MoeArgs::route), else read from ids.
+template <DType T, bool kRoute>
 __device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
   pdl_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
-  extern __shared__ int4 gate_up_rows_smem[];  // kRouteSmem with a route, else none
-  const int e = slot_expert(a, s, reinterpret_cast<int*>(gate_up_rows_smem)), t = s / a.top_k;
+  int e = 0;
+  if constexpr (kRoute) {
+    extern __shared__ int4 gate_up_rows_smem[];  // kRouteSmem
+    e = slot_expert(a, s, reinterpret_cast<int*>(gate_up_rows_smem));
+  }
   if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
+  if constexpr (!kRoute) e = a.ids[s];
+  const int t = s / a.top_k;
   const size_t rb = dtype_row_bytes_dev(T, a.d_model);
   const float* x = a.xn + size_t(t) * a.d_model;
   float g[1] = {}, u[1] = {};
@@ -706,9 +712,9 @@ __device__ __forceinline__ void gate_up_rows(const MoeArgs& a) {
   if (lane == 0) a.h[size_t(s) * a.d_expert + r] = gv / (1.0f + expf(-gv)) * uv;
 }
 
-template <DType T>
+template <DType T, bool kRoute>
 __global__ void moe_gate_up_kernel(MoeArgs a) {
-  gate_up_rows<T>(a);
+  gate_up_rows<T, kRoute>(a);
 }
 
 // Q8_0 experts with Q8 activations, rows of up to kStagedBytes / 2 (moe_gate_up_staged):
@@ -718,16 +724,22 @@ __global__ void moe_gate_up_kernel(MoeArgs a) {
 // kernels' tile it was 5 per SM, 2.3 waves). Same sums as gate_up_rows (q8q8_tile_dot's),
 // with the lane's first block of x loaded before the wait for the rows (+1.1% decode,
 // docs/PERF.md thirteenth session).
+template <bool kRoute>
 __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_q8_kernel(MoeArgs a) {
   pdl_wait();
   extern __shared__ float4 gate_up_smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.x * kWarps + warp, s = blockIdx.y;
-  const size_t rb = dtype_row_bytes_dev(DType::kQ8_0, a.d_model);
-  // The route's scratch past the rows' tiles.
-  int* picked = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(gate_up_smem) + kWarps * 2 * rb);
-  const int e = slot_expert(a, s, picked), t = s / a.top_k;
+  int e = 0;
+  if constexpr (kRoute)  // the route's scratch past the rows' tiles
+    e = slot_expert(
+        a, s,
+        reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(gate_up_smem) +
+                               kWarps * 2 * dtype_row_bytes_dev(DType::kQ8_0, a.d_model)));
   if (r >= a.d_expert || (a.slot_mask && a.slot_mask[s] != a.mask_value)) return;
+  if constexpr (!kRoute) e = a.ids[s];
+  const int t = s / a.top_k;
+  const size_t rb = dtype_row_bytes_dev(DType::kQ8_0, a.d_model);
   uint8_t* tile = reinterpret_cast<uint8_t*>(gate_up_smem) + size_t(warp) * 2 * rb;
   warp_copy_async(tile, static_cast<const uint8_t*>(a.gate[e]) + size_t(r) * rb, int(rb), lane);
   warp_copy_async(tile + rb, static_cast<const uint8_t*>(a.up[e]) + size_t(r) * rb, int(rb), lane);
@@ -776,9 +788,9 @@ bool moe_gate_up_staged(const MoeArgs& a) {
 }
 // BF16 / F16: 12 blocks of 4 warps per SM (40 registers), so qwen3-30b-a3b's 1,536 blocks
 // (8 experts x 768 rows) run in one wave instead of 1.16 (gate_up_wide decides).
-template <DType T>
+template <DType T, bool kRoute>
 __global__ void __launch_bounds__(32 * kWarps, 12) moe_gate_up_wide_kernel(MoeArgs a) {
-  gate_up_rows<T>(a);
+  gate_up_rows<T, kRoute>(a);
 }
 
 // grid (ceil(d_model / kWarps), n): warp per (token, row), ranks summed in order. For the
@@ -870,7 +882,7 @@ constexpr size_t kRankMaxSmem = 96 * 1024;
 template <DType T>
 constexpr int kRankMinBlocks = T == DType::kQ8_0 ? 4 : 1;
 
-template <DType T>
+template <DType T, bool kRoute>
 __global__ void __launch_bounds__(32 * kMaxRankWarps, kRankMinBlocks<T>)
     moe_down_rank_kernel(MoeArgs a) {
   extern __shared__ float4 rank_smem[];
@@ -879,7 +891,7 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps, kRankMinBlocks<T>)
   const int rows = min(kRankRows, a.d_model - r0);
   const size_t rb = dtype_row_bytes_dev(T, a.d_expert);
   int e;
-  if (a.route.logits) {
+  if constexpr (kRoute) {
     // The top-k in phase 1 (MoeArgs::route): the ids are phase 1's, the kernel just before,
     // so not to be read before the wait; the logits are the router's, two kernels back. Warp
     // k ranks them up to its own rank, as phase 1's blocks do (the weights, read after the
@@ -1106,9 +1118,13 @@ void norm_route(const NormRouteArgs& args, cudaStream_t s) {
                                 (kNormRouteMaxSmem - size_t(a.d) * 8) / rb));
   const unsigned grid = unsigned((a.route.n_experts + a.rows - 1) / a.rows);
   const size_t smem = norm_route_smem(a.d, a.rows, rb);
-  const auto kernel = a.router_dtype == DType::kF32   ? norm_route_kernel<DType::kF32>
-                      : a.router_dtype == DType::kF16 ? norm_route_kernel<DType::kF16>
-                                                      : norm_route_kernel<DType::kBF16>;
+  const auto pick = [&]<bool kHere>() {
+    return a.router_dtype == DType::kF32   ? norm_route_kernel<DType::kF32, kHere>
+           : a.router_dtype == DType::kF16 ? norm_route_kernel<DType::kF16, kHere>
+                                           : norm_route_kernel<DType::kBF16, kHere>;
+  };
+  const auto kernel =
+      a.route_here ? pick.template operator()<true>() : pick.template operator()<false>();
   // Per device, so set at every launch (a host-side call); a failure shows at the launch.
   // (The static shared memory counts against the 48 KiB default too.)
   if (smem > 32 * 1024)
@@ -1129,19 +1145,20 @@ bool gate_up_wide(const MoeArgs& a, unsigned blocks) {
     int dev = 0, sms = 0, narrow = 0, wide = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&narrow, moe_gate_up_kernel<T>, 32 * kWarps, 0);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&wide, moe_gate_up_wide_kernel<T>, 32 * kWarps,
-                                                  0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&narrow, moe_gate_up_kernel<T, false>,
+                                                  32 * kWarps, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&wide, moe_gate_up_wide_kernel<T, false>,
+                                                  32 * kWarps, 0);
     return std::pair{unsigned(narrow * sms), unsigned(wide * sms)};
   }();
   return blocks > wave.first && blocks <= wave.second;
 }
 
-template <DType T>
+template <DType T, bool kRoute>
 void launch_gate_up_16(const MoeArgs& a, dim3 grid, cudaStream_t s) {
-  const auto kernel =
-      gate_up_wide<T>(a, grid.x * grid.y) ? moe_gate_up_wide_kernel<T> : moe_gate_up_kernel<T>;
-  launch_kernel(kernel, grid, 32 * kWarps, a.route.logits ? kRouteSmem : 0, s, a);
+  const auto kernel = gate_up_wide<T>(a, grid.x * grid.y) ? moe_gate_up_wide_kernel<T, kRoute>
+                                                          : moe_gate_up_kernel<T, kRoute>;
+  launch_kernel(kernel, grid, 32 * kWarps, kRoute ? kRouteSmem : 0, s, a);
 }
 
 // Grid (ranks, 2: gate and up), each thread asking chunks of kPrefetchChunk bytes of its
@@ -1189,45 +1206,57 @@ void count_predicted(const int* pred, const int* real, int layers, int top_k,
   launch_kernel(count_predicted_kernel, 1, 256, 0, s, pred, real, layers, top_k, hits);
 }
 
-void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
+namespace {
+template <bool kRoute>
+void launch_gate_up(const MoeArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned((a.d_expert + kWarps - 1) / kWarps), unsigned(a.n * a.top_k));
-  const size_t route = a.route.logits ? kRouteSmem : 0;
+  const size_t route = kRoute ? kRouteSmem : 0;
   switch (a.gate_dtype) {
     case DType::kF32:
-      launch_kernel(moe_gate_up_kernel<DType::kF32>, grid, 32 * kWarps, route, s, a);
+      launch_kernel(moe_gate_up_kernel<DType::kF32, kRoute>, grid, 32 * kWarps, route, s, a);
       break;
     case DType::kF16:
-      launch_gate_up_16<DType::kF16>(a, grid, s);
+      launch_gate_up_16<DType::kF16, kRoute>(a, grid, s);
       break;
     case DType::kBF16:
-      launch_gate_up_16<DType::kBF16>(a, grid, s);
+      launch_gate_up_16<DType::kBF16, kRoute>(a, grid, s);
       break;
     case DType::kQ8_0:
       if (moe_gate_up_staged(a))
-        launch_kernel(moe_gate_up_q8_kernel, grid, 32 * kWarps,
+        launch_kernel(moe_gate_up_q8_kernel<kRoute>, grid, 32 * kWarps,
                       size_t(kWarps) * 2 * dtype_row_bytes(DType::kQ8_0, a.d_model) + route, s, a);
       else
-        launch_kernel(moe_gate_up_kernel<DType::kQ8_0>, grid, 32 * kWarps, route, s, a);
+        launch_kernel(moe_gate_up_kernel<DType::kQ8_0, kRoute>, grid, 32 * kWarps, route, s, a);
       break;
     case DType::kQ4_K:
-      launch_kernel(moe_gate_up_kernel<DType::kQ4_K>, grid, 32 * kWarps, route, s, a);
+      launch_kernel(moe_gate_up_kernel<DType::kQ4_K, kRoute>, grid, 32 * kWarps, route, s, a);
       break;
   }
 }
 
+template <bool kRoute>
+void launch_down_rank(const MoeArgs& a, cudaStream_t s) {
+  const dim3 grid(unsigned((a.d_model + kRankRows - 1) / kRankRows), unsigned(a.n));
+  const unsigned block = unsigned(32 * a.top_k);
+  const size_t smem = moe_down_rank_smem(a);
+  const auto kernel = a.down_dtype == DType::kBF16   ? moe_down_rank_kernel<DType::kBF16, kRoute>
+                      : a.down_dtype == DType::kF16  ? moe_down_rank_kernel<DType::kF16, kRoute>
+                      : a.down_dtype == DType::kQ4_K ? moe_down_rank_kernel<DType::kQ4_K, kRoute>
+                                                     : moe_down_rank_kernel<DType::kQ8_0, kRoute>;
+  // Per device, so set at every launch (a host-side call); a failure shows at the launch.
+  if (smem > 32 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  launch_kernel(kernel, grid, block, smem, s, a);
+}
+}  // namespace
+
+void moe_gate_up(const MoeArgs& a, cudaStream_t s) {
+  a.route.logits ? launch_gate_up<true>(a, s) : launch_gate_up<false>(a, s);
+}
+
 void moe_down_sum(const MoeArgs& a, cudaStream_t s) {
   if (moe_down_by_rank(a)) {
-    const dim3 grid(unsigned((a.d_model + kRankRows - 1) / kRankRows), unsigned(a.n));
-    const unsigned block = unsigned(32 * a.top_k);
-    const size_t smem = moe_down_rank_smem(a);
-    const auto kernel = a.down_dtype == DType::kBF16   ? moe_down_rank_kernel<DType::kBF16>
-                        : a.down_dtype == DType::kF16  ? moe_down_rank_kernel<DType::kF16>
-                        : a.down_dtype == DType::kQ4_K ? moe_down_rank_kernel<DType::kQ4_K>
-                                                       : moe_down_rank_kernel<DType::kQ8_0>;
-    // Per device, so set at every launch (a host-side call); a failure shows at the launch.
-    if (smem > 32 * 1024)
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    launch_kernel(kernel, grid, block, smem, s, a);
+    a.route.logits ? launch_down_rank<true>(a, s) : launch_down_rank<false>(a, s);
     return;
   }
   const dim3 grid(unsigned((a.d_model + kWarps - 1) / kWarps), unsigned(a.n));
