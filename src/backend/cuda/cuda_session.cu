@@ -124,7 +124,22 @@ Result<std::string> open_device(int device) {
                       std::to_string(count) + " CUDA device(s), numbered from 0");
   cudaDeviceProp prop{};
   CUDA_TRY(cudaGetDeviceProperties(&prop, device));
-  return "cuda:" + std::to_string(device) + " (" + prop.name + ")";
+  const std::string name = "cuda:" + std::to_string(device) + " (" + prop.name + ")";
+  // A card this build has no kernels for (an sm_80 / sm_89 card under the default sm_90
+  // build) would load every weight and then fail at the first launch: refuse it here.
+  CUDA_TRY(cudaSetDevice(device));
+  const cudaError_t image = kernel_image_status();
+  if (image != cudaSuccess) {
+    const std::string cc = std::to_string(prop.major) + std::to_string(prop.minor);
+    return make_error("--device " + name +
+                      ": this build has no CUDA kernels for its compute "
+                      "capability " +
+                      std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+                      " (built for CMAKE_CUDA_ARCHITECTURES " + TS_CUDA_ARCHITECTURES + "; " +
+                      cudaGetErrorString(image) +
+                      "): rebuild with -DCMAKE_CUDA_ARCHITECTURES=" + cc);
+  }
+  return name;
 }
 
 }  // namespace

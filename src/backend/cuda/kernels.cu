@@ -205,6 +205,11 @@ __global__ void cluster_probe_kernel(int* out) {
 
 }  // namespace
 
+cudaError_t kernel_image_status() {
+  cudaFuncAttributes a{};
+  return cudaFuncGetAttributes(&a, add_kernel);
+}
+
 // ---------------------------------------------------------------- host launchers
 
 bool cluster_launch_available() {

@@ -53,6 +53,10 @@ void embed_rows(const DevMatrix& table, const int* ids, int n, float* x, cudaStr
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int cols, float eps,
              cudaStream_t s, QAct q = {});
 
+// Whether this build holds a kernel image the current device can run (cudaSuccess), or why
+// not (cudaErrorNoKernelImageForDevice, ...): asked before any work, not at the first launch.
+cudaError_t kernel_image_status();
+
 void add_bias(float* y, const float* b, int n, int dim, cudaStream_t s);
 void add_inplace(float* x, const float* y, int64_t n, cudaStream_t s);
 // h = silu(g) * u
