@@ -223,6 +223,39 @@ TEST_P(CudaFixture, DecodeWithExpertPredictionIsByteIdentical) {
   }
 }
 
+// Decode's top-k in the expert phases (each phase 1 block and phase 2 warp ranks the router's
+// logits itself; by default for Q8_0 experts) changes no byte of a decode against the top-k in
+// the router's launch: the fixture's F32 weights and the same quantized to Q8_0 at load, every
+// step's logits compared across TURBOSPARK_CUDA_ROUTE_IN_P1=0 and =1 (and the default).
+TEST_P(CudaFixture, DecodeWithTopKInTheExpertPhasesIsByteIdentical) {
+  // (Every fixture qualifies: the norm + router launch needs d_model a multiple of 32, the
+  // phases' top-k at most 128 experts.)
+  if (model_->hp().d_model % 32 != 0 || model_->hp().n_experts > 128)
+    GTEST_SKIP() << "the top-k stays in the router's launch for this shape";
+  const int T = 24;
+  std::vector<int> tokens;
+  for (int t = 0; t < T; ++t) tokens.push_back(prompt_[size_t(t) % prompt_.size()]);
+  for (const bool q8 : {false, true}) {
+    const auto decode = [&](const char* route) {
+      if (route) setenv("TURBOSPARK_CUDA_ROUTE_IN_P1", route, 1);
+      auto s = engine(*model_, {.n_ctx = T, .quantize_q8_0 = q8});
+      unsetenv("TURBOSPARK_CUDA_ROUTE_IN_P1");
+      return decode_rows(s.get(), tokens);
+    };
+    const std::vector<float> base = decode("0");
+    ASSERT_EQ(base.size(), size_t(T) * V_);
+    for (const char* route : {"1", static_cast<const char*>(nullptr)}) {
+      const std::vector<float> got = decode(route);
+      ASSERT_EQ(got.size(), base.size());
+      for (int t = 0; t < T; ++t)
+        EXPECT_EQ(0, std::memcmp(&got[size_t(t) * V_], &base[size_t(t) * V_], V_ * 4))
+            << (q8 ? "Q8_0" : "F32")
+            << ", TURBOSPARK_CUDA_ROUTE_IN_P1=" << (route ? route : "(default)") << ", position "
+            << t;
+    }
+  }
+}
+
 // The device holds the same bytes whatever residency the host used: logits byte-identical,
 // and repeated runs in one session are too.
 TEST_P(CudaFixture, LogitsByteIdenticalAcrossResidencyAndRepeats) {
