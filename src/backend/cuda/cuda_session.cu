@@ -130,14 +130,12 @@ Result<std::string> open_device(int device) {
   CUDA_TRY(cudaSetDevice(device));
   const cudaError_t image = kernel_image_status();
   if (image != cudaSuccess) {
-    const std::string cc = std::to_string(prop.major) + std::to_string(prop.minor);
-    return make_error("--device " + name +
-                      ": this build has no CUDA kernels for its compute "
-                      "capability " +
-                      std::to_string(prop.major) + "." + std::to_string(prop.minor) +
-                      " (built for CMAKE_CUDA_ARCHITECTURES " + TS_CUDA_ARCHITECTURES + "; " +
-                      cudaGetErrorString(image) +
-                      "): rebuild with -DCMAKE_CUDA_ARCHITECTURES=" + cc);
+    const std::string cc = std::to_string(prop.major) + "." + std::to_string(prop.minor);
+    const std::string arch = std::to_string(prop.major) + std::to_string(prop.minor);
+    return make_error(
+        "--device " + name + ": this build has no CUDA kernels for its compute capability " + cc +
+        " (built for CMAKE_CUDA_ARCHITECTURES " TS_CUDA_ARCHITECTURES "; " +
+        cudaGetErrorString(image) + "): rebuild with -DCMAKE_CUDA_ARCHITECTURES=" + arch);
   }
   return name;
 }

@@ -670,14 +670,19 @@ __global__ void __launch_bounds__(1024) norm_route_kernel(NormRouteArgs a) {
 // are the code they were before it existed.
 constexpr size_t kRouteSmem = 16;
 
+// Token t's expert at rank `want` in the phases (route_token's rounds, every lane); `record`:
+// also writes ids, weights and hist (one block of the grid does).
+__device__ __forceinline__ int phase_rank(RouteArgs ra, int t, int lane, int want, bool record) {
+  if (!record) {
+    ra.ids = nullptr;
+    ra.hist = nullptr;
+  }
+  return route_token<kPhaseRoutePer>(ra, t, lane, want);
+}
+
 __device__ __forceinline__ int slot_expert(const MoeArgs& a, int s, int* picked) {
   if (threadIdx.x < 32) {
-    RouteArgs ra = a.route;
-    if (blockIdx.x != 0 || s != 0) {  // one block writes ids, weights and hist
-      ra.ids = nullptr;
-      ra.hist = nullptr;
-    }
-    const int e = route_token<kPhaseRoutePer>(ra, 0, int(threadIdx.x), s);
+    const int e = phase_rank(a.route, 0, int(threadIdx.x), s, blockIdx.x == 0 && s == 0);
     if (threadIdx.x == 0) *picked = e;
   }
   __syncthreads();
@@ -896,10 +901,7 @@ __global__ void __launch_bounds__(32 * kMaxRankWarps, kRankMinBlocks<T>)
     // so not to be read before the wait; the logits are the router's, two kernels back. Warp
     // k ranks them up to its own rank, as phase 1's blocks do (the weights, read after the
     // wait, are phase 1's).
-    RouteArgs ra = a.route;
-    ra.ids = nullptr;
-    ra.hist = nullptr;
-    e = route_token<kPhaseRoutePer>(ra, t, lane, k);
+    e = phase_rank(a.route, t, lane, k, false);
   } else {
     e = __ldcg(a.ids + s);
   }
