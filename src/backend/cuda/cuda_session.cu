@@ -169,9 +169,10 @@ CudaSession::~CudaSession() {
     for (cudaGraphExec_t g : set) cudaGraphExecDestroy(g);
   if (blas_) bl_->destroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
-  for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_),
-                  static_cast<void*>(h_ids_), static_cast<void*>(h_slot_hit_),
-                  static_cast<void*>(h_logits_), static_cast<void*>(ids_flag_host_)})
+  for (void* p :
+       {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_), static_cast<void*>(h_ids_),
+        static_cast<void*>(h_plan_), static_cast<void*>(h_slot_hit_), static_cast<void*>(h_logits_),
+        static_cast<void*>(ids_flag_host_)})
     if (p) cudaFreeHost(p);
 }
 
@@ -464,6 +465,7 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(sel_w_, arena_.alloc_n<float>(c * k));
   TS_ASSIGN(group_src_, arena_.alloc_n<int>(c * k));
   TS_ASSIGN(group_row_of_, arena_.alloc_n<int>(c * k));
+  TS_ASSIGN(plan_, arena_.alloc_n<int>(size_t(std::max(1, hp.n_experts)) + 1 + kPlanFields));
   TS_ASSIGN(group_tiles_, arena_.alloc_n<GroupTile>(c * k / size_t(kQuantSmallTile) +
                                                     size_t(std::max(1, hp.n_experts)) + 1));
   TS_ASSIGN(slot_rows_, arena_.alloc_n<float>(c * k * d));
@@ -560,6 +562,7 @@ Status CudaSession::init(const std::string& device_name) {
   CUDA_TRY(cudaMallocHost(&h_tokens_, c * 4));
   CUDA_TRY(cudaMallocHost(&h_pos_, 4));
   CUDA_TRY(cudaMallocHost(&h_ids_, c * k * 4));
+  CUDA_TRY(cudaMallocHost(&h_plan_, (size_t(std::max(1, hp.n_experts)) + 1 + kPlanFields) * 4));
   if (cached()) {
     CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&ids_flag_host_), size_t(k + 1) * 4,
                            cudaHostAllocMapped));

@@ -344,6 +344,7 @@ class CudaSession final : public runtime::Engine {
   std::vector<MoeArgs> segment_hits_;  // per layer: phase 1 of the captured decode step
   int *sel_ids_ = nullptr, *tokens_ = nullptr, *pos_dev_ = nullptr, *group_src_ = nullptr,
       *group_row_of_ = nullptr;
+  int* plan_ = nullptr;  // group_plan's summary (device); h_plan_ its copy (pinned)
   // Q8 activations for Q8_0 GEMVs: qx_ holds a GEMV input (xn, attention output), qh_ the
   // experts' hidden rows.
   QAct qx_, qh_;
@@ -385,6 +386,7 @@ class CudaSession final : public runtime::Engine {
   int* h_tokens_ = nullptr;
   int* h_pos_ = nullptr;
   int* h_ids_ = nullptr;
+  int* h_plan_ = nullptr;
   // With the GPU expert cache, decode segments end with the router writing the ids into
   // mapped host memory [flag, ids...] (ids_flag_dev_ as the device sees it): the host reads
   // them without a device-to-host copy and a stream synchronization.

@@ -168,27 +168,6 @@ bool dequantizable(const DevMlp& x) {
 Status CudaSession::grouped_experts(int layer, int n) {
   const DevLayer& L = w_.layers[size_t(layer)];
   const int d = hp_.d_model, k = hp_.top_k, de = hp_.d_expert, ns = n * k;
-  CUDA_TRY(cudaMemcpyAsync(h_ids_, sel_ids_, size_t(ns) * 4, cudaMemcpyDeviceToHost, stream_));
-  CUDA_TRY(cudaStreamSynchronize(stream_));
-  std::vector<int> count(size_t(hp_.n_experts) + 1, 0);
-  std::vector<int> src(static_cast<size_t>(ns)), row_of(static_cast<size_t>(ns));
-  for (int s = 0; s < ns; ++s) ++count[size_t(h_ids_[s]) + 1];
-  int used = 0, most_rows = 0;  // experts used; the most rows one has
-  for (int e = 0; e < hp_.n_experts; ++e) {
-    used += count[size_t(e) + 1] > 0;
-    most_rows = std::max(most_rows, count[size_t(e) + 1]);
-  }
-  used_fraction_ = double(used) / double(hp_.n_experts);
-  for (int e = 0; e < hp_.n_experts; ++e) count[size_t(e) + 1] += count[size_t(e)];
-  std::vector<int> fill(count.begin(), count.end() - 1);
-  for (int s = 0; s < ns; ++s) {
-    const int at = fill[size_t(h_ids_[s])]++;
-    src[size_t(at)] = s / k;
-    row_of[size_t(s)] = at;
-  }
-  CUDA_TRY(cudaMemcpyAsync(group_src_, src.data(), size_t(ns) * 4, cudaMemcpyHostToDevice, stream_));
-  CUDA_TRY(cudaMemcpyAsync(group_row_of_, row_of.data(), size_t(ns) * 4, cudaMemcpyHostToDevice,
-                           stream_));
   const DType gate_in = gemm_input_type(L.experts[0].gate.dtype);
   const DType down_in = gemm_input_type(L.experts[0].down.dtype);
   const size_t gate_es = gate_in == DType::kF32 ? 4 : 2;
@@ -201,11 +180,42 @@ Status CudaSession::grouped_experts(int layer, int n) {
   const bool in_place = L.experts[0].up.dtype == et &&
                         (dt == et || (dtype_is_quantized(et) && dtype_is_quantized(dt))) &&
                         grouped_supports(et, d) && grouped_supports(dt, de);
-  // Long chunks of quantized experts (and every chunk where the kernels cannot read them in
-  // place) run on BF16 copies of them (kDequantQ8MinRows, kDequantQ4KMinRows).
-  const int dq_rows = et == DType::kQ4_K ? kDequantQ4KMinRows : kDequantQ8MinRows;
-  const bool dq =
-      dq_ && dequantizable(L.experts[0]) && (!in_place || int64_t(ns) >= int64_t(dq_rows) * used);
+  // The slots sorted by expert and cut into tiles on the device (group_plan); the host reads
+  // back each expert's first row and the plan's decisions, in one small copy. Long chunks of
+  // quantized experts (and every chunk where the kernels cannot read them in place) run on
+  // BF16 copies of them (kDequantQ8MinRows, kDequantQ4KMinRows). Quantized experts read in
+  // place, none with more than kQuantSmallTile rows in the chunk: tiles of that height (half
+  // the accumulators a block, four blocks an SM instead of three; +10% at 128-token Q8_0
+  // prompts, docs/PERF.md). A taller expert would be cut in two tiles, each reading its
+  // weights (measured slower at 512 tokens), so then the chunk keeps kGroupTile.
+  const int ne = hp_.n_experts;
+  const int dq_min_rows = dq_ && dequantizable(L.experts[0])
+                              ? (et == DType::kQ4_K ? kDequantQ4KMinRows : kDequantQ8MinRows)
+                              : 0;
+  const int small_tile = dtype_is_quantized(et) ? kQuantSmallTile : 0;
+  group_plan({.ids = sel_ids_,
+              .ns = ns,
+              .k = k,
+              .n_experts = ne,
+              .in_place = in_place,
+              .dq_min_rows = dq_min_rows,
+              .dq_tile = grouped_tile_rows(DType::kBF16),
+              .small_tile = small_tile,
+              .tile = grouped_tile_rows(et),
+              .src = group_src_,
+              .row_of = group_row_of_,
+              .tiles = group_tiles_,
+              .summary = plan_},
+             stream_);
+  CUDA_TRY(cudaMemcpyAsync(h_plan_, plan_, size_t(ne + 1 + kPlanFields) * 4, cudaMemcpyDeviceToHost,
+                           stream_));
+  CUDA_TRY(cudaStreamSynchronize(stream_));
+  // count[e] .. count[e + 1]: expert e's sorted rows.
+  const std::vector<int> count(h_plan_, h_plan_ + ne + 1);
+  const int* decided = h_plan_ + ne + 1;
+  const int used = decided[0], n_tiles = decided[2], tile_rows = decided[3];
+  const bool dq = decided[4] != 0;
+  used_fraction_ = double(used) / double(ne);
   const bool tiled = in_place || dq;
   // Q8_0 / Q4_K gate and up read in place: phase 1 on F16 MMAs where the input fits F16
   // (fewer instructions a weight than the BF16 form, whose conversions bound it: docs/PERF.md).
@@ -220,27 +230,16 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // to the ring's length, so loading the next experts overlaps computing this one.
   void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
   gather_rows(xn_, group_src_, ns, d, xg, x_f16 ? DType::kF16 : gate_in, stream_);
-  // Quantized experts read in place, none with more than kQuantSmallTile rows in the chunk:
-  // tiles of that height (half the accumulators a block, four blocks an SM instead of three;
-  // +10% at 128-token Q8_0 prompts, docs/PERF.md). A taller expert would be cut in two tiles,
-  // each reading its weights (measured slower at 512 tokens), so then the chunk keeps
-  // kGroupTile.
-  const int tile_rows = dq ? grouped_tile_rows(DType::kBF16)
-                        : dtype_is_quantized(et) && most_rows <= kQuantSmallTile
-                            ? kQuantSmallTile
-                            : grouped_tile_rows(et);
-  std::vector<GroupTile> tiles;
-  std::vector<int> first_tile(size_t(hp_.n_experts) + 1, 0);
-  if (tiled) {
-    for (int e = 0; e < hp_.n_experts; ++e) {
-      first_tile[size_t(e)] = int(tiles.size());
-      for (int off = count[size_t(e)]; off < count[size_t(e) + 1]; off += tile_rows)
-        tiles.push_back({e, off, std::min(tile_rows, count[size_t(e) + 1] - off)});
-    }
-    first_tile[size_t(hp_.n_experts)] = int(tiles.size());
-    CUDA_TRY(cudaMemcpyAsync(group_tiles_, tiles.data(), tiles.size() * sizeof(GroupTile),
-                             cudaMemcpyHostToDevice, stream_));
-  }
+  // Expert e's tiles are [first_tile[e], first_tile[e + 1]) of the plan's, in expert order.
+  std::vector<int> first_tile(size_t(ne) + 1, 0);
+  for (int e = 0; e < ne; ++e)
+    first_tile[size_t(e) + 1] =
+        first_tile[size_t(e)] +
+        (tiled ? (count[size_t(e) + 1] - count[size_t(e)] + tile_rows - 1) / tile_rows : 0);
+  if (count[size_t(ne)] != ns || first_tile[size_t(ne)] != n_tiles)
+    return make_error("internal: the device's expert plan does not add up (" +
+                      std::to_string(count[size_t(ne)]) + " rows, " + std::to_string(n_tiles) +
+                      " tiles)");
   // Phase 1 into h2_ (BF16 [ns, de]), phase 2 into slot_rows_, for tiles [t0, t0 + nt):
   // weights through the tables tab (gate, up, down) or, for one expert's tiles, at direct.
   const auto run_tiles = [&](int t0, int nt, const void** const* tab, const void* const* direct,
@@ -272,8 +271,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
     grouped_down(a, stream_);
   };
   const void** layer_tab[3] = {L.gate_tab, L.up_tab, L.down_tab};
-  const size_t ne = size_t(hp_.n_experts);
-  const void** dq_tab[3] = {dq_tab_, dq_tab_ + ne, dq_tab_ + 2 * ne};
+  const void** dq_tab[3] = {dq_tab_, dq_tab_ + ne, dq_tab_ + 2 * size_t(ne)};
   const auto dq_args = [&] {
     ExpertDequant q;
     q.type[0] = L.experts[0].gate.dtype;
@@ -330,7 +328,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
   if (all_at_once) {
     if (cached() && C.table_stale) TS_TRY(sync_expert_table(layer));
     if (!dq) {
-      run_tiles(0, int(tiles.size()), layer_tab, nullptr, et, dt);
+      run_tiles(0, n_tiles, layer_tab, nullptr, et, dt);
     } else {
       // Groups of dq_group_ used experts: dequantize, then their tiles (contiguous, since
       // tiles are in expert order); the next group's copies wait for these GEMMs (one stream).
@@ -354,9 +352,9 @@ Status CudaSession::grouped_experts(int layer, int n) {
       }
     }
   }
-  for (int e = 0; e < hp_.n_experts; ++e) {
+  for (int e = 0; e < hp_.n_experts && !all_at_once; ++e) {
     const int m = count[size_t(e) + 1] - count[size_t(e)];
-    if (m == 0 || all_at_once) continue;
+    if (m == 0) continue;
     const int off = count[size_t(e)];
     int staged = -1;
     if (cached() && !hit[size_t(e)] && pf < 0) {

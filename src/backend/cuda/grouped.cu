@@ -19,6 +19,38 @@ __global__ void gather_rows_kernel(const float* src, const int* src_row, int d, 
     store_as(dst, type, size_t(i) * d + c, row[c]);
 }
 
+// Four elements a thread (d % 4 == 0), the grid striding over every row: the same values as
+// gather_rows_kernel. That kernel's block of one row's 256 elements was mostly latency (a
+// 512-token chunk's gather took ~46 us a layer for 20 MB: docs/PERF.md).
+template <DType T>
+__global__ void gather_rows4_kernel(const float* src, const int* src_row, int d, int64_t n4,
+                                    void* dst) {
+  pdl_wait();
+  const int d4 = d / 4;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / d4;
+    const int c4 = int(i - r * d4);
+    const float4 v = reinterpret_cast<const float4*>(src + size_t(src_row[r]) * d)[c4];
+    if constexpr (T == DType::kF32) {
+      static_cast<float4*>(dst)[i] = v;
+    } else if constexpr (T == DType::kBF16) {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y),
+                           hi = __floats2bfloat162_rn(v.z, v.w);
+      uint2 u;
+      u.x = *reinterpret_cast<const uint32_t*>(&lo);
+      u.y = *reinterpret_cast<const uint32_t*>(&hi);
+      static_cast<uint2*>(dst)[i] = u;
+    } else {
+      const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+      uint2 u;
+      u.x = *reinterpret_cast<const uint32_t*>(&lo);
+      u.y = *reinterpret_cast<const uint32_t*>(&hi);
+      static_cast<uint2*>(dst)[i] = u;
+    }
+  }
+}
+
 __global__ void convert_kernel(const float* src, void* dst, DType type, int64_t n) {
   pdl_wait();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
@@ -174,8 +206,31 @@ __global__ void slot_sum_kernel(const float* rows, const int* row_of, const floa
   for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x) {
     float total = 0;
     for (int r = 0; r < k; ++r)
-      total += weights[t * k + r] * rows[size_t(row_of[t * k + r]) * d + c];
+      total = fmaf(weights[t * k + r], rows[size_t(row_of[t * k + r]) * d + c], total);
     out[size_t(t) * d + c] = total;
+  }
+}
+
+// Four elements a thread (d % 4 == 0), the grid striding over every token: the same sums, in
+// rank order, as slot_sum_kernel.
+__global__ void slot_sum4_kernel(const float* rows, const int* row_of, const float* weights, int k,
+                                 int d, int64_t n4, float* out) {
+  pdl_wait();
+  const int d4 = d / 4;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / d4;
+    const int c4 = int(i - t * d4);
+    float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int r = 0; r < k; ++r) {
+      const float w = weights[t * k + r];
+      const float4 v = reinterpret_cast<const float4*>(rows + size_t(row_of[t * k + r]) * d)[c4];
+      total.x = fmaf(w, v.x, total.x);
+      total.y = fmaf(w, v.y, total.y);
+      total.z = fmaf(w, v.z, total.z);
+      total.w = fmaf(w, v.w, total.w);
+    }
+    reinterpret_cast<float4*>(out)[i] = total;
   }
 }
 
@@ -723,14 +778,113 @@ __global__ void __launch_bounds__(128, (kQMinBlocks<kM, kQ4K>))
   store_mma_tile<kGateUp>(a, tile, n0 + wc, acc0, acc1);
 }
 
+// group_plan: one block. Counts per expert (shared-memory atomics), the prefix and the tile
+// rule by thread 0, then the slots placed blockDim at a time: a slot's row is its expert's
+// next free row, plus the slots of that expert in earlier warps of the round
+// (wc[warp][expert]), plus those in earlier lanes of its own warp (__match_any_sync) — the
+// slot order, as the host's counting sort had it.
+constexpr int kPlanThreads = 1024, kPlanWarps = kPlanThreads / 32;
+
+__global__ void __launch_bounds__(kPlanThreads) group_plan_kernel(GroupPlanArgs a) {
+  __shared__ int first[kMaxExperts + 1], next[kMaxExperts], tile0[kMaxExperts];
+  __shared__ uint8_t wc[kPlanWarps][kMaxExperts];
+  __shared__ int plan_tile_rows, plan_tiled;
+  pdl_wait();
+  const int ne = a.n_experts, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int e = tid; e < ne; e += kPlanThreads) next[e] = 0;
+  for (int i = tid; i < kPlanWarps * ne; i += kPlanThreads) wc[i / ne][i % ne] = 0;
+  __syncthreads();
+  for (int s = tid; s < a.ns; s += kPlanThreads) atomicAdd(&next[a.ids[s]], 1);
+  __syncthreads();
+  if (tid == 0) {
+    int at = 0, used = 0, most = 0;
+    for (int e = 0; e < ne; ++e) {
+      const int c = next[e];
+      first[e] = at;
+      next[e] = at;
+      at += c;
+      used += c > 0;
+      most = max(most, c);
+    }
+    first[ne] = at;
+    const bool dq = a.dq_min_rows > 0 && (!a.in_place || a.ns >= a.dq_min_rows * used);
+    const int tr = dq                                         ? a.dq_tile
+                   : a.small_tile > 0 && most <= a.small_tile ? a.small_tile
+                                                              : a.tile;
+    const bool tiled = a.in_place || dq;
+    int nt = 0;
+    for (int e = 0; e < ne; ++e) {
+      tile0[e] = nt;
+      if (tiled) nt += (first[e + 1] - first[e] + tr - 1) / tr;
+    }
+    int* sum = a.summary;
+    sum[ne + 1] = used;
+    sum[ne + 2] = most;
+    sum[ne + 3] = nt;
+    sum[ne + 4] = tr;
+    sum[ne + 5] = dq;
+    plan_tile_rows = tr;
+    plan_tiled = tiled;
+  }
+  __syncthreads();
+  for (int e = tid; e <= ne; e += kPlanThreads) a.summary[e] = first[e];
+  if (plan_tiled) {
+    const int tr = plan_tile_rows;
+    for (int e = tid; e < ne; e += kPlanThreads) {
+      int t = tile0[e];
+      for (int off = first[e]; off < first[e + 1]; off += tr)
+        a.tiles[t++] = GroupTile{e, off, min(tr, first[e + 1] - off)};
+    }
+  }
+  for (int s0 = 0; s0 < a.ns; s0 += kPlanThreads) {
+    const int s = s0 + tid;
+    const int e = s < a.ns ? a.ids[s] : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(same & ((1u << lane) - 1u));
+    if (e >= 0 && rank == 0) wc[warp][e] = uint8_t(__popc(same));
+    __syncthreads();
+    if (e >= 0) {
+      int before = 0;
+      for (int w = 0; w < warp; ++w) before += wc[w][e];
+      const int row = next[e] + before + rank;
+      a.src[row] = s / a.k;
+      a.row_of[s] = row;
+    }
+    __syncthreads();
+    for (int x = tid; x < ne; x += kPlanThreads) {
+      int round = 0;
+      for (int w = 0; w < kPlanWarps; ++w) {
+        round += wc[w][x];
+        wc[w][x] = 0;
+      }
+      next[x] += round;
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- host launchers
 
+// Blocks for a grid-striding loop over n items of 256-thread blocks: enough to fill the
+// GPU several times over, never more than there are items.
+static unsigned stride_grid(int64_t n) {
+  return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 2048));
+}
+
 void gather_rows(const float* src, const int* src_row, int n_rows, int d, void* dst,
                  DType dst_type, cudaStream_t s) {
-  const dim3 grid(unsigned((d + 255) / 256), unsigned(n_rows));
-  launch_kernel(gather_rows_kernel, grid, 256, 0, s, src, src_row, d, dst, dst_type);
+  if (d % 4 != 0) {
+    const dim3 grid(unsigned((d + 255) / 256), unsigned(n_rows));
+    launch_kernel(gather_rows_kernel, grid, 256, 0, s, src, src_row, d, dst, dst_type);
+    return;
+  }
+  const int64_t n4 = int64_t(n_rows) * (d / 4);
+  auto kernel = dst_type == DType::kF32    ? gather_rows4_kernel<DType::kF32>
+                : dst_type == DType::kBF16 ? gather_rows4_kernel<DType::kBF16>
+                                           : gather_rows4_kernel<DType::kF16>;
+  launch_kernel(kernel, stride_grid(n4), 256, 0, s, src, src_row, d, n4, dst);
 }
 
 void convert_f32(const float* src, void* dst, DType dst_type, int64_t n, cudaStream_t s) {
@@ -756,10 +910,19 @@ void to_f32(const DevMatrix& w, float* dst, cudaStream_t s) {
       DType::kF32);
 }
 
+void group_plan(const GroupPlanArgs& a, cudaStream_t s) {
+  launch_kernel(group_plan_kernel, 1, kPlanThreads, 0, s, a);
+}
+
 void slot_sum(const float* rows, const int* row_of, const float* weights, int n, int k, int d,
               float* out, cudaStream_t s) {
-  const dim3 grid(unsigned((d + 255) / 256), unsigned(n));
-  launch_kernel(slot_sum_kernel, grid, 256, 0, s, rows, row_of, weights, k, d, out);
+  if (d % 4 != 0) {
+    const dim3 grid(unsigned((d + 255) / 256), unsigned(n));
+    launch_kernel(slot_sum_kernel, grid, 256, 0, s, rows, row_of, weights, k, d, out);
+    return;
+  }
+  const int64_t n4 = int64_t(n) * (d / 4);
+  launch_kernel(slot_sum4_kernel, stride_grid(n4), 256, 0, s, rows, row_of, weights, k, d, n4, out);
 }
 
 int grouped_tile_rows(DType type) {

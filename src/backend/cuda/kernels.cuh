@@ -306,6 +306,33 @@ struct GroupedArgs {
   // x is F16 (phase 1 of Q8_0 / Q4_K weights read in place: grouped_takes_f16), else BF16.
   bool x_f16 = false;
 };
+// A prefill chunk's plan for the grouped GEMMs, made on the device from the router's ids (so
+// the host reads back a few counts instead of sorting every slot): the (token, rank) slots
+// sorted by expert, stable (slot order within an expert), and the expert's rows cut into
+// tiles. The tile height follows the rule grouped_experts used on the host:
+//   dq        = dq_min_rows > 0 && (!in_place || ns >= dq_min_rows * used)
+//   tile_rows = dq ? dq_tile : (small_tile > 0 && most_rows <= small_tile) ? small_tile : tile
+// and there are tiles only where in_place || dq.
+struct GroupPlanArgs {
+  const int* ids = nullptr;  // [ns] expert of each slot (token t, rank r at t * k + r)
+  int ns = 0;
+  int k = 1;
+  int n_experts = 0;  // <= kMaxExperts
+  bool in_place = false;
+  int dq_min_rows = 0;  // 0: never on BF16 copies
+  int dq_tile = 0;
+  int small_tile = 0;  // 0: no small tiles
+  int tile = kGroupTile;
+  int* src = nullptr;          // [ns] token of sorted row i
+  int* row_of = nullptr;       // [ns] sorted row of slot s
+  GroupTile* tiles = nullptr;  // [<= ns / min tile rows + n_experts]
+  // [n_experts + 1 + kPlanFields]: the first sorted row of each expert (and ns), then
+  // used experts, most rows of one expert, tiles, tile rows, dq (0 / 1).
+  int* summary = nullptr;
+};
+constexpr int kPlanFields = 5;
+void group_plan(const GroupPlanArgs& a, cudaStream_t s);
+
 // Whether the grouped kernels take weights of `type` with `cols` columns (BF16: a multiple
 // of 8; Q8_0: of 32).
 bool grouped_supports(DType type, int64_t cols);

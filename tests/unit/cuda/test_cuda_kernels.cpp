@@ -1647,24 +1647,148 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
 
 TEST(CudaKernels, GatherAndSlotSumMatchReference) {
   SKIP_WITHOUT_GPU();
-  const int n = 4, k = 2, d = 300;
-  const std::vector<float> src = randn(size_t(n * d), 31);
-  const std::vector<int> rows = {3, 0, 2, 2, 1, 0, 3, 1};
-  Dev ds(src), dr(rows), dg(rows.size() * size_t(d) * 4);
-  ts::cuda::gather_rows(ds.as<float>(), dr.as<int>(), int(rows.size()), d, dg.p, DType::kF32, nullptr);
-  const std::vector<float> g = dg.get<float>();
-  for (size_t i = 0; i < rows.size(); ++i)
-    for (int c = 0; c < d; ++c) ASSERT_EQ(g[i * d + size_t(c)], src[size_t(rows[i] * d + c)]);
-  const std::vector<float> w = {0.7f, 0.3f, 0.6f, 0.4f, 0.5f, 0.5f, 0.9f, 0.1f};
-  Dev dw(w), dout(size_t(n * d) * 4);
-  ts::cuda::slot_sum(dg.as<float>(), dr.as<int>(), dw.as<float>(), n, k, d, dout.as<float>(), nullptr);
-  const std::vector<float> out = dout.get<float>();
-  for (int t = 0; t < n; ++t)
-    for (int c = 0; c < d; ++c) {
-      float want = 0;
-      for (int r = 0; r < k; ++r) want += w[size_t(t * k + r)] * g[size_t(rows[size_t(t * k + r)] * d + c)];
-      ASSERT_NEAR(out[size_t(t * d + c)], want, 1e-6f * (1.0f + std::fabs(want)));
+  // d = 300 and 2,048 take the four-a-thread kernels, 302 the one-a-thread ones.
+  for (const int d : {300, 302, 2048})
+    for (const DType type : {DType::kF32, DType::kBF16, DType::kF16}) {
+      const int n = 4, k = 2;
+      const std::string what = "d " + std::to_string(d) + " " + std::string(ts::dtype_name(type));
+      const std::vector<float> src = randn(size_t(n * d), 31);
+      const std::vector<int> rows = {3, 0, 2, 2, 1, 0, 3, 1};
+      const size_t es = type == DType::kF32 ? 4 : 2;
+      Dev ds(src), dr(rows), dg(rows.size() * size_t(d) * es);
+      ts::cuda::gather_rows(ds.as<float>(), dr.as<int>(), int(rows.size()), d, dg.p, type, nullptr);
+      const std::vector<uint8_t> g = dg.get<uint8_t>();
+      for (size_t i = 0; i < rows.size(); ++i)
+        for (int c = 0; c < d; ++c) {
+          const float want = src[size_t(rows[i] * d + c)];
+          const size_t at = i * size_t(d) + size_t(c);
+          if (type == DType::kF32) {
+            float f;
+            std::memcpy(&f, &g[at * 4], 4);
+            ASSERT_EQ(f, want) << what;
+            continue;
+          }
+          uint16_t h;
+          std::memcpy(&h, &g[at * 2], 2);
+          ASSERT_EQ(h, type == DType::kBF16 ? ts::f32_to_bf16(want) : ts::f32_to_f16(want)) << what;
+        }
+      if (type != DType::kF32) continue;
+      // The slot sum, over the F32 rows: in rank order, each step one fused multiply-add.
+      std::vector<float> gf(rows.size() * size_t(d));
+      std::memcpy(gf.data(), g.data(), gf.size() * 4);
+      const std::vector<float> w = {0.7f, 0.3f, 0.6f, 0.4f, 0.5f, 0.5f, 0.9f, 0.1f};
+      Dev dw(w), dout(size_t(n * d) * 4);
+      ts::cuda::slot_sum(dg.as<float>(), dr.as<int>(), dw.as<float>(), n, k, d, dout.as<float>(),
+                         nullptr);
+      const std::vector<float> out = dout.get<float>();
+      for (int t = 0; t < n; ++t)
+        for (int c = 0; c < d; ++c) {
+          float want = 0;
+          for (int r = 0; r < k; ++r)
+            want =
+                std::fma(w[size_t(t * k + r)], gf[size_t(rows[size_t(t * k + r)] * d + c)], want);
+          ASSERT_EQ(out[size_t(t * d + c)], want) << what << " t " << t << " c " << c;
+        }
     }
+}
+
+// group_plan against the host's counting sort (what grouped_experts ran before the plan
+// moved to the device) and the tile rule, on routings that take each branch of the rule.
+TEST(CudaKernels, GroupPlanSortsSlotsStablyAndCutsTilesByTheRule) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    const char* what;
+    int tokens, k, ne;
+    int hot;  // 0: every expert alike; else the ids fall on the first `hot` experts
+    bool in_place;
+    int dq_min_rows, small_tile;
+  };
+  const Case cases[] = {
+      {"517 tokens, 128 experts, spread: 64-row tiles", 517, 8, 128, 0, true, 256, 32},
+      {"20 tokens, 8 experts: 32-row tiles", 20, 2, 8, 0, true, 256, 32},
+      {"100 tokens on 9 experts: most rows > 32", 100, 8, 128, 9, true, 256, 32},
+      {"4,096 tokens on 40 experts: BF16 copies", 4096, 8, 128, 40, true, 256, 32},
+      {"not in place, no copies: no tiles", 300, 4, 64, 0, false, 0, 0},
+      {"not in place, copies", 300, 4, 64, 0, false, 64, 32},
+      {"1,100 tokens, 512 experts, top-40", 1100, 40, 512, 0, true, 256, 32},
+      {"one token", 1, 8, 128, 0, true, 256, 32},
+  };
+  uint32_t seed = 7;
+  auto next = [&] {
+    seed = seed * 1664525u + 1013904223u;
+    return seed >> 8;
+  };
+  for (const Case& c : cases) {
+    const int ns = c.tokens * c.k, ne = c.ne, span = c.hot > 0 ? c.hot : ne;
+    std::vector<int> ids(static_cast<size_t>(ns));
+    for (int t = 0; t < c.tokens; ++t)
+      for (int r = 0; r < c.k; ++r) {
+        // Distinct experts within a token, as top-k gives (where the span allows).
+        int e;
+        bool dup;
+        do {
+          e = int(next() % uint32_t(span));
+          dup = false;
+          for (int j = 0; j < r && c.k <= span; ++j) dup |= ids[size_t(t * c.k + j)] == e;
+        } while (dup);
+        ids[size_t(t * c.k + r)] = e;
+      }
+    // The host's plan.
+    std::vector<int> first(size_t(ne) + 1, 0), src(static_cast<size_t>(ns)),
+        row_of(static_cast<size_t>(ns));
+    for (int e : ids) ++first[size_t(e) + 1];
+    int used = 0, most = 0;
+    for (int e = 0; e < ne; ++e) {
+      used += first[size_t(e) + 1] > 0;
+      most = std::max(most, first[size_t(e) + 1]);
+    }
+    for (int e = 0; e < ne; ++e) first[size_t(e) + 1] += first[size_t(e)];
+    std::vector<int> fill(first.begin(), first.end() - 1);
+    for (int s = 0; s < ns; ++s) {
+      const int at = fill[size_t(ids[size_t(s)])]++;
+      src[size_t(at)] = s / c.k;
+      row_of[size_t(s)] = at;
+    }
+    const int tile = 64, dq_tile = 128;
+    const bool dq = c.dq_min_rows > 0 && (!c.in_place || ns >= c.dq_min_rows * used);
+    const int tr = dq ? dq_tile : c.small_tile > 0 && most <= c.small_tile ? c.small_tile : tile;
+    std::vector<int> tiles;  // (expert, row0, m) triples
+    if (c.in_place || dq)
+      for (int e = 0; e < ne; ++e)
+        for (int off = first[size_t(e)]; off < first[size_t(e) + 1]; off += tr)
+          tiles.insert(tiles.end(), {e, off, std::min(tr, first[size_t(e) + 1] - off)});
+    // The device's.
+    Dev di(ids), dsrc(size_t(ns) * 4), drow(size_t(ns) * 4),
+        dtiles((size_t(ns) / 32 + size_t(ne) + 1) * sizeof(ts::cuda::GroupTile)),
+        dsum((size_t(ne) + 1 + ts::cuda::kPlanFields) * 4);
+    ts::cuda::group_plan({.ids = di.as<int>(),
+                          .ns = ns,
+                          .k = c.k,
+                          .n_experts = ne,
+                          .in_place = c.in_place,
+                          .dq_min_rows = c.dq_min_rows,
+                          .dq_tile = dq_tile,
+                          .small_tile = c.small_tile,
+                          .tile = tile,
+                          .src = dsrc.as<int>(),
+                          .row_of = drow.as<int>(),
+                          .tiles = dtiles.as<ts::cuda::GroupTile>(),
+                          .summary = dsum.as<int>()},
+                         nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << c.what;
+    EXPECT_EQ(dsrc.get<int>(), src) << c.what;
+    EXPECT_EQ(drow.get<int>(), row_of) << c.what;
+    const std::vector<int> sum = dsum.get<int>();
+    EXPECT_EQ(std::vector<int>(sum.begin(), sum.begin() + ne + 1), first) << c.what;
+    const int* got = sum.data() + ne + 1;
+    EXPECT_EQ(got[0], used) << c.what;
+    EXPECT_EQ(got[1], most) << c.what;
+    ASSERT_EQ(got[2], int(tiles.size() / 3)) << c.what;
+    EXPECT_EQ(got[3], tr) << c.what;
+    EXPECT_EQ(got[4], int(dq)) << c.what;
+    const std::vector<int> t = dtiles.get<int>();
+    EXPECT_EQ(std::vector<int>(t.begin(), t.begin() + long(tiles.size())), tiles) << c.what;
+  }
 }
 
 // ---- Elementwise kernels and the synthetic-weight generators (bench --synthetic, --routing):
