@@ -19,6 +19,15 @@ __global__ void gather_rows_kernel(const float* src, const int* src_row, int d, 
     store_as(dst, type, size_t(i) * d + c, row[c]);
 }
 
+// Two pairs of 16-bit values (BF16 or F16) as one 8-byte store's bits.
+template <class Pair>
+__device__ __forceinline__ uint2 pair_bits(Pair lo, Pair hi) {
+  uint2 u;
+  u.x = *reinterpret_cast<const uint32_t*>(&lo);
+  u.y = *reinterpret_cast<const uint32_t*>(&hi);
+  return u;
+}
+
 // Four elements a thread (d % 4 == 0), the grid striding over every row: the same values as
 // gather_rows_kernel. That kernel's block of one row's 256 elements was mostly latency (a
 // 512-token chunk's gather took ~46 us a layer for 20 MB: docs/PERF.md).
@@ -35,18 +44,11 @@ __global__ void gather_rows4_kernel(const float* src, const int* src_row, int d,
     if constexpr (T == DType::kF32) {
       static_cast<float4*>(dst)[i] = v;
     } else if constexpr (T == DType::kBF16) {
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y),
-                           hi = __floats2bfloat162_rn(v.z, v.w);
-      uint2 u;
-      u.x = *reinterpret_cast<const uint32_t*>(&lo);
-      u.y = *reinterpret_cast<const uint32_t*>(&hi);
-      static_cast<uint2*>(dst)[i] = u;
+      static_cast<uint2*>(dst)[i] =
+          pair_bits(__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w));
     } else {
-      const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
-      uint2 u;
-      u.x = *reinterpret_cast<const uint32_t*>(&lo);
-      u.y = *reinterpret_cast<const uint32_t*>(&hi);
-      static_cast<uint2*>(dst)[i] = u;
+      static_cast<uint2*>(dst)[i] =
+          pair_bits(__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w));
     }
   }
 }
