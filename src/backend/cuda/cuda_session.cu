@@ -465,7 +465,9 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(sel_w_, arena_.alloc_n<float>(c * k));
   TS_ASSIGN(group_src_, arena_.alloc_n<int>(c * k));
   TS_ASSIGN(group_row_of_, arena_.alloc_n<int>(c * k));
-  TS_ASSIGN(plan_, arena_.alloc_n<int>(size_t(std::max(1, hp.n_experts)) + 1 + kPlanFields));
+  // group_plan's summary: each expert's first row, the total, the decisions.
+  const size_t plan_ints = size_t(std::max(1, hp.n_experts)) + 1 + kPlanFields;
+  TS_ASSIGN(plan_, arena_.alloc_n<int>(plan_ints));
   TS_ASSIGN(group_tiles_, arena_.alloc_n<GroupTile>(c * k / size_t(kQuantSmallTile) +
                                                     size_t(std::max(1, hp.n_experts)) + 1));
   TS_ASSIGN(slot_rows_, arena_.alloc_n<float>(c * k * d));
@@ -562,7 +564,7 @@ Status CudaSession::init(const std::string& device_name) {
   CUDA_TRY(cudaMallocHost(&h_tokens_, c * 4));
   CUDA_TRY(cudaMallocHost(&h_pos_, 4));
   CUDA_TRY(cudaMallocHost(&h_ids_, c * k * 4));
-  CUDA_TRY(cudaMallocHost(&h_plan_, (size_t(std::max(1, hp.n_experts)) + 1 + kPlanFields) * 4));
+  CUDA_TRY(cudaMallocHost(&h_plan_, plan_ints * 4));
   if (cached()) {
     CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&ids_flag_host_), size_t(k + 1) * 4,
                            cudaHostAllocMapped));
