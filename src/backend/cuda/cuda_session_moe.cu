@@ -210,8 +210,9 @@ Status CudaSession::grouped_experts(int layer, int n) {
   CUDA_TRY(cudaMemcpyAsync(h_plan_, plan_, size_t(ne + 1 + kPlanFields) * 4, cudaMemcpyDeviceToHost,
                            stream_));
   CUDA_TRY(cudaStreamSynchronize(stream_));
-  // count[e] .. count[e + 1]: expert e's sorted rows.
-  const std::vector<int> count(h_plan_, h_plan_ + ne + 1);
+  // count[e] .. count[e + 1]: expert e's sorted rows (read in place: only the next layer's
+  // plan overwrites them).
+  const int* const count = h_plan_;
   const int* decided = h_plan_ + ne + 1;
   const int used = decided[0], n_tiles = decided[2], tile_rows = decided[3];
   const bool dq = decided[4] != 0;
