@@ -207,16 +207,36 @@ Status CudaSession::grouped_experts(int layer, int n) {
               .tiles = group_tiles_,
               .summary = plan_},
              stream_);
-  CUDA_TRY(cudaMemcpyAsync(h_plan_, plan_, size_t(ne + 1 + kPlanFields) * 4, cudaMemcpyDeviceToHost,
-                           stream_));
-  CUDA_TRY(cudaStreamSynchronize(stream_));
+  // Without the expert cache, where the host can tell which tile heights the plan may have
+  // without reading it, the GEMMs run on the plan unread: no synchronization in the layer.
+  // The grids are bounded by the most tiles the chunk can have, and a launch's blocks exit
+  // past the plan's tile count or when the plan's height is not the launch's. BF16 experts
+  // have one height; quantized experts read in place have kQuantSmallTile rows or their
+  // kernel's (a launch of each; chunks of at most kQuantSmallTile tokens only the first),
+  // where the chunk has too few slots for the BF16 copies (every token routes to k distinct
+  // experts, so at least k are used).
+  std::vector<int> heights;
+  if (!cached() && in_place && (dq_min_rows == 0 || ns < dq_min_rows * k)) {
+    if (small_tile > 0) heights.push_back(small_tile);
+    if (small_tile == 0 || n > small_tile) heights.push_back(grouped_tile_rows(et));
+  }
+  const bool unread = !heights.empty();
   // count[e] .. count[e + 1]: expert e's sorted rows (read in place: only the next layer's
-  // plan overwrites them).
-  const int* const count = h_plan_;
-  const int* decided = h_plan_ + ne + 1;
-  const int used = decided[0], n_tiles = decided[2], tile_rows = decided[3];
-  const bool dq = decided[4] != 0;
-  used_fraction_ = double(used) / double(ne);
+  // plan overwrites them); null on the unread plan.
+  const int* count = nullptr;
+  int n_tiles = 0, tile_rows = 0;
+  bool dq = false;
+  if (!unread) {
+    CUDA_TRY(cudaMemcpyAsync(h_plan_, plan_, size_t(ne + 1 + kPlanFields) * 4,
+                             cudaMemcpyDeviceToHost, stream_));
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+    count = h_plan_;
+    const int* decided = h_plan_ + ne + 1;
+    used_fraction_ = double(decided[0]) / double(ne);
+    n_tiles = decided[2];
+    tile_rows = decided[3];
+    dq = decided[4] != 0;
+  }
   const bool tiled = in_place || dq;
   // Q8_0 / Q4_K gate and up read in place: phase 1 on F16 MMAs where the input fits F16
   // (fewer instructions a weight than the BF16 form, whose conversions bound it: docs/PERF.md).
@@ -233,14 +253,16 @@ Status CudaSession::grouped_experts(int layer, int n) {
   gather_rows(xn_, group_src_, ns, d, xg, x_f16 ? DType::kF16 : gate_in, stream_);
   // Expert e's tiles are [first_tile[e], first_tile[e + 1]) of the plan's, in expert order.
   std::vector<int> first_tile(size_t(ne) + 1, 0);
-  for (int e = 0; e < ne; ++e)
-    first_tile[size_t(e) + 1] =
-        first_tile[size_t(e)] +
-        (tiled ? (count[size_t(e) + 1] - count[size_t(e)] + tile_rows - 1) / tile_rows : 0);
-  if (count[size_t(ne)] != ns || first_tile[size_t(ne)] != n_tiles)
-    return make_error("internal: the device's expert plan does not add up (" +
-                      std::to_string(count[size_t(ne)]) + " rows, " + std::to_string(n_tiles) +
-                      " tiles)");
+  if (!unread) {
+    for (int e = 0; e < ne; ++e)
+      first_tile[size_t(e) + 1] =
+          first_tile[size_t(e)] +
+          (tiled ? (count[size_t(e) + 1] - count[size_t(e)] + tile_rows - 1) / tile_rows : 0);
+    if (count[size_t(ne)] != ns || first_tile[size_t(ne)] != n_tiles)
+      return make_error("internal: the device's expert plan does not add up (" +
+                        std::to_string(count[size_t(ne)]) + " rows, " + std::to_string(n_tiles) +
+                        " tiles)");
+  }
   // Phase 1 into h2_ (BF16 [ns, de]), phase 2 into slot_rows_, for tiles [t0, t0 + nt):
   // weights through the tables tab (gate, up, down) or, for one expert's tiles, at direct.
   const auto run_tiles = [&](int t0, int nt, const void** const* tab, const void* const* direct,
@@ -257,7 +279,8 @@ Status CudaSession::grouped_experts(int layer, int n) {
                   .k = d,
                   .out = h2_,
                   .tile_rows = tile_rows,
-                  .x_f16 = x_f16};
+                  .x_f16 = x_f16,
+                  .plan = unread ? plan_ + ne + 3 : nullptr};
     grouped_gate_up(a, stream_);
     a = GroupedArgs{.tiles = group_tiles_ + t0,
                     .n_tiles = nt,
@@ -268,10 +291,19 @@ Status CudaSession::grouped_experts(int layer, int n) {
                     .n = d,
                     .k = de,
                     .out = slot_rows_,
-                    .tile_rows = tile_rows};
+                    .tile_rows = tile_rows,
+                    .plan = unread ? plan_ + ne + 3 : nullptr};
     grouped_down(a, stream_);
   };
   const void** layer_tab[3] = {L.gate_tab, L.up_tab, L.down_tab};
+  if (unread) {
+    for (const int h : heights) {
+      tile_rows = h;  // run_tiles's launches are for tiles of this height
+      run_tiles(0, (ns + h - 1) / h + std::min(ne, ns), layer_tab, nullptr, et, dt);
+    }
+    slot_sum(slot_rows_, group_row_of_, sel_w_, n, k, d, moe_out_, stream_);
+    return {};
+  }
   const void** dq_tab[3] = {dq_tab_, dq_tab_ + ne, dq_tab_ + 2 * size_t(ne)};
   const auto dq_args = [&] {
     ExpertDequant q;

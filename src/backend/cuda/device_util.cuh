@@ -39,6 +39,13 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// A grouped GEMM block's tile is not in the plan it was launched on (GroupedArgs::plan):
+// past the plan's tile count, or the launch is for tiles of another height. Uniform over the
+// block; read after pdl_wait (the plan is the step's own).
+__device__ __forceinline__ bool past_plan(const GroupedArgs& a) {
+  return a.plan && (int(blockIdx.y) >= a.plan[0] || a.plan[1] != a.tile_rows);
+}
+
 inline bool pdl_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("TURBOSPARK_CUDA_PDL");

@@ -336,6 +336,7 @@ __device__ __forceinline__ void store_weights(const StepRegs& r, DType t, __nv_b
 template <bool kGateUp>
 __global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedArgs a) {
   pdl_wait();
+  if (past_plan(a)) return;
   namespace wmma = nvcuda::wmma;
   using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
   constexpr int kStage = kGroupTile * kGLd;  // BF16 elements per staged tile
@@ -498,6 +499,7 @@ __device__ __forceinline__ void store_mma_tile(const GroupedArgs& a, const Group
 template <bool kGateUp, int kStages>
 __global__ void __launch_bounds__(128) grouped_mma_kernel(GroupedArgs a) {
   pdl_wait();
+  if (past_plan(a)) return;
   extern __shared__ __align__(128) unsigned char mma_smem[];
   __nv_bfloat16* const stage0 = reinterpret_cast<__nv_bfloat16*>(mma_smem);
   const GroupTile tile = a.tiles[blockIdx.y];
@@ -615,6 +617,7 @@ __global__ void __launch_bounds__(128, (kQMinBlocks<kM, kQ4K>))
   constexpr int kStep = kQStep<kQ4K>, kRowBytes = kQRowBytes<kQ4K>, kPiece = kQPiece<kQ4K>;
   constexpr int kXLd = kQXLd<kQ4K>;
   pdl_wait();
+  if (past_plan(a)) return;
   constexpr int kNT = kN / 32;  // 8-output tiles per warp
   constexpr int kMF = kM / 16;  // 16-row fragments per tile
   extern __shared__ __align__(128) unsigned char q_smem[];

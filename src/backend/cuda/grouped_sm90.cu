@@ -113,6 +113,7 @@ __device__ __forceinline__ void wg_copy(const uint8_t* base, int rows, int k, in
 template <bool kGateUp>
 __global__ void __launch_bounds__(kWgThreads) grouped_wgmma_kernel(GroupedArgs a) {
   pdl_wait();
+  if (past_plan(a)) return;
 #if TS_WGMMA
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   // The swizzle is on address bits: tiles start at a 1,024-byte boundary.

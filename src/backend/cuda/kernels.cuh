@@ -305,6 +305,10 @@ struct GroupedArgs {
   int tile_rows = kGroupTile;
   // x is F16 (phase 1 of Q8_0 / Q4_K weights read in place: grouped_takes_f16), else BF16.
   bool x_f16 = false;
+  // A plan the host has not read (device: its tile count and tile rows, GroupPlanArgs's
+  // summary from its tile count on): n_tiles is then a bound, and the blocks of tiles past the
+  // plan's count, or of a launch whose tile_rows is not the plan's, exit without reading.
+  const int* plan = nullptr;
 };
 // A prefill chunk's plan for the grouped GEMMs, made on the device from the router's ids (so
 // the host reads back a few counts instead of sorting every slot): the (token, rank) slots

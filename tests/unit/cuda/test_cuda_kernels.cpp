@@ -1573,15 +1573,30 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
       std::vector<int> expert_of;
       for (int e = 0; e < n_experts; ++e)
         expert_of.insert(expert_of.end(), size_t(rows_of[size_t(e)]), e);
-      Dev dtiles(tiles), dx(xb), dg(gp), du(up), dd(dp);
-      // Both ways of addressing the weights must give the same bytes.
-      std::vector<uint16_t> h_tab, h_direct;
-      std::vector<float> y_tab, y_direct;
-      for (bool direct : {false, true}) {
+      // The tiles, then 7 that no kernel may read (a plan's unused room): an expert past the
+      // tables and rows past x.
+      std::vector<ts::cuda::GroupTile> room = tiles;
+      for (int i = 0; i < 7; ++i) room.push_back({1 << 24, 1 << 28, tile_rows});
+      Dev dtiles(room), dx(xb), dg(gp), du(up), dd(dp);
+      // The plan as the device holds it (GroupedArgs::plan: tile count, tile rows), and one
+      // whose tiles are of another height.
+      const int other_rows =
+          tile_rows == ts::cuda::kQuantSmallTile ? ts::cuda::kGroupTile : ts::cuda::kQuantSmallTile;
+      Dev dplan(std::vector<int>{int(tiles.size()), tile_rows});
+      Dev dother(std::vector<int>{int(tiles.size()), other_rows});
+      // Every way of addressing the weights must give the same bytes: 0 = the tables; 1 = one
+      // expert's tiles at a time at its addresses; 2 = the tables on a plan the host has not
+      // read (a grid of 7 tiles more than the plan's count); 3 = the same plan launched for
+      // tiles of another height, which writes nothing.
+      std::vector<uint16_t> h_by[4];
+      std::vector<float> y_by[4];
+      for (int mode : {0, 1, 2, 3}) {
+        const bool direct = mode == 1;
+        const int* plan = mode == 2 ? dplan.as<int>() : mode == 3 ? dother.as<int>() : nullptr;
         Dev dh(size_t(ns * de) * 2), dy(size_t(ns * d) * 4);
         for (int e = 0; e < (direct ? n_experts : 1); ++e) {
           const int t0 = direct ? first[size_t(e)] : 0;
-          const int nt = direct ? first[size_t(e) + 1] - t0 : int(tiles.size());
+          const int nt = direct ? first[size_t(e) + 1] - t0 : int(tiles.size()) + (plan ? 7 : 0);
           ts::cuda::GroupedArgs a{.tiles = dtiles.as<ts::cuda::GroupTile>() + t0,
                                   .n_tiles = nt,
                                   .w0 = dg.as<const void*>(),
@@ -1594,27 +1609,42 @@ TEST(CudaKernels, GroupedGemmsMatchReference) {
                                   .k = d,
                                   .out = dh.p,
                                   .tile_rows = tile_rows,
-                                  .x_f16 = f16};
+                                  .x_f16 = f16,
+                                  .plan = plan};
           kernel == 1 ? ts::cuda::grouped_mma(true, a, nullptr)
                       : ts::cuda::grouped_gate_up(a, nullptr);
+          // Mode 3's phase 1 wrote nothing: phase 2 reads the real h (mode 0's).
+          const void* h_in = dh.p;
+          Dev dh0(mode == 3 ? h_by[0] : std::vector<uint16_t>{});
+          if (mode == 3) h_in = dh0.p;
           a = ts::cuda::GroupedArgs{.tiles = dtiles.as<ts::cuda::GroupTile>() + t0,
                                     .n_tiles = nt,
                                     .w0 = dd.as<const void*>(),
                                     .direct0 = direct ? dp[size_t(e)] : nullptr,
                                     .dtype = t,
-                                    .x = dh.p,
+                                    .x = h_in,
                                     .n = d,
                                     .k = de,
                                     .out = dy.p,
-                                    .tile_rows = tile_rows};
+                                    .tile_rows = tile_rows,
+                                    .plan = plan};
           kernel == 1 ? ts::cuda::grouped_mma(false, a, nullptr)
                       : ts::cuda::grouped_down(a, nullptr);
         }
-        (direct ? h_direct : h_tab) = dh.get<uint16_t>();
-        (direct ? y_direct : y_tab) = dy.get<float>();
+        h_by[mode] = dh.get<uint16_t>();
+        y_by[mode] = dy.get<float>();
+        ASSERT_EQ(cudaGetLastError(), cudaSuccess) << what << " mode " << mode;
       }
-      ASSERT_EQ(h_tab, h_direct) << what;
-      ASSERT_EQ(0, std::memcmp(y_tab.data(), y_direct.data(), y_tab.size() * 4)) << what;
+      const std::vector<uint16_t>& h_tab = h_by[0];
+      const std::vector<float>& y_tab = y_by[0];
+      for (int mode : {1, 2}) {
+        ASSERT_EQ(h_tab, h_by[mode]) << what << " mode " << mode;
+        ASSERT_EQ(0, std::memcmp(y_tab.data(), y_by[mode].data(), y_tab.size() * 4))
+            << what << " mode " << mode;
+      }
+      // Poison (all bits set) left everywhere by the launch for another height.
+      for (uint16_t v : h_by[3]) ASSERT_EQ(v, 0xffff) << what << " (plan of another height)";
+      for (float v : y_by[3]) ASSERT_TRUE(std::isnan(v)) << what << " (plan of another height)";
       // Reference: phase 1 from the BF16 inputs; phase 2 from the kernel's own BF16 h, so each
       // phase is checked alone.
       std::vector<float> h_want(size_t(ns * de)), h_got(size_t(ns * de)), y_want(size_t(ns * d));
