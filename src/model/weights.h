@@ -89,4 +89,16 @@ struct WeightCounts {
 };
 WeightCounts count_weights(const HParams& hp, const BoundWeights& w);
 
+// The bytes of the random weights `bench --synthetic` generates on the GPU for hp (the CUDA
+// session's synthesize, which this follows): matrices in `dtype` — the embedding, router and
+// shared-expert gate in BF16 where `dtype` is quantized, the lm head the embedding's where hp
+// ties them and `dtype` is not quantized —, the routed experts' down matrices in `down`, norms
+// as F32 vectors. Dense and routed as count_weights splits them, so a synthetic model's size
+// can be checked against the device before any of it is made.
+struct WeightBytes {
+  uint64_t dense = 0;
+  uint64_t routed = 0;
+};
+WeightBytes synthetic_weight_bytes(const HParams& hp, DType dtype, DType down);
+
 }  // namespace ts::model

@@ -136,8 +136,49 @@ TEST_P(Fixture, ThreadCountDoesNotChangeLogits) {
   EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
 }
 
+// bench --synthetic's size check (synthetic_weight_bytes) against the loader's count of a
+// real checkpoint of the same shape and type (the F32 fixtures): the same bytes, dense and
+// routed, but for the q|k|v biases (qwen2_moe), the one tensor the synthetic model lacks.
+TEST_P(Fixture, SyntheticWeightBytesMatchTheLoadersCount) {
+  const ts::model::HParams& hp = model_->hp();
+  const ts::model::WeightCounts& c = model_->counts();
+  const ts::model::WeightBytes b =
+      ts::model::synthetic_weight_bytes(hp, ts::DType::kF32, ts::DType::kF32);
+  const uint64_t biases =
+      hp.qkv_bias ? uint64_t(hp.n_layers) * uint64_t(hp.q_dim() + 2 * hp.kv_dim()) * 4 : 0;
+  EXPECT_EQ(b.routed, c.routed_bytes);
+  EXPECT_EQ(b.dense + biases, c.dense_bytes);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Fixture, ::testing::ValuesIn(fixture_names()),
                          [](const auto& info) { return info.param; });
+
+// The benchmark shape (bench/qwen3-30b-a3b.json) in Q8_0 and BF16, sizes worked out by hand:
+// Q8_0 rows of 2,048 are 2,176 bytes (64 blocks of 34), of 768 816, of 4,096 4,352; the
+// embedding and router stay BF16; the lm head is not tied.
+TEST(SyntheticWeights, BytesOfTheQwen3BenchShape) {
+  auto hp = ts::model::parse_hparams(R"({"model_type": "qwen3_moe", "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768, "intermediate_size": 6144, "norm_topk_prob": true,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+    "tie_word_embeddings": false})",
+                                     "test config");
+  ASSERT_TRUE(hp.ok()) << hp.error().message;
+  // Experts: 48 x 128 x (2 x 768 x 2,176 + 2,048 x 816). Dense: embedding 151,936 x 2,048 x 2,
+  // lm head 151,936 x 2,176, final norm 8,192, and per layer two norms (16,384), q (4,096 x
+  // 2,176), k and v (2 x 512 x 2,176), o (2,048 x 4,352), q/k norms (1,024), router (128 x
+  // 4,096).
+  const ts::model::WeightBytes q =
+      ts::model::synthetic_weight_bytes(hp.value(), ts::DType::kQ8_0, ts::DType::kQ8_0);
+  EXPECT_EQ(q.routed, 30802968576u);
+  EXPECT_EQ(q.dense, 1941544960u);
+  // BF16: 2 bytes a weight everywhere (the lm head too).
+  const ts::model::WeightBytes b =
+      ts::model::synthetic_weight_bytes(hp.value(), ts::DType::kBF16, ts::DType::kBF16);
+  EXPECT_EQ(b.routed, 57982058496u);
+  EXPECT_EQ(b.dense, 3082608640u);
+}
 
 }  // namespace
 

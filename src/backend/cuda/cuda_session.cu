@@ -1,6 +1,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cpu/quant.h"
 #include "backend/cuda/cuda_session_impl.cuh"
+#include "model/weights.h"
 
 namespace ts::cuda {
 namespace detail {
@@ -1122,8 +1123,20 @@ Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
     const model::HParams& hp, runtime::SessionOptions options, int device,
     SyntheticOptions synthetic) {
   TS_ASSIGN(std::string name, open_device(device));
+  const bool all_experts = options.gpu_experts.residency == runtime::GpuResidency::kResident;
   auto s = std::make_unique<CudaSession>(hp, std::move(options), device);
   TS_TRY(s->begin(device));
+  // As for a loaded model: weights too big for the card fail here with the sizes, before any
+  // of them is generated.
+  size_t free_b = 0, total_b = 0;
+  CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  const model::WeightBytes bytes = model::synthetic_weight_bytes(
+      hp, synthetic.dtype, synthetic.expert_down_dtype.value_or(synthetic.dtype));
+  const uint64_t weights = bytes.dense + (all_experts ? bytes.routed : 0);
+  if (weights > free_b)
+    return make_error("the synthetic model's weights need " + std::to_string(gib(weights)) +
+                      " GiB on " + name + ", which has " + std::to_string(gib(free_b)) +
+                      " GiB free of " + std::to_string(gib(total_b)) + " GiB");
   TS_TRY(s->synthesize(synthetic));
   TS_TRY(s->init(name));
   return std::unique_ptr<runtime::Engine>(std::move(s));

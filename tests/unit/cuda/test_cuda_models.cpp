@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "backend/cuda/cuda_session.h"
 #include "backend/cuda/kernels.cuh"
 #include "core/thread_pool.h"
 #include "cuda_test_util.h"
@@ -336,6 +337,26 @@ TEST(CudaErrors, BadDeviceIndexIsAClearError) {
   EXPECT_TRUE(msg.find("cuda:97") != std::string::npos ||
               msg.find("no CUDA device") != std::string::npos)
       << msg;
+}
+
+// bench --synthetic on a model too big for the card: the sizes in the error, before any weight
+// is generated (a 64-layer model of 512 experts of 8,192 x 16,384 in F32: ~100 TB).
+TEST(CudaErrors, SyntheticModelTooBigFailsBeforeGenerating) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto hp = ts::model::parse_hparams(R"({"model_type": "qwen3_moe", "hidden_size": 8192,
+    "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 32000, "num_experts": 512, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 16384, "intermediate_size": 16384, "norm_topk_prob": true,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 4096})",
+                                     "test config");
+  ASSERT_TRUE(hp.ok()) << hp.error().message;
+  auto e = ts::cuda::make_synthetic_cuda_session(hp.value(), {}, 0, {.dtype = ts::DType::kF32});
+  ASSERT_FALSE(e.ok());
+  const std::string msg = e.error().message;
+  EXPECT_NE(msg.find("the synthetic model's weights need"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("GiB free of"), std::string::npos) << msg;
+  // Not the allocator's error, which generating until the card is full would end in.
+  EXPECT_EQ(msg.find("out of GPU memory"), std::string::npos) << msg;
 }
 
 }  // namespace
