@@ -170,7 +170,24 @@ WeightCounts count_weights(const HParams& hp, const BoundWeights& bw) {
   return c;
 }
 
-WeightBytes synthetic_weight_bytes(const HParams& hp, DType dtype, DType down) {
+Result<WeightBytes> synthetic_weight_bytes(const HParams& hp, DType dtype, DType down) {
+  bool any_moe = false, any_dense = false;
+  for (bool moe : hp.layer_is_moe) (moe ? any_moe : any_dense) = true;
+  // The widths (columns) of the matrices made in `dtype` / `down`, by the field that sets them.
+  const std::pair<const char*, int> widths[] = {
+      {"hidden_size", hp.d_model},
+      {"num_attention_heads x head_dim", hp.q_dim()},
+      {"intermediate_size", any_dense ? hp.d_ff : 0},
+      {"shared_expert_intermediate_size", any_moe ? hp.d_shared : 0}};
+  for (const auto& [field, cols] : widths)
+    if (!dtype_row_ok(dtype, cols))
+      return make_error(std::string(field) + " " + std::to_string(cols) + " is not a multiple of " +
+                        std::to_string(dtype_block_elems(dtype)) + ", the " +
+                        std::string(dtype_name(dtype)) + " block");
+  if (any_moe && !dtype_row_ok(down, hp.d_expert))
+    return make_error("moe_intermediate_size " + std::to_string(hp.d_expert) +
+                      " is not a multiple of " + std::to_string(dtype_block_elems(down)) +
+                      ", the " + std::string(dtype_name(down)) + " block");
   const DType float_t = dtype_is_quantized(dtype) ? DType::kBF16 : dtype;
   const auto mat = [](DType t, int64_t rows, int64_t cols) {
     return uint64_t(rows) * dtype_row_bytes(t, cols);

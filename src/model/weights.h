@@ -94,11 +94,12 @@ WeightCounts count_weights(const HParams& hp, const BoundWeights& w);
 // shared-expert gate in BF16 where `dtype` is quantized, the lm head the embedding's where hp
 // ties them and `dtype` is not quantized —, the routed experts' down matrices in `down`, norms
 // as F32 vectors. Dense and routed as count_weights splits them, so a synthetic model's size
-// can be checked against the device before any of it is made.
+// can be checked against the device before any of it is made. An error, naming the config
+// field, where a matrix's width is not a whole number of `dtype`'s (or `down`'s) blocks.
 struct WeightBytes {
   uint64_t dense = 0;
   uint64_t routed = 0;
 };
-WeightBytes synthetic_weight_bytes(const HParams& hp, DType dtype, DType down);
+Result<WeightBytes> synthetic_weight_bytes(const HParams& hp, DType dtype, DType down);
 
 }  // namespace ts::model

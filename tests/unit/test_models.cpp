@@ -142,8 +142,9 @@ TEST_P(Fixture, ThreadCountDoesNotChangeLogits) {
 TEST_P(Fixture, SyntheticWeightBytesMatchTheLoadersCount) {
   const ts::model::HParams& hp = model_->hp();
   const ts::model::WeightCounts& c = model_->counts();
-  const ts::model::WeightBytes b =
-      ts::model::synthetic_weight_bytes(hp, ts::DType::kF32, ts::DType::kF32);
+  auto r = ts::model::synthetic_weight_bytes(hp, ts::DType::kF32, ts::DType::kF32);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  const ts::model::WeightBytes b = r.value();
   const uint64_t biases =
       hp.qkv_bias ? uint64_t(hp.n_layers) * uint64_t(hp.q_dim() + 2 * hp.kv_dim()) * 4 : 0;
   EXPECT_EQ(b.routed, c.routed_bytes);
@@ -169,15 +170,32 @@ TEST(SyntheticWeights, BytesOfTheQwen3BenchShape) {
   // lm head 151,936 x 2,176, final norm 8,192, and per layer two norms (16,384), q (4,096 x
   // 2,176), k and v (2 x 512 x 2,176), o (2,048 x 4,352), q/k norms (1,024), router (128 x
   // 4,096).
-  const ts::model::WeightBytes q =
-      ts::model::synthetic_weight_bytes(hp.value(), ts::DType::kQ8_0, ts::DType::kQ8_0);
+  auto rq = ts::model::synthetic_weight_bytes(hp.value(), ts::DType::kQ8_0, ts::DType::kQ8_0);
+  ASSERT_TRUE(rq.ok()) << rq.error().message;
+  const ts::model::WeightBytes q = rq.value();
   EXPECT_EQ(q.routed, 30802968576u);
   EXPECT_EQ(q.dense, 1941544960u);
   // BF16: 2 bytes a weight everywhere (the lm head too).
-  const ts::model::WeightBytes b =
-      ts::model::synthetic_weight_bytes(hp.value(), ts::DType::kBF16, ts::DType::kBF16);
-  EXPECT_EQ(b.routed, 57982058496u);
-  EXPECT_EQ(b.dense, 3082608640u);
+  auto rb = ts::model::synthetic_weight_bytes(hp.value(), ts::DType::kBF16, ts::DType::kBF16);
+  ASSERT_TRUE(rb.ok()) << rb.error().message;
+  EXPECT_EQ(rb.value().routed, 57982058496u);
+  EXPECT_EQ(rb.value().dense, 3082608640u);
+  // Q4_K blocks are 256 wide: moe_intermediate_size 768 is 3 of them, but the Q4_K experts' down
+  // matrices asked in Q8_0 are fine too; hidden_size 2,048 is 8.
+  EXPECT_TRUE(
+      ts::model::synthetic_weight_bytes(hp.value(), ts::DType::kQ4_K, ts::DType::kQ8_0).ok());
+  // A width that is not a whole number of blocks is an error naming the field, not an abort.
+  auto odd = hp.value();
+  odd.d_expert = 760;
+  auto e = ts::model::synthetic_weight_bytes(odd, ts::DType::kQ8_0, ts::DType::kQ8_0);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.error().message, "moe_intermediate_size 760 is not a multiple of 32, the Q8_0 block");
+  EXPECT_TRUE(ts::model::synthetic_weight_bytes(odd, ts::DType::kBF16, ts::DType::kBF16).ok());
+  odd = hp.value();
+  odd.d_model = 2000;
+  e = ts::model::synthetic_weight_bytes(odd, ts::DType::kQ4_K, ts::DType::kQ4_K);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.error().message, "hidden_size 2000 is not a multiple of 256, the Q4_K block");
 }
 
 }  // namespace

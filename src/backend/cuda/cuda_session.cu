@@ -1102,18 +1102,27 @@ Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::Loaded
                                                            int device) {
   TS_ASSIGN(std::string name, open_device(device));
   const bool all_experts = options.gpu_experts.residency == runtime::GpuResidency::kResident;
+  const bool quantize = options.quantize_q8_0;
   auto s = std::make_unique<CudaSession>(model.hp(), std::move(options), device);
   TS_TRY(s->begin(device));
   // Weights first: a model too big for the card fails here with the sizes.
   size_t free_b = 0, total_b = 0;
   CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
   // With the GPU expert cache only the dense weights must fit; the cache takes what is left.
-  const uint64_t weights = model.counts().dense_bytes +
-                           (all_experts ? model.counts().routed_bytes : 0);
+  // Quantized to Q8_0 at load, no weight takes less than 34 / 128 of its bytes as stored (F32
+  // matrices exactly that; BF16 ones twice it; quantized ones and the float embedding and
+  // router as they are): the check is then on that bound, so it never refuses a model that
+  // fits once quantized, and the allocator names the sizes where the bound passes and the
+  // weights do not.
+  const uint64_t stored =
+      model.counts().dense_bytes + (all_experts ? model.counts().routed_bytes : 0);
+  const uint64_t weights = quantize ? stored / 128 * 34 : stored;
   if (weights > free_b)
-    return make_error("the model's weights need " + std::to_string(gib(weights)) + " GiB on " +
-                      name + ", which has " + std::to_string(gib(free_b)) + " GiB free of " +
-                      std::to_string(gib(total_b)) + " GiB");
+    return make_error("the model's weights need " + std::string(quantize ? "at least " : "") +
+                      std::to_string(gib(weights)) + " GiB on " + name +
+                      (quantize ? " (quantized to Q8_0 at load)" : "") + ", which has " +
+                      std::to_string(gib(free_b)) + " GiB free of " + std::to_string(gib(total_b)) +
+                      " GiB");
   TS_TRY(s->upload(model));
   TS_TRY(s->init(name));
   return std::unique_ptr<runtime::Engine>(std::move(s));
@@ -1130,8 +1139,9 @@ Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
   // of them is generated.
   size_t free_b = 0, total_b = 0;
   CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-  const model::WeightBytes bytes = model::synthetic_weight_bytes(
-      hp, synthetic.dtype, synthetic.expert_down_dtype.value_or(synthetic.dtype));
+  TS_ASSIGN(const model::WeightBytes bytes,
+            model::synthetic_weight_bytes(hp, synthetic.dtype,
+                                          synthetic.expert_down_dtype.value_or(synthetic.dtype)));
   const uint64_t weights = bytes.dense + (all_experts ? bytes.routed : 0);
   if (weights > free_b)
     return make_error("the synthetic model's weights need " + std::to_string(gib(weights)) +
