@@ -1097,6 +1097,20 @@ using detail::CudaSession;
 using detail::gib;
 using detail::open_device;
 
+namespace {
+// Weights first: `bytes` of them too many for the device's free memory fail before any is
+// loaded or made, with the sizes ("<what> need [at least] N GiB on <where>, which has ...").
+Status check_weights_fit(const std::string& what, uint64_t bytes, bool at_least,
+                         const std::string& where) {
+  size_t free_b = 0, total_b = 0;
+  CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  if (bytes <= free_b) return {};
+  return make_error(what + " need " + (at_least ? "at least " : "") + std::to_string(gib(bytes)) +
+                    " GiB on " + where + ", which has " + std::to_string(gib(free_b)) +
+                    " GiB free of " + std::to_string(gib(total_b)) + " GiB");
+}
+}  // namespace
+
 Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::LoadedModel& model,
                                                            runtime::SessionOptions options,
                                                            int device) {
@@ -1105,9 +1119,6 @@ Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::Loaded
   const bool quantize = options.quantize_q8_0;
   auto s = std::make_unique<CudaSession>(model.hp(), std::move(options), device);
   TS_TRY(s->begin(device));
-  // Weights first: a model too big for the card fails here with the sizes.
-  size_t free_b = 0, total_b = 0;
-  CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
   // With the GPU expert cache only the dense weights must fit; the cache takes what is left.
   // Quantized to Q8_0 at load, no weight takes less than 34 / 128 of its bytes as stored (F32
   // matrices exactly that; BF16 ones twice it; quantized ones and the float embedding and
@@ -1116,13 +1127,8 @@ Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::Loaded
   // weights do not.
   const uint64_t stored =
       model.counts().dense_bytes + (all_experts ? model.counts().routed_bytes : 0);
-  const uint64_t weights = quantize ? stored / 128 * 34 : stored;
-  if (weights > free_b)
-    return make_error("the model's weights need " + std::string(quantize ? "at least " : "") +
-                      std::to_string(gib(weights)) + " GiB on " + name +
-                      (quantize ? " (quantized to Q8_0 at load)" : "") + ", which has " +
-                      std::to_string(gib(free_b)) + " GiB free of " + std::to_string(gib(total_b)) +
-                      " GiB");
+  TS_TRY(check_weights_fit("the model's weights", quantize ? stored / 128 * 34 : stored, quantize,
+                           quantize ? name + " (quantized to Q8_0 at load)" : name));
   TS_TRY(s->upload(model));
   TS_TRY(s->init(name));
   return std::unique_ptr<runtime::Engine>(std::move(s));
@@ -1135,18 +1141,11 @@ Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
   const bool all_experts = options.gpu_experts.residency == runtime::GpuResidency::kResident;
   auto s = std::make_unique<CudaSession>(hp, std::move(options), device);
   TS_TRY(s->begin(device));
-  // As for a loaded model: weights too big for the card fail here with the sizes, before any
-  // of them is generated.
-  size_t free_b = 0, total_b = 0;
-  CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
   TS_ASSIGN(const model::WeightBytes bytes,
             model::synthetic_weight_bytes(hp, synthetic.dtype,
                                           synthetic.expert_down_dtype.value_or(synthetic.dtype)));
-  const uint64_t weights = bytes.dense + (all_experts ? bytes.routed : 0);
-  if (weights > free_b)
-    return make_error("the synthetic model's weights need " + std::to_string(gib(weights)) +
-                      " GiB on " + name + ", which has " + std::to_string(gib(free_b)) +
-                      " GiB free of " + std::to_string(gib(total_b)) + " GiB");
+  TS_TRY(check_weights_fit("the synthetic model's weights",
+                           bytes.dense + (all_experts ? bytes.routed : 0), false, name));
   TS_TRY(s->synthesize(synthetic));
   TS_TRY(s->init(name));
   return std::unique_ptr<runtime::Engine>(std::move(s));

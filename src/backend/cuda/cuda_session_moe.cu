@@ -221,6 +221,8 @@ Status CudaSession::grouped_experts(int layer, int n) {
     if (small_tile == 0 || n > small_tile) heights.push_back(grouped_tile_rows(et));
   }
   const bool unread = !heights.empty();
+  // The plan's tile count and tile rows, as the kernels read them (GroupedArgs::plan).
+  const int* const unread_plan = unread ? plan_ + ne + 3 : nullptr;
   // count[e] .. count[e + 1]: expert e's sorted rows (read in place: only the next layer's
   // plan overwrites them); null on the unread plan.
   const int* count = nullptr;
@@ -251,18 +253,6 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // to the ring's length, so loading the next experts overlaps computing this one.
   void* xg = gate_in == DType::kF32 ? static_cast<void*>(slot_rows_) : act_;
   gather_rows(xn_, group_src_, ns, d, xg, x_f16 ? DType::kF16 : gate_in, stream_);
-  // Expert e's tiles are [first_tile[e], first_tile[e + 1]) of the plan's, in expert order.
-  std::vector<int> first_tile(size_t(ne) + 1, 0);
-  if (!unread) {
-    for (int e = 0; e < ne; ++e)
-      first_tile[size_t(e) + 1] =
-          first_tile[size_t(e)] +
-          (tiled ? (count[size_t(e) + 1] - count[size_t(e)] + tile_rows - 1) / tile_rows : 0);
-    if (count[size_t(ne)] != ns || first_tile[size_t(ne)] != n_tiles)
-      return make_error("internal: the device's expert plan does not add up (" +
-                        std::to_string(count[size_t(ne)]) + " rows, " + std::to_string(n_tiles) +
-                        " tiles)");
-  }
   // Phase 1 into h2_ (BF16 [ns, de]), phase 2 into slot_rows_, for tiles [t0, t0 + nt):
   // weights through the tables tab (gate, up, down) or, for one expert's tiles, at direct.
   const auto run_tiles = [&](int t0, int nt, const void** const* tab, const void* const* direct,
@@ -280,7 +270,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
                   .out = h2_,
                   .tile_rows = tile_rows,
                   .x_f16 = x_f16,
-                  .plan = unread ? plan_ + ne + 3 : nullptr};
+                  .plan = unread_plan};
     grouped_gate_up(a, stream_);
     a = GroupedArgs{.tiles = group_tiles_ + t0,
                     .n_tiles = nt,
@@ -292,7 +282,7 @@ Status CudaSession::grouped_experts(int layer, int n) {
                     .k = de,
                     .out = slot_rows_,
                     .tile_rows = tile_rows,
-                    .plan = unread ? plan_ + ne + 3 : nullptr};
+                    .plan = unread_plan};
     grouped_down(a, stream_);
   };
   const void** layer_tab[3] = {L.gate_tab, L.up_tab, L.down_tab};
@@ -304,6 +294,16 @@ Status CudaSession::grouped_experts(int layer, int n) {
     slot_sum(slot_rows_, group_row_of_, sel_w_, n, k, d, moe_out_, stream_);
     return {};
   }
+  // Expert e's tiles are [first_tile[e], first_tile[e + 1]) of the plan's, in expert order.
+  std::vector<int> first_tile(size_t(ne) + 1, 0);
+  for (int e = 0; e < ne; ++e)
+    first_tile[size_t(e) + 1] =
+        first_tile[size_t(e)] +
+        (tiled ? (count[size_t(e) + 1] - count[size_t(e)] + tile_rows - 1) / tile_rows : 0);
+  if (count[size_t(ne)] != ns || first_tile[size_t(ne)] != n_tiles)
+    return make_error("internal: the device's expert plan does not add up (" +
+                      std::to_string(count[size_t(ne)]) + " rows, " + std::to_string(n_tiles) +
+                      " tiles)");
   const void** dq_tab[3] = {dq_tab_, dq_tab_ + ne, dq_tab_ + 2 * size_t(ne)};
   const auto dq_args = [&] {
     ExpertDequant q;
