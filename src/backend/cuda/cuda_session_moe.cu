@@ -212,13 +212,15 @@ Status CudaSession::grouped_experts(int layer, int n) {
   // The grids are bounded by the most tiles the chunk can have, and a launch's blocks exit
   // past the plan's tile count or when the plan's height is not the launch's. BF16 experts
   // have one height; quantized experts read in place have kQuantSmallTile rows or their
-  // kernel's (a launch of each; chunks of at most kQuantSmallTile tokens only the first),
-  // where the chunk has too few slots for the BF16 copies (every token routes to k distinct
-  // experts, so at least k are used).
+  // kernel's (a launch of each), where the chunk has too few slots for the BF16 copies
+  // (every token routes to k distinct experts, so at least k are used). Quantized chunks of
+  // at most kQuantSmallTile tokens read the plan: unread they measured ~3% slower on the
+  // H100 (Q8_0, 16 and 32 tokens; 64 and 128 gain 2-3%; docs/PERF.md).
   std::vector<int> heights;
-  if (!cached() && in_place && (dq_min_rows == 0 || ns < dq_min_rows * k)) {
+  if (!cached() && in_place && (dq_min_rows == 0 || ns < dq_min_rows * k) &&
+      (small_tile == 0 || n > small_tile)) {
     if (small_tile > 0) heights.push_back(small_tile);
-    if (small_tile == 0 || n > small_tile) heights.push_back(grouped_tile_rows(et));
+    heights.push_back(grouped_tile_rows(et));
   }
   const bool unread = !heights.empty();
   // The plan's tile count and tile rows, as the kernels read them (GroupedArgs::plan).

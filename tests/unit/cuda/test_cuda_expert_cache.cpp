@@ -312,9 +312,9 @@ TEST(CudaExpertCacheGrouped, TensorCorePrefillMatchesResidentAndGemvPath) {
   // by the grouped kernels: d_model 256 on grouped_quant_mma_kernel, d_expert 96 on the WMMA
   // one; at 20 and 40 tokens no expert has more than kQuantSmallTile rows: tiles of that
   // height); 1,100: 275 rows per expert (Q8_0 experts dequantized to BF16 for the chunk first,
-  // kDequantQ8MinRows). Resident, BF16 experts and Q8_0 ones up to 100 tokens run on the plan
-  // unread (20 tokens: launches for small tiles only; 40 and 100: for both heights, the plan's
-  // taking the tiles); the host cache reads it: byte-identical.
+  // kDequantQ8MinRows). Resident, BF16 experts and Q8_0 ones of 40 and 100 tokens run on the
+  // plan unread (launches for both heights, the plan's taking the tiles; Q8_0 at 20 tokens
+  // reads it); the host cache reads it: byte-identical.
   for (const int n_prompt : {20, 40, 100, 400, 1100})
     for (ts::DType t : {ts::DType::kBF16, ts::DType::kQ8_0}) {
       SCOPED_TRACE(std::string(ts::dtype_name(t)) + ", " + std::to_string(n_prompt) + " tokens");
