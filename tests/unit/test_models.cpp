@@ -198,6 +198,40 @@ TEST(SyntheticWeights, BytesOfTheQwen3BenchShape) {
   EXPECT_EQ(e.error().message, "hidden_size 2000 is not a multiple of 256, the Q4_K block");
 }
 
+// tests/gpu/real_widths.sh runs on a GPU machine only: here, every shape it reads parses, has
+// its two layers, takes whole Q8_0 blocks in every matrix (the Q8_0 pack quantizes them all),
+// and is its bench/ namesake's shape but for the layer count, so the two cannot drift apart.
+TEST(SyntheticWeights, RealWidthShapesParseAndMatchTheBenchShapes) {
+  const fs::path dir = ts_test::data_dir() / "gpu" / "shapes";
+  const fs::path bench = ts_test::data_dir().parent_path() / "bench";
+  int shapes = 0, matched = 0;
+  for (const auto& f : fs::directory_iterator(dir)) {
+    if (f.path().extension() != ".json") continue;
+    ++shapes;
+    SCOPED_TRACE(f.path().string());
+    std::ifstream in(f.path());
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto hp = ts::model::parse_hparams(text, f.path().string());
+    ASSERT_TRUE(hp.ok()) << hp.error().message;
+    EXPECT_EQ(hp.value().n_layers, 2);
+    auto q = ts::model::synthetic_weight_bytes(hp.value(), ts::DType::kQ8_0, ts::DType::kQ8_0);
+    EXPECT_TRUE(q.ok()) << q.error().message;
+    std::string name = f.path().stem().string();
+    const std::string suffix = "-2layer";
+    ASSERT_TRUE(name.size() > suffix.size() && name.ends_with(suffix)) << name;
+    name.resize(name.size() - suffix.size());
+    const fs::path twin = bench / (name + ".json");
+    if (!fs::exists(twin)) continue;
+    ++matched;
+    nlohmann::json a = nlohmann::json::parse(text), b = nlohmann::json::parse(std::ifstream(twin));
+    a.erase("num_hidden_layers");
+    b.erase("num_hidden_layers");
+    EXPECT_EQ(a, b) << "differs from " << twin.string() << " beyond num_hidden_layers";
+  }
+  EXPECT_GE(shapes, 4);
+  EXPECT_GE(matched, 3);  // qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b
+}
+
 }  // namespace
 
 namespace {
