@@ -1,5 +1,5 @@
 // What the hand-built CUDA lab tools in bench/ (cuda_h2d.cu, cuda_burst.cu, cuda_tail.cu,
-// cuda_icache.cu, cuda_mega.cu) share: CHECK(call) (a failed CUDA runtime call prints where and why, and exits 1), one
+// cuda_icache.cu, cuda_mega.cu, cuda_layer.cu) share: CHECK(call) (a failed CUDA runtime call prints where and why, and exits 1), one
 // launch with or without PDL, and the time per step of a captured chain of launches.
 #pragma once
 
