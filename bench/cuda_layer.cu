@@ -60,8 +60,8 @@ constexpr size_t kSmem = kStageAt + size_t(kWarps) * kStage;
 constexpr int kMaxKeys = 16384;  // scores (64 KB) and 16 x 128 partial sums fit the staging
 
 struct Layer {
-  const uint8_t* qkv;  // [5,120 rows] Q8_0: q rows, then k, then v
-  const uint8_t* wo;   // [2,048 rows] Q8_0 over 4,096
+  const uint8_t* qkv;      // [5,120 rows] Q8_0: q rows, then k, then v
+  const uint8_t* wo;       // [2,048 rows] Q8_0 over 4,096
   const uint16_t* router;  // [128][2,048] BF16
   const float *attn_norm, *ffn_norm, *q_norm, *k_norm;
   const uint8_t* experts;  // [128][kExpertBytes]
@@ -74,8 +74,8 @@ struct Args {
   float *x, *q, *k, *v, *att, *logits, *h;
   int prefetch;  // 1: wo and router rows asked into L2 as the attention starts; 2: the next
                  // layer's q|k|v rows as phase 2 starts
-  int* ids;     // [layer][8]
-  float* wts;   // [layer][8]
+  int* ids;      // [layer][8]
+  float* wts;    // [layer][8]
   unsigned* bar;
 };
 
@@ -239,7 +239,7 @@ __device__ void attention_head(const Args& a, const Layer& L, int l, int hq, uin
                                float* xs, float* red) {
   const int g = hq / (kHeads / kKvHeads), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int keys = a.ctx + 1;
-  float* qn = xs;         // normalized, then rotated in place (pairs i, i + 64 by one thread)
+  float* qn = xs;  // normalized, then rotated in place (pairs i, i + 64 by one thread)
   float* kn = xs + kHd;
   float* vn = xs + 2 * kHd;
   if (warp < 2) {
@@ -257,7 +257,8 @@ __device__ void attention_head(const Args& a, const Layer& L, int l, int hq, uin
     for (int i = 0; i < 4; ++i) dst[lane * 4 + i] = v[i] * inv * __ldg(nw + lane * 4 + i);
   } else if (warp == 2) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) vn[lane * 4 + i] = bf16f(to_bf16(__ldcg(a.v + g * kHd + lane * 4 + i)));
+    for (int i = 0; i < 4; ++i)
+      vn[lane * 4 + i] = bf16f(to_bf16(__ldcg(a.v + g * kHd + lane * 4 + i)));
   }
   __syncthreads();
   if (threadIdx.x < kHd) {  // 0..63 rotate q, 64..127 rotate k
@@ -291,7 +292,7 @@ __device__ void attention_head(const Args& a, const Layer& L, int l, int hq, uin
     for (int j = 0; j < 4; ++j) {
       const int t = t0 + j * kWarps;
       w[j] = t < a.ctx ? __ldg(reinterpret_cast<const uint2*>(a.k_cache + (layer_rows + t) * kKvd +
-                                                               g * kHd + lane * 4))
+                                                              g * kHd + lane * 4))
                        : make_uint2(0, 0);
     }
 #pragma unroll
@@ -377,12 +378,15 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
         kQkvRows, kQkvRow, st, [&](int r) { return L.qkv + size_t(r) * kQkvRow; },
         [&](int r, const uint8_t* row) {
           const float y = q8q8_dot(row, xq, xd, kD, lane);
-          if (lane == 0) (r < kQd ? a.q + r : r < kQd + kKvd ? a.k + r - kQd : a.v + r - kQd - kKvd)[0] = y;
+          if (lane == 0)
+            (r < kQd ? a.q + r : r < kQd + kKvd ? a.k + r - kQd : a.v + r - kQd - kKvd)[0] = y;
         });
     grid_sync(a.bar, gen);
     if ((a.prefetch & 1) && lane == 0) {  // the rows this warp reads next, and the router's
-      for (int r = blockIdx.x + G * warp; r < kD; r += G * kWarps) prefetch_l2(L.wo + size_t(r) * kWoRow, kWoRow);
-      for (int e = blockIdx.x + G * warp; e < kExperts; e += G * kWarps) prefetch_l2(L.router + size_t(e) * kD, 2 * kD);
+      for (int r = blockIdx.x + G * warp; r < kD; r += G * kWarps)
+        prefetch_l2(L.wo + size_t(r) * kWoRow, kWoRow);
+      for (int e = blockIdx.x + G * warp; e < kExperts; e += G * kWarps)
+        prefetch_l2(L.router + size_t(e) * kD, 2 * kD);
     }
     if (blockIdx.x < kHeads) attention_head(a, L, l, blockIdx.x, stage_all, xs, red);
     grid_sync(a.bar, gen);
@@ -409,7 +413,8 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
         const uint32_t p[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          s += __uint_as_float(p[j] << 16) * xv[2 * j] + __uint_as_float(p[j] & 0xffff0000u) * xv[2 * j + 1];
+          s += __uint_as_float(p[j] << 16) * xv[2 * j] +
+               __uint_as_float(p[j] & 0xffff0000u) * xv[2 * j + 1];
       }
       s = warp_sum(s);
       if (lane == 0) a.logits[e] = s;
@@ -435,25 +440,8 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
       s = warp_sum(s);
       float picked = 0.0f;
       for (int r = 0; r < kTopK; ++r) {
-        float best = -1.0f;
-        int be = 0;
-#pragma unroll
-        for (int i = 0; i < kExperts / 32; ++i)
-          if (p[i] > best) {
-            best = p[i];
-            be = lane + 32 * i;
-          }
-        for (int o = 16; o > 0; o >>= 1) {
-          const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-          const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-          if (ob > best || (ob == best && oe < be)) {
-            best = ob;
-            be = oe;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kExperts / 32; ++i)
-          if (lane + 32 * i == be) p[i] = -2.0f;
+        float best;
+        const int be = warp_argmax_take(p, lane, &best);
         picked += best / s;
         if (lane == 0) {
           sel[r] = be;
@@ -479,7 +467,8 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
         warp_copy(st, ex, int(kQkvRow), lane);
         warp_copy(st + kQkvRow, ex + kGateBytes, int(kQkvRow), lane);
         copy_wait();
-        const float g = q8q8_dot(st, xq, xd, kD, lane), u = q8q8_dot(st + kQkvRow, xq, xd, kD, lane);
+        const float g = q8q8_dot(st, xq, xd, kD, lane),
+                    u = q8q8_dot(st + kQkvRow, xq, xd, kD, lane);
         if (lane == 0) a.h[i] = g / (1.0f + expf(-g)) * u;
         __syncwarp();
       }
@@ -503,9 +492,10 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
         float total = 0.0f;
         for (int k0 = 0; k0 < kTopK; k0 += pass) {
           for (int k = k0; k < k0 + pass; ++k)
-            warp_copy(st2 + (k - k0) * kDownRow,
-                      L.experts + size_t(sel[k]) * kExpertBytes + 2 * kGateBytes + size_t(r) * kDownRow,
-                      int(kDownRow), lane);
+            warp_copy(
+                st2 + (k - k0) * kDownRow,
+                L.experts + size_t(sel[k]) * kExpertBytes + 2 * kGateBytes + size_t(r) * kDownRow,
+                int(kDownRow), lane);
           copy_wait();
           for (int k = k0; k < k0 + pass; ++k)
             total += wsel[k] * q8f_dot(st2 + (k - k0) * kDownRow, xs + k * kDe, kDe, lane);
@@ -541,11 +531,13 @@ __global__ void fill_q8(uint8_t* p, size_t n_blocks, float d, uint32_t seed) {
   }
 }
 __global__ void fill_bf16(uint16_t* p, size_t n, float scale, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x)
     p[i] = to_bf16(scale * unit(i, seed));
 }
 __global__ void fill_f32(float* p, size_t n, float base, float scale, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x)
     p[i] = base + scale * unit(i, seed);
 }
 
@@ -643,7 +635,8 @@ void layer_host(const HostLayer& H, const Layer& L, int l, int ctx, std::vector<
   std::vector<float> d8;
   quantize_host(rmsnorm_host(x.data(), H.attn_norm.data(), kD), q8, d8);
   std::vector<float> qkv(kQkvRows);
-  for (int r = 0; r < kQkvRows; ++r) qkv[size_t(r)] = float(q8q8_host(H.qkv.data() + r * kQkvRow, q8, d8, kD));
+  for (int r = 0; r < kQkvRows; ++r)
+    qkv[size_t(r)] = float(q8q8_host(H.qkv.data() + r * kQkvRow, q8, d8, kD));
   auto rope = [&](float* t) {
     for (int i = 0; i < 64; ++i) {
       const float f = std::pow(kTheta, -float(2 * i) / kHd);
@@ -672,7 +665,8 @@ void layer_host(const HostLayer& H, const Layer& L, int l, int ctx, std::vector<
     double m = -1e300;
     for (int t = 0; t < keys; ++t) {
       double s = 0;
-      for (int i = 0; i < kHd; ++i) s += double(q[size_t(i)]) * bf16_host(kc[(layer_rows + t) * kKvd + g * kHd + i]);
+      for (int i = 0; i < kHd; ++i)
+        s += double(q[size_t(i)]) * bf16_host(kc[(layer_rows + t) * kKvd + g * kHd + i]);
       p[size_t(t)] = s / std::sqrt(double(kHd));
       m = std::max(m, p[size_t(t)]);
     }
@@ -680,25 +674,29 @@ void layer_host(const HostLayer& H, const Layer& L, int l, int ctx, std::vector<
     for (double& v : p) sum += (v = std::exp(v - m));
     for (int i = 0; i < kHd; ++i) {
       double o = 0;
-      for (int t = 0; t < keys; ++t) o += p[size_t(t)] * bf16_host(vc[(layer_rows + t) * kKvd + g * kHd + i]);
+      for (int t = 0; t < keys; ++t)
+        o += p[size_t(t)] * bf16_host(vc[(layer_rows + t) * kKvd + g * kHd + i]);
       att[size_t(h * kHd + i)] = float(o / sum);
     }
   }
   quantize_host(att, q8, d8);
-  for (int r = 0; r < kD; ++r) x[size_t(r)] += float(q8q8_host(H.wo.data() + r * kWoRow, q8, d8, kQd));
+  for (int r = 0; r < kD; ++r)
+    x[size_t(r)] += float(q8q8_host(H.wo.data() + r * kWoRow, q8, d8, kQd));
   const std::vector<float> xn = rmsnorm_host(x.data(), H.ffn_norm.data(), kD);
   std::vector<double> p(kExperts);
   double m = -1e300, sum = 0;
   for (int e = 0; e < kExperts; ++e) {
     double s = 0;
-    for (int i = 0; i < kD; ++i) s += double(bf16_host(H.router[size_t(e) * kD + i])) * xn[size_t(i)];
+    for (int i = 0; i < kD; ++i)
+      s += double(bf16_host(H.router[size_t(e) * kD + i])) * xn[size_t(i)];
     p[size_t(e)] = s;
     m = std::max(m, s);
   }
   for (double& v : p) sum += (v = std::exp(v - m));
   std::vector<int> order(kExperts);
   for (int e = 0; e < kExperts; ++e) order[size_t(e)] = e;
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[size_t(a)] > p[size_t(b)]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return p[size_t(a)] > p[size_t(b)]; });
   double picked = 0;
   for (int r = 0; r < kTopK; ++r) picked += p[size_t(order[size_t(r)])];
   quantize_host(xn, q8, d8);
@@ -717,7 +715,8 @@ void layer_host(const HostLayer& H, const Layer& L, int l, int ctx, std::vector<
   for (int r = 0; r < kD; ++r) {
     double total = 0;
     for (int s = 0; s < kTopK; ++s)
-      total += wts[s] * q8f_host(ex[size_t(s)].data() + 2 * kGateBytes + r * kDownRow, h.data() + s * kDe, kDe);
+      total += wts[s] * q8f_host(ex[size_t(s)].data() + 2 * kGateBytes + r * kDownRow,
+                                 h.data() + s * kDe, kDe);
     x[size_t(r)] += float(total);
   }
 }
@@ -733,21 +732,24 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const int G = prop.multiProcessorCount;
-  CHECK(cudaFuncSetAttribute(layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+  CHECK(
+      cudaFuncSetAttribute(layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   int per_sm = 0;
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, layer_kernel, kThreads, kSmem));
   cudaFuncAttributes fa{};
   CHECK(cudaFuncGetAttributes(&fa, layer_kernel));
-  std::printf("%s, %d SMs; layer_kernel: %d registers, %zu + %zu bytes of shared memory, %d block(s) per SM\n",
-              prop.name, G, fa.numRegs, size_t(fa.sharedSizeBytes), kSmem, per_sm);
+  std::printf(
+      "%s, %d SMs; layer_kernel: %d registers, %zu + %zu bytes of shared memory, %d block(s) per "
+      "SM\n",
+      prop.name, G, fa.numRegs, size_t(fa.sharedSizeBytes), kSmem, per_sm);
   if (per_sm < 1 || G < kHeads) {
     std::fprintf(stderr, "layer_kernel cannot run one block per SM here\n");
     return 1;
   }
   Args a{};
   a.ctx = ctx;
-  const size_t dense = size_t(kQkvRows) * kQkvRow + size_t(kD) * kWoRow + size_t(kExperts) * kD * 2 +
-                       4 * size_t(kD) * 4 + 2 * size_t(kHd) * 4;
+  const size_t dense = size_t(kQkvRows) * kQkvRow + size_t(kD) * kWoRow +
+                       size_t(kExperts) * kD * 2 + 4 * size_t(kD) * 4 + 2 * size_t(kHd) * 4;
   std::vector<void*> owned;
   auto alloc = [&](size_t n) {
     void* p;
@@ -797,15 +799,17 @@ int main(int argc, char** argv) {
   a.bar = static_cast<unsigned*>(alloc(4));
   CHECK(cudaMemset(a.bar, 0, 4));
   CHECK(cudaDeviceSynchronize());
-  std::printf("weights: %.1f MB dense + %.1f MB of experts a distinct layer; a token reads %.1f MB a layer\n",
-              dense / 1e6, kExperts * kExpertBytes / 1e6,
-              (dense + kTopK * kExpertBytes + 2.0 * (ctx + 1) * kKvd * 2) / 1e6);
+  std::printf(
+      "weights: %.1f MB dense + %.1f MB of experts a distinct layer; a token reads %.1f MB a "
+      "layer\n",
+      dense / 1e6, kExperts * kExpertBytes / 1e6,
+      (dense + kTopK * kExpertBytes + 2.0 * (ctx + 1) * kKvd * 2) / 1e6);
 
   auto launch = [&](int n_layers) {
     a.n_layers = n_layers;
     void* params[] = {&a};
-    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(layer_kernel), G, kThreads, params, kSmem,
-                                      nullptr));
+    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(layer_kernel), G, kThreads, params,
+                                      kSmem, nullptr));
   };
 
   // The check: kCheckLayers layers against the host.
@@ -820,9 +824,13 @@ int main(int argc, char** argv) {
   bool ok = true;
   for (int l = 0; l < kCheckLayers; ++l) {
     const Layer& L = a.layers[l % kDistinct];
-    HostLayer H{download(L.qkv, size_t(kQkvRows) * kQkvRow), download(L.wo, size_t(kD) * kWoRow),
-                download(L.router, size_t(kExperts) * kD), download(L.attn_norm, kD),
-                download(L.ffn_norm, kD), download(L.q_norm, kHd), download(L.k_norm, kHd)};
+    HostLayer H{download(L.qkv, size_t(kQkvRows) * kQkvRow),
+                download(L.wo, size_t(kD) * kWoRow),
+                download(L.router, size_t(kExperts) * kD),
+                download(L.attn_norm, kD),
+                download(L.ffn_norm, kD),
+                download(L.q_norm, kHd),
+                download(L.k_norm, kHd)};
     int ids[kTopK];
     float wts[kTopK];
     layer_host(H, L, l, ctx, xh, kc, vc, ids, wts);
@@ -844,20 +852,24 @@ int main(int argc, char** argv) {
   for (int l = 0; l < kCheckLayers; ++l)
     for (int i = 0; i < kKvd; ++i) {
       const size_t at = (size_t(l) * (ctx + 1) + ctx) * kKvd + i;
-      cache_diff += std::fabs(bf16_host(kg[at]) - bf16_host(kc[at])) > 2e-2f * (1 + std::fabs(bf16_host(kc[at])));
+      cache_diff += std::fabs(bf16_host(kg[at]) - bf16_host(kc[at])) >
+                    2e-2f * (1 + std::fabs(bf16_host(kc[at])));
     }
-  std::printf("check (%d layers, context %d): x max |err| %.3g of max |x| %.3g (rel %.3g); new k rows off: %d\n",
-              kCheckLayers, ctx, max_err, max_ref, max_err / max_ref, cache_diff);
+  std::printf(
+      "check (%d layers, context %d): x max |err| %.3g of max |x| %.3g (rel %.3g); new k rows off: "
+      "%d\n",
+      kCheckLayers, ctx, max_err, max_ref, max_err / max_ref, cache_diff);
   ok = ok && max_err <= 1e-2 * max_ref && cache_diff == 0 && std::isfinite(max_err);
-  std::printf(ok ? "check passed\n" : "CHECK FAILED (timed all the same; the time is not the design's)\n");
+  std::printf(ok ? "check passed\n"
+                 : "CHECK FAILED (timed all the same; the time is not the design's)\n");
 
   // The time: 48 layers a launch.
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   const double mb = (dense + kTopK * kExpertBytes + 2.0 * (ctx + 1) * kKvd * 2) / 1e6;
-  const char* names[4] = {"plain", "wo+router into L2 at the attention", "next q|k|v into L2 at phase 2",
-                          "both"};
+  const char* names[4] = {"plain", "wo+router into L2 at the attention",
+                          "next q|k|v into L2 at phase 2", "both"};
   for (int round = 0; round < 2; ++round)
     for (int pf = 0; pf < 4; ++pf) {
       a.prefetch = pf;
@@ -874,9 +886,10 @@ int main(int argc, char** argv) {
       }
       std::sort(us.begin(), us.end());
       const double t = us[us.size() / 2];
-      std::printf("persistent Q8_0 layer, context %d, %-36s %.2f us a layer (min %.2f, max %.2f), "
-                  "%.0f GB/s; 48 layers %.0f us\n",
-                  ctx, names[pf], t, us.front(), us.back(), mb * 1e3 / t, 48 * t);
+      std::printf(
+          "persistent Q8_0 layer, context %d, %-36s %.2f us a layer (min %.2f, max %.2f), "
+          "%.0f GB/s; 48 layers %.0f us\n",
+          ctx, names[pf], t, us.front(), us.back(), mb * 1e3 / t, 48 * t);
     }
   for (void* p : owned) CHECK(cudaFree(p));
   return ok ? 0 : 1;

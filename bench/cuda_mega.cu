@@ -53,7 +53,9 @@ struct Sizes {
 };
 
 Sizes sizes_for(bool q8) {
-  const auto m = [&](size_t rows, size_t cols) { return q8 ? rows * cols / 32 * 34 : rows * cols * 2; };
+  const auto m = [&](size_t rows, size_t cols) {
+    return q8 ? rows * cols / 32 * 34 : rows * cols * 2;
+  };
   return {m(5120, 2048), m(2048, 4096), size_t(128) * 2048 * 2, 2 * m(768, 2048), m(2048, 768)};
 }
 
@@ -63,15 +65,15 @@ struct MegaArgs {
   const uint8_t* kv;       // [kDistinct][kAttnBlocks * kAttnBytes]
   Sizes s;
   size_t dense_stride, expert_stride;
-  size_t share[3];     // per block: qkv, wo, router (16-byte multiples)
-  int preload[3];      // which of them come from shared memory
-  int down_prefetch;   // ask the down rows into L2 with the gate|up rows
-  int skeleton;        // read nothing
-  int no_topk;         // the experts are 0..7 (no top-k)
-  int predict;         // ranks whose gate|up rows are asked into L2 at the layer's start
+  size_t share[3];    // per block: qkv, wo, router (16-byte multiples)
+  int preload[3];     // which of them come from shared memory
+  int down_prefetch;  // ask the down rows into L2 with the gate|up rows
+  int skeleton;       // read nothing
+  int no_topk;        // the experts are 0..7 (no top-k)
+  int predict;        // ranks whose gate|up rows are asked into L2 at the layer's start
   int token;
-  float* logits;       // [kExperts]
-  unsigned* bar;       // [2]: count, generation
+  float* logits;  // [kExperts]
+  unsigned* bar;  // [2]: count, generation
   unsigned* sink;
 };
 
@@ -162,8 +164,8 @@ __device__ void preload(const MegaArgs& a, int u, uint8_t* buf, uint64_t* mbar) 
     for (size_t c = 0; c < len[m]; c += 65536) {
       const uint32_t n = uint32_t(min_sz(65536, len[m] - c));
       asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-              smem_addr(buf + at + c)),
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+          "[%3];" ::"r"(smem_addr(buf + at + c)),
           "l"(layer + starts[m] + off[m] + c), "r"(n), "r"(smem_addr(mbar))
           : "memory");
     }
@@ -185,25 +187,8 @@ __device__ __forceinline__ float logit_of(int token, int l, int e) {
 // argmax; lane 0 writes the ids best first.
 __device__ __forceinline__ void warp_top8(float (&p)[kExperts / 32], int* out, int lane) {
   for (int r = 0; r < kTopK; ++r) {
-    float best = -1.0f;
-    int be = 0;
-#pragma unroll
-    for (int i = 0; i < kExperts / 32; ++i)
-      if (p[i] > best) {
-        best = p[i];
-        be = lane + 32 * i;
-      }
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-      if (ob > best || (ob == best && oe < be)) {
-        best = ob;
-        be = oe;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kExperts / 32; ++i)
-      if (lane + 32 * i == be) p[i] = -2.0f;
+    float best;
+    const int be = warp_argmax_take(p, lane, &best);
     if (lane == 0) out[r] = be;
   }
 }
@@ -242,7 +227,10 @@ __global__ void __launch_bounds__(kThreads, 1) mega_kernel(MegaArgs a) {
       acc ^= fold_shared(reinterpret_cast<const uint4*>(buf + smem_at[m]), len);
     else
       acc ^= fold_global(a.dense + size_t(u) * a.dense_stride +
-                             (m == 0 ? 0 : m == 1 ? a.s.qkv : a.s.qkv + a.s.wo) + off,
+                             (m == 0   ? 0
+                              : m == 1 ? a.s.qkv
+                                       : a.s.qkv + a.s.wo) +
+                             off,
                          len);
   };
   for (int l = 0; l < kLayers; ++l) {
@@ -322,7 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) mega_kernel(MegaArgs a) {
     }
     __syncthreads();
     // The next layer's dense shares into shared memory while the experts stream.
-    if (threadIdx.x == 0 && any_preload && l + 1 < kLayers) preload(a, (l + 1) % kDistinct, buf, &mbar);
+    if (threadIdx.x == 0 && any_preload && l + 1 < kLayers)
+      preload(a, (l + 1) % kDistinct, buf, &mbar);
     // This block's share of the 8 experts' gate|up rows, then of their down rows.
     if (!a.skeleton) {
       if (a.down_prefetch) span(sel, kTopK, a.s.down, a.s.gate_up, true);
@@ -381,8 +370,9 @@ int main() {
     a.sink = sink;
     const size_t totals[3] = {s.qkv, s.wo, s.router};
     for (int m = 0; m < 3; ++m) a.share[m] = (totals[m] / blocks + 15) / 16 * 16;
-    const double mb = double(s.qkv + s.wo + s.router + kTopK * (s.gate_up + s.down) +
-                             kAttnBlocks * kAttnBytes) / 1e6;
+    const double mb =
+        double(s.qkv + s.wo + s.router + kTopK * (s.gate_up + s.down) + kAttnBlocks * kAttnBytes) /
+        1e6;
     struct Variant {
       const char* name;
       int skeleton, preload, down_prefetch, barrier, no_topk, predict;
@@ -392,8 +382,10 @@ int main() {
           Variant{"skel/b1/no-topk", 1, 0, 0, 1, 1, 0}, Variant{"global", 0, 0, 0, 0, 0, 0},
           Variant{"global/b1", 0, 0, 0, 1, 0, 0}, Variant{"preload", 0, 1, 0, 0, 0, 0},
           Variant{"preload/b1", 0, 1, 0, 1, 0, 0}, Variant{"preload+down/b1", 0, 1, 1, 1, 0, 0},
-          Variant{"preload/b1/pred2", 0, 1, 0, 1, 0, 2}, Variant{"preload/b1/pred4", 0, 1, 0, 1, 0, 4},
-          Variant{"preload/b1/pred8", 0, 1, 0, 1, 0, 8}, Variant{"global/b1/pred4", 0, 0, 0, 1, 0, 4}}) {
+          Variant{"preload/b1/pred2", 0, 1, 0, 1, 0, 2},
+          Variant{"preload/b1/pred4", 0, 1, 0, 1, 0, 4},
+          Variant{"preload/b1/pred8", 0, 1, 0, 1, 0, 8},
+          Variant{"global/b1/pred4", 0, 0, 0, 1, 0, 4}}) {
       MegaArgs b = a;
       b.skeleton = v.skeleton;
       b.down_prefetch = v.down_prefetch;
