@@ -81,6 +81,30 @@ __device__ __forceinline__ int warp_argmax_take(float (&p)[N], int lane, float* 
   return be;
 }
 
+// reps launches timed one by one with events (before(rep), untimed, ahead of each): the times
+// in ms of all but the first (a warm-up), sorted.
+template <class Before, class Launch>
+std::vector<float> sorted_launch_ms(int reps, Before before, Launch launch) {
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int rep = 0; rep < reps; ++rep) {
+    before(rep);
+    CHECK(cudaEventRecord(e0));
+    launch(rep);
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (rep) ms.push_back(t);
+  }
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
+  std::sort(ms.begin(), ms.end());
+  return ms;
+}
+
 // One launch, with programmatic dependent launch (PDL) or without.
 template <class... P, class... A>
 void launch_ex(bool pdl, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void (*kernel)(P...),

@@ -864,32 +864,21 @@ int main(int argc, char** argv) {
                  : "CHECK FAILED (timed all the same; the time is not the design's)\n");
 
   // The time: 48 layers a launch.
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
   const double mb = (dense + kTopK * kExpertBytes + 2.0 * (ctx + 1) * kKvd * 2) / 1e6;
   const char* names[4] = {"plain", "wo+router into L2 at the attention",
                           "next q|k|v into L2 at phase 2", "both"};
   for (int round = 0; round < 2; ++round)
     for (int pf = 0; pf < 4; ++pf) {
       a.prefetch = pf;
-      std::vector<float> us;
-      for (int rep = 0; rep < 10; ++rep) {
-        CHECK(cudaMemcpy(a.x, x0, kD * 4, cudaMemcpyDeviceToDevice));
-        CHECK(cudaEventRecord(e0));
-        launch(kLayers);
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (rep) us.push_back(1e3f * ms / kLayers);
-      }
-      std::sort(us.begin(), us.end());
-      const double t = us[us.size() / 2];
+      const std::vector<float> ms = sorted_launch_ms(
+          10, [&](int) { CHECK(cudaMemcpy(a.x, x0, kD * 4, cudaMemcpyDeviceToDevice)); },
+          [&](int) { launch(kLayers); });
+      const double t = 1e3 * ms[ms.size() / 2] / kLayers;
+      const double lo = 1e3 * ms.front() / kLayers, hi = 1e3 * ms.back() / kLayers;
       std::printf(
           "persistent Q8_0 layer, context %d, %-36s %.2f us a layer (min %.2f, max %.2f), "
           "%.0f GB/s; 48 layers %.0f us\n",
-          ctx, names[pf], t, us.front(), us.back(), mb * 1e3 / t, 48 * t);
+          ctx, names[pf], t, lo, hi, mb * 1e3 / t, 48 * t);
     }
   for (void* p : owned) CHECK(cudaFree(p));
   return ok ? 0 : 1;

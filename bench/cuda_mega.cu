@@ -348,9 +348,6 @@ int main() {
   CHECK(cudaMalloc(&sink, 4));
   uint8_t* kv;
   CHECK(cudaMalloc(&kv, size_t(kDistinct) * kAttnBlocks * kAttnBytes));
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
   std::printf("%-5s %-16s %8s %10s %9s %s\n", "dtype", "variant", "us/layer", "MB/layer", "GB/s",
               "in shared memory");
   for (const bool q8 : {true, false}) {
@@ -402,21 +399,14 @@ int main() {
           what += std::string(what.empty() ? "" : ", ") + names[m];
         }
       }
-      std::vector<float> us;
-      for (int rep = 0; rep < 10; ++rep) {
-        b.token = rep;
-        void* params[] = {&b};
-        CHECK(cudaEventRecord(e0));
-        CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(mega_kernel), blocks, kThreads,
-                                          params, smem, nullptr));
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (rep) us.push_back(1e3f * ms / kLayers);
-      }
-      std::sort(us.begin(), us.end());
-      const double t = us[us.size() / 2];
+      const std::vector<float> ms = sorted_launch_ms(
+          10, [&](int rep) { b.token = rep; },
+          [&](int) {
+            void* params[] = {&b};
+            CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(mega_kernel), blocks,
+                                              kThreads, params, smem, nullptr));
+          });
+      const double t = 1e3 * ms[ms.size() / 2] / kLayers;
       std::printf("%-5s %-16s %8.2f %10.1f %9.0f %s\n", q8 ? "q8_0" : "bf16", v.name, t,
                   v.skeleton ? 0.0 : mb, v.skeleton ? 0.0 : mb * 1e3 / t,
                   what.empty() ? "-" : what.c_str());
