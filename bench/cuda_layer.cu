@@ -57,7 +57,10 @@ constexpr int kStage = 4352;  // bytes a warp stages at once: two rows of 2,048 
 constexpr size_t kXsBytes = size_t(kTopK) * kDe * 4, kXqBytes = kQd, kXdBytes = kQd / 32 * 4;
 constexpr size_t kStageAt = kXsBytes + kXqBytes + kXdBytes;
 constexpr size_t kSmem = kStageAt + size_t(kWarps) * kStage;
-constexpr int kMaxKeys = 16384;  // scores (64 KB) and 16 x 128 partial sums fit the staging
+// The attention's scratch is the upper half of the warps' staging (the lower half may hold wo
+// rows staged ahead): scores (60 KB) and 16 x 128 partial sums.
+constexpr int kMaxKeys = 15360;
+static_assert(size_t(kMaxKeys) * 4 + 16 * kHd * 4 <= size_t(kWarps / 2) * kStage);
 
 struct Layer {
   const uint8_t* qkv;      // [5,120 rows] Q8_0: q rows, then k, then v
@@ -73,10 +76,14 @@ struct Args {
   int ctx, n_layers;
   float *x, *q, *k, *v, *att, *logits, *h;
   int prefetch;  // 1: wo and router rows asked into L2 as the attention starts; 2: the next
-                 // layer's q|k|v rows as phase 2 starts
+                 // layer's q|k|v rows as phase 2 starts; 4: staged ahead into shared memory,
+                 // wo's rows before the attention and the next layer's q|k|v rows before the
+                 // layer's last barrier (each weight phase then waits on copies long issued)
   int* ids;      // [layer][8]
   float* wts;    // [layer][8]
   unsigned* bar;
+  unsigned long long* stamps;  // [layer][7], or null: %globaltimer (ns) in block 0 as the layer
+                               // starts and after each of its six barriers
 };
 
 __device__ __forceinline__ float bf16f(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
@@ -205,10 +212,20 @@ __device__ __forceinline__ void grid_sync(unsigned* bar, unsigned& gen) {
   __syncthreads();
 }
 
+__device__ __forceinline__ void stamp(const Args& a, int l, int k) {
+  if (a.stamps && blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    a.stamps[l * 7 + k] = t;
+  }
+}
+
 // Rows r = blockIdx.x + G * (warp + 32 m) of n_rows, kPer staged at once (kPer * rb <= the
 // warp's staging); dot(r, staged row) for each.
+// staged: the first round's copies were issued already (stage_first).
 template <int kPer, class Src, class Dot>
-__device__ __forceinline__ void rows(int n_rows, size_t rb, uint8_t* st, Src src, Dot dot) {
+__device__ __forceinline__ void rows(int n_rows, size_t rb, uint8_t* st, Src src, Dot dot,
+                                     bool staged = false) {
   const int G = gridDim.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int m0 = 0;; m0 += kPer) {
     int got = 0;
@@ -216,13 +233,24 @@ __device__ __forceinline__ void rows(int n_rows, size_t rb, uint8_t* st, Src src
     for (int m = 0; m < kPer; ++m) {
       const int r = blockIdx.x + G * (warp + kWarps * (m0 + m));
       if (r >= n_rows) break;
-      warp_copy(st + m * rb, src(r), int(rb), lane);
+      if (!(staged && m0 == 0)) warp_copy(st + m * rb, src(r), int(rb), lane);
       ++got;
     }
     if (!got) return;
     copy_wait();
     for (int m = 0; m < got; ++m) dot(blockIdx.x + G * (warp + kWarps * (m0 + m)), st + m * rb);
     __syncwarp();
+  }
+}
+
+// The first round of rows<kPer>'s copies, issued ahead (waited for inside rows).
+template <int kPer, class Src>
+__device__ __forceinline__ void stage_first(int n_rows, size_t rb, uint8_t* st, Src src) {
+  const int G = gridDim.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) {
+    const int r = blockIdx.x + G * (warp + kWarps * m);
+    if (r < n_rows) warp_copy(st + m * rb, src(r), int(rb), lane);
   }
 }
 
@@ -369,27 +397,39 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
   uint8_t* st = stage_all + size_t(warp) * kStage;
   unsigned gen = 0;
   if (threadIdx.x == 0) gen = *reinterpret_cast<volatile unsigned*>(a.bar) / G;
+  // Staged ahead only where wo's rows stay below the attention's scratch (warps < 16).
+  const bool staged = (a.prefetch & 4) && G * (kWarps / 2) >= kD;
+  const auto qkv_src = [](const Layer& L) {
+    return [&L](int r) { return L.qkv + size_t(r) * kQkvRow; };
+  };
+  if (staged) stage_first<2>(kQkvRows, kQkvRow, st, qkv_src(a.layers[0]));
   for (int l = 0; l < a.n_layers; ++l) {
     const Layer L = a.layers[l % kDistinct];
+    stamp(a, l, 0);
     // RMSNorm (every block, from x) and q|k|v.
     norm_rows(a.x, L.attn_norm, xs, red);
     quantize(xs, kD, xq, xd);
     rows<2>(
-        kQkvRows, kQkvRow, st, [&](int r) { return L.qkv + size_t(r) * kQkvRow; },
+        kQkvRows, kQkvRow, st, qkv_src(L),
         [&](int r, const uint8_t* row) {
           const float y = q8q8_dot(row, xq, xd, kD, lane);
           if (lane == 0)
             (r < kQd ? a.q + r : r < kQd + kKvd ? a.k + r - kQd : a.v + r - kQd - kKvd)[0] = y;
-        });
+        },
+        staged);
     grid_sync(a.bar, gen);
+    stamp(a, l, 1);
     if ((a.prefetch & 1) && lane == 0) {  // the rows this warp reads next, and the router's
       for (int r = blockIdx.x + G * warp; r < kD; r += G * kWarps)
         prefetch_l2(L.wo + size_t(r) * kWoRow, kWoRow);
       for (int e = blockIdx.x + G * warp; e < kExperts; e += G * kWarps)
         prefetch_l2(L.router + size_t(e) * kD, 2 * kD);
     }
-    if (blockIdx.x < kHeads) attention_head(a, L, l, blockIdx.x, stage_all, xs, red);
+    if (staged) stage_first<1>(kD, kWoRow, st, [&](int r) { return L.wo + size_t(r) * kWoRow; });
+    if (blockIdx.x < kHeads)
+      attention_head(a, L, l, blockIdx.x, stage_all + size_t(kWarps / 2) * kStage, xs, red);
     grid_sync(a.bar, gen);
+    stamp(a, l, 2);
     // wo on the attention's output (Q8), added to x.
     for (int i = threadIdx.x; i < kQd; i += kThreads) xs[i] = __ldcg(a.att + i);
     __syncthreads();
@@ -399,8 +439,10 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
         [&](int r, const uint8_t* row) {
           const float y = q8q8_dot(row, xq, xd, kQd, lane);
           if (lane == 0) a.x[r] = __ldcg(a.x + r) + y;
-        });
+        },
+        staged);
     grid_sync(a.bar, gen);
+    stamp(a, l, 3);
     // The MoE norm (every block) and the router (BF16 rows, F32 x).
     norm_rows(a.x, L.ffn_norm, xs, red);
     for (int e = blockIdx.x + G * warp; e < kExperts; e += G * kWarps) {
@@ -421,6 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
     }
     quantize(xs, kD, xq, xd);
     grid_sync(a.bar, gen);
+    stamp(a, l, 4);
     // Every block ranks the logits: softmax, the top 8 (ties to the lower id), renormalized.
     if (warp == 0) {
       float p[kExperts / 32];
@@ -474,6 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
       }
     }
     grid_sync(a.bar, gen);
+    stamp(a, l, 5);
     // Phase 2: every block loads h; a warp per output row sums the ranks' down rows in rank
     // order (all 8 staged at once where the block has at most 16 rows: two warps' staging).
     if ((a.prefetch & 2) && l + 1 < a.n_layers && lane == 0) {  // the next layer's q|k|v rows
@@ -504,7 +548,12 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
         if (lane == 0) a.x[r] = __ldcg(a.x + r) + total;
       }
     }
+    if (staged && l + 1 < a.n_layers) {  // the staging is free once every warp is done
+      __syncthreads();
+      stage_first<2>(kQkvRows, kQkvRow, st, qkv_src(a.layers[(l + 1) % kDistinct]));
+    }
     grid_sync(a.bar, gen);
+    stamp(a, l, 6);
   }
 }
 
@@ -860,16 +909,29 @@ int main(int argc, char** argv) {
       "%d\n",
       kCheckLayers, ctx, max_err, max_ref, max_err / max_ref, cache_diff);
   ok = ok && max_err <= 1e-2 * max_ref && cache_diff == 0 && std::isfinite(max_err);
+  // The staged variants do the same arithmetic in the same order: the same bits.
+  for (const int pf : {4, 7}) {
+    a.prefetch = pf;
+    CHECK(cudaMemcpy(a.x, x0, kD * 4, cudaMemcpyDeviceToDevice));
+    launch(kCheckLayers);
+    CHECK(cudaDeviceSynchronize());
+    const bool same = download(a.x, kD) == xg && download(a.ids, kCheckLayers * kTopK) == ids_g;
+    std::printf("variant %d: x and experts %s the plain kernel's\n", pf,
+                same ? "bit-identical to" : "DIFFER from");
+    ok = ok && same;
+  }
+  a.prefetch = 0;
   std::printf(ok ? "check passed\n"
                  : "CHECK FAILED (timed all the same; the time is not the design's)\n");
 
   // The time: 48 layers a launch.
   const double mb = (dense + kTopK * kExpertBytes + 2.0 * (ctx + 1) * kKvd * 2) / 1e6;
-  const char* names[4] = {"plain", "wo+router into L2 at the attention",
-                          "next q|k|v into L2 at phase 2", "both"};
+  const int variants[4] = {0, 3, 4, 7};
+  const char* names[4] = {"plain", "L2: wo+router, next q|k|v", "staged: wo, next q|k|v",
+                          "staged and L2"};
   for (int round = 0; round < 2; ++round)
     for (int pf = 0; pf < 4; ++pf) {
-      a.prefetch = pf;
+      a.prefetch = variants[pf];
       const std::vector<float> ms = sorted_launch_ms(
           10, [&](int) { CHECK(cudaMemcpy(a.x, x0, kD * 4, cudaMemcpyDeviceToDevice)); },
           [&](int) { launch(kLayers); });
@@ -880,6 +942,42 @@ int main(int argc, char** argv) {
           "%.0f GB/s; 48 layers %.0f us\n",
           ctx, names[pf], t, lo, hi, mb * 1e3 / t, 48 * t);
     }
+  // Where a layer's time goes: block 0's clock at each barrier (48 layers, median over layers
+  // 1..47 of each phase; a phase's time includes its barrier's wait), plain and staged.
+  a.stamps = static_cast<unsigned long long*>(alloc(size_t(kLayers) * 7 * 8));
+  for (const int pf : {0, 4}) {
+    a.prefetch = pf;
+    CHECK(cudaMemcpy(a.x, x0, kD * 4, cudaMemcpyDeviceToDevice));
+    launch(kLayers);
+    CHECK(cudaDeviceSynchronize());
+    const std::vector<unsigned long long> st = download(a.stamps, size_t(kLayers) * 7);
+    const char* phase[7] = {"norm + q|k|v",  "attention (32 blocks)", "wo",
+                            "norm + router", "top-k + gate|up",       "down + sum",
+                            "whole layer"};
+    const double phase_mb[7] = {kQkvRows * kQkvRow / 1e6,
+                                2.0 * (ctx + 1) * kKvd * 2 / 1e6,
+                                kD * kWoRow / 1e6,
+                                kExperts * kD * 2 / 1e6,
+                                kTopK * 2 * kGateBytes / 1e6,
+                                kTopK * double(kD) * kDownRow / 1e6,
+                                mb};
+    std::printf("phases, %s (block 0's clock, median of layers 1..%d):\n", pf ? "staged" : "plain",
+                kLayers - 1);
+    for (int k = 0; k < 7; ++k) {
+      std::vector<double> us;
+      for (int l = 1; l < kLayers; ++l) {
+        const unsigned long long t0 = st[size_t(l * 7 + (k == 6 ? 0 : k))];
+        const unsigned long long t1 =
+            k == 6 ? (l + 1 < kLayers ? st[size_t((l + 1) * 7)] : st[size_t(l * 7 + 6)])
+                   : st[size_t(l * 7 + k + 1)];
+        us.push_back(double(t1 - t0) / 1e3);
+      }
+      std::sort(us.begin(), us.end());
+      const double m = us[us.size() / 2];
+      std::printf("  %-24s %7.2f us  %6.2f MB  %5.0f GB/s\n", phase[k], m, phase_mb[k],
+                  phase_mb[k] * 1e3 / m);
+    }
+  }
   for (void* p : owned) CHECK(cudaFree(p));
   return ok ? 0 : 1;
 }
