@@ -305,16 +305,19 @@ Status cmd_bench_cuda(const Args& args) {
       nlohmann::json rows = nlohmann::json::array();
       double total = 0;
       for (const cuda::KernelStat& k : cuda::profile_table(*engine)) total += k.ms;
-      if (!json) std::printf("profile %s (per %s): %-18s %9s %7s %9s %6s\n", what,
-                             per == 1 ? "run" : "token", "kernel", "ms", "calls", "GB/s", "share");
+      if (!json)
+        std::printf("profile %s (per %s): %-18s %9s %7s %9s %7s %6s\n", what,
+                    per == 1 ? "run" : "token", "kernel", "ms", "calls", "GB/s", "of roof",
+                    "share");
       for (const cuda::KernelStat& k : cuda::profile_table(*engine)) {
         const double gbps = k.ms > 0 ? k.bytes / (k.ms * 1e-3) / 1e9 : 0;
         rows.push_back({{"kernel", k.name}, {"ms", k.ms / per}, {"calls", double(k.calls) / per},
                         {"bytes", k.bytes / per}, {"gbps", gbps},
                         {"roofline_fraction", gbps / roofline_gbps}, {"share", k.ms / total}});
         if (!json)
-          std::printf("  %-30s %9.4f %7.1f %9.0f %5.1f%%\n", k.name.c_str(), k.ms / per,
-                      double(k.calls) / per, gbps, 100.0 * k.ms / total);
+          std::printf("  %-30s %9.4f %7.1f %9.0f %6.1f%% %5.1f%%\n", k.name.c_str(), k.ms / per,
+                      double(k.calls) / per, gbps, 100.0 * gbps / roofline_gbps,
+                      100.0 * k.ms / total);
       }
       return rows;
     };
