@@ -632,30 +632,30 @@ void quantize_host(const std::vector<float>& x, std::vector<int8_t>& q, std::vec
     for (int i = 0; i < 32; ++i) q[b * 32 + i] = int8_t(std::lrintf(x[b * 32 + i] * id));
   }
 }
-double q8q8_host(const uint8_t* row, const std::vector<int8_t>& q, const std::vector<float>& d,
-                 int cols) {
-  double acc = 0;
-  for (int b = 0; b < cols / 32; ++b) {
-    const uint8_t* blk = row + b * 34;
-    uint16_t hd;
-    std::memcpy(&hd, blk, 2);
-    long s = 0;
-    for (int i = 0; i < 32; ++i) s += long(int8_t(blk[2 + i])) * q[b * 32 + i];
-    acc += double(h2f_host(hd)) * d[b] * double(s);
-  }
-  return acc;
-}
-double q8f_host(const uint8_t* row, const float* x, int cols) {
+// A Q8_0 row . x: per block of 32, its scale x block_scale(b) x the sum (in double) of quants x
+// x(j).
+template <class X, class Scale>
+double q8_row_host(const uint8_t* row, int cols, X x, Scale block_scale) {
   double acc = 0;
   for (int b = 0; b < cols / 32; ++b) {
     const uint8_t* blk = row + b * 34;
     uint16_t hd;
     std::memcpy(&hd, blk, 2);
     double s = 0;
-    for (int i = 0; i < 32; ++i) s += double(int8_t(blk[2 + i])) * x[b * 32 + i];
-    acc += double(h2f_host(hd)) * s;
+    for (int i = 0; i < 32; ++i) s += double(int8_t(blk[2 + i])) * x(b * 32 + i);
+    acc += double(h2f_host(hd)) * block_scale(b) * s;
   }
   return acc;
+}
+double q8q8_host(const uint8_t* row, const std::vector<int8_t>& q, const std::vector<float>& d,
+                 int cols) {
+  return q8_row_host(
+      row, cols, [&](int j) { return double(q[size_t(j)]); },
+      [&](int b) { return double(d[size_t(b)]); });
+}
+double q8f_host(const uint8_t* row, const float* x, int cols) {
+  return q8_row_host(
+      row, cols, [&](int j) { return double(x[j]); }, [](int) { return 1.0; });
 }
 std::vector<float> rmsnorm_host(const float* x, const float* w, int n) {
   double ss = 0;
@@ -850,11 +850,12 @@ int main(int argc, char** argv) {
   a.bar = static_cast<unsigned*>(alloc(4));
   CHECK(cudaMemset(a.bar, 0, 4));
   CHECK(cudaDeviceSynchronize());
+  // MB a token reads a layer: the dense rows, 8 experts, the keys and values.
+  const double mb = (dense + kTopK * kExpertBytes + 2.0 * (ctx + 1) * kKvd * 2) / 1e6;
   std::printf(
       "weights: %.1f MB dense + %.1f MB of experts a distinct layer; a token reads %.1f MB a "
       "layer\n",
-      dense / 1e6, kExperts * kExpertBytes / 1e6,
-      (dense + kTopK * kExpertBytes + 2.0 * (ctx + 1) * kKvd * 2) / 1e6);
+      dense / 1e6, kExperts * kExpertBytes / 1e6, mb);
 
   auto launch = [&](int n_layers) {
     a.n_layers = n_layers;
@@ -927,7 +928,6 @@ int main(int argc, char** argv) {
                  : "CHECK FAILED (timed all the same; the time is not the design's)\n");
 
   // The time: 48 layers a launch.
-  const double mb = (dense + kTopK * kExpertBytes + 2.0 * (ctx + 1) * kKvd * 2) / 1e6;
   const int variants[4] = {0, 3, 4, 7};
   const char* names[4] = {"plain", "L2: wo+router, next q|k|v", "staged: wo, next q|k|v",
                           "staged and L2"};
@@ -947,22 +947,22 @@ int main(int argc, char** argv) {
   // Where a layer's time goes: block 0's clock at each barrier (48 layers, median over layers
   // 1..47 of each phase; a phase's time includes its barrier's wait), plain and staged.
   a.stamps = static_cast<unsigned long long*>(alloc(size_t(kLayers) * 7 * 8));
+  const char* phase[7] = {"norm + q|k|v",  "attention (32 blocks)", "wo",
+                          "norm + router", "top-k + gate|up",       "down + sum",
+                          "whole layer"};
+  const double phase_mb[7] = {kQkvRows * kQkvRow / 1e6,
+                              2.0 * (ctx + 1) * kKvd * 2 / 1e6,
+                              kD * kWoRow / 1e6,
+                              kExperts * kD * 2 / 1e6,
+                              kTopK * 2 * kGateBytes / 1e6,
+                              kTopK * double(kD) * kDownRow / 1e6,
+                              mb};
   for (const int pf : {0, 4}) {
     a.prefetch = pf;
     CHECK(cudaMemcpy(a.x, x0, kD * 4, cudaMemcpyDeviceToDevice));
     launch(kLayers);
     CHECK(cudaDeviceSynchronize());
     const std::vector<unsigned long long> st = download(a.stamps, size_t(kLayers) * 7);
-    const char* phase[7] = {"norm + q|k|v",  "attention (32 blocks)", "wo",
-                            "norm + router", "top-k + gate|up",       "down + sum",
-                            "whole layer"};
-    const double phase_mb[7] = {kQkvRows * kQkvRow / 1e6,
-                                2.0 * (ctx + 1) * kKvd * 2 / 1e6,
-                                kD * kWoRow / 1e6,
-                                kExperts * kD * 2 / 1e6,
-                                kTopK * 2 * kGateBytes / 1e6,
-                                kTopK * double(kD) * kDownRow / 1e6,
-                                mb};
     std::printf("phases, %s (block 0's clock, median of layers 1..%d):\n", pf ? "staged" : "plain",
                 kLayers - 1);
     for (int k = 0; k < 7; ++k) {
