@@ -19,7 +19,7 @@ constexpr const char* kUsage =
     "           [--logit-bias ID=BIAS ...]  BIAS -100..100 added to the token's logit\n"
     "  chat     --model DIR [--system TEXT] [sampling flags]  interactive; /reset, Ctrl-D\n"
     "  serve    --model DIR [--host 127.0.0.1 --port 8080 --api-key K --max-queue N --n-ctx N\n"
-    "           --max-body-bytes B --model-name ID --stats]  OpenAI / Anthropic HTTP API\n"
+    "           --max-body-bytes B --model-name ID --stats --no-warmup]  OpenAI / Anthropic HTTP API\n"
     "  logits   --model DIR --tokens 1,2,3 --out FILE.npy   logits at every prompt position\n"
     "  generate --model DIR --tokens 1,2,3 -n N [--temperature T --top-k K --top-p P --seed S\n"
     "           --logit-bias ID=BIAS ...]\n"
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
       {"chat", ts::cli::cmd_chat, {"direct-io", "stats"}},
       {"chat-template", ts::cli::cmd_chat_template, {"add-generation-prompt"}},
       {"tokenize", ts::cli::cmd_tokenize, {"add-special"}},
-      {"serve", ts::cli::cmd_serve, {"direct-io", "stats"}},
+      {"serve", ts::cli::cmd_serve, {"direct-io", "stats", "no-warmup"}},
   };
   std::string name = argv[1];
   std::vector<std::string> rest;

@@ -12,9 +12,25 @@
 namespace ts::server {
 
 Engine::Engine(EngineOptions options)
-    : opt_(std::move(options)),
-      session_(std::move(opt_.session)),
-      thread_([this] { run(); }) {}
+    : opt_(std::move(options)), session_(std::move(opt_.session)) {
+  // /metrics counts from here: what a warm-up before (warm_up below) did is not a request's.
+  metrics_.set_baseline(opt_.model->experts().stats(), session_->expert_cache(),
+                        session_->phases());
+  thread_ = std::thread([this] { run(); });
+}
+
+Result<int> warm_up(runtime::Engine& session, const tokenizer::Tokenizer& tok) {
+  std::vector<int> prompt = tok.encode("Hello", /*add_special=*/true);
+  if (prompt.empty()) prompt.push_back(0);
+  if (int(prompt.size()) + 2 > session.n_ctx()) prompt.resize(1);
+  TS_TRY(session.forward(prompt, nullptr));
+  for (int i = 0; i < 2; ++i) {
+    const int t = runtime::argmax(session.last_logits());
+    TS_TRY(session.forward(std::span<const int>(&t, 1), nullptr));
+  }
+  session.reset();
+  return int(prompt.size());
+}
 
 Engine::~Engine() { stop(); }
 

@@ -25,6 +25,11 @@ class Metrics {
                          const std::optional<runtime::ExpertCacheReport>& gpu = std::nullopt,
                          const runtime::PhaseTimes& phases = {});
   void count_failure();
+  // The counters as they stand before the first request (after serve's warm-up): what
+  // /metrics reports of the store, the GPU expert cache and the prediction is counted from here.
+  void set_baseline(const experts::StoreStats& store,
+                    const std::optional<runtime::ExpertCacheReport>& gpu,
+                    const runtime::PhaseTimes& phases);
   // queue_depth: jobs waiting; running: 0 or 1 (one engine thread).
   std::string prometheus(int queue_depth, int running) const;
 
@@ -39,6 +44,9 @@ class Metrics {
   experts::StoreStats store_;
   std::optional<runtime::ExpertCacheReport> gpu_;
   uint64_t predicted_picks_ = 0, predicted_right_ = 0;
+  experts::StoreStats base_store_;
+  runtime::ExpertCacheReport base_gpu_;
+  uint64_t base_picks_ = 0, base_right_ = 0;
 };
 
 }  // namespace ts::server

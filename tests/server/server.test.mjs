@@ -624,6 +624,39 @@ test('auth and the queue limit', async () => {
   }
 });
 
+test('warm-up: before the port opens, left out of /metrics; the same reply as without it', async () => {
+  // A streamed expert cache of 4 slots: the warm-up's experts stay in it, so the first request
+  // hits more often, but it asks the store for the same experts and gets the same reply.
+  const flags = ['--residency', 'streamed', '--expert-cache-slots', '4'];
+  const body = { model: MODEL, messages: HELLO, max_tokens: 6, temperature: 0 };
+  const seen = [];
+  for (const extra of [[], ['--no-warmup']]) {
+    const s = await startServer([...flags, ...extra]);
+    try {
+      const r = await post(s.base, '/v1/chat/completions', body);
+      assert.equal(r.status, 200);
+      seen.push({
+        log: s.log(),
+        text: r.json.choices[0].message.content,
+        tokens: await metric(s.base, 'turbospark_completion_tokens_total'),
+        requests: await metric(s.base, 'turbospark_expert_requests_total'),
+        hits: await metric(s.base, 'turbospark_expert_hits_total'),
+      });
+    } finally {
+      await stopServer(s);
+    }
+  }
+  const [warm, cold] = seen;
+  assert.match(warm.log, /http:.*, warmed up in [\d.]+ s \(\d+ prompt tokens, 2 decode steps\)\)$/m);
+  assert.match(cold.log, /http:.*, no warm-up\)$/m);
+  assert.equal(warm.text, cold.text);
+  assert.equal(warm.tokens, 6);
+  assert.equal(cold.tokens, 6);
+  assert.ok(cold.requests > 0);
+  assert.equal(warm.requests, cold.requests);
+  assert.ok(warm.hits <= warm.requests && cold.hits <= cold.requests);
+});
+
 test('load: 16 concurrent streaming clients x 50 requests, each reply complete and its own', async () => {
   const clients = 16, rounds = 50, maxTokens = 8;
   const prompt = (i) => [{ role: 'user', content: `client ${i} asks question ${i * 7}` }];

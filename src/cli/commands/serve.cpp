@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -55,6 +56,7 @@ Status cmd_serve(const Args& args) {
   // Queued streams hold an HTTP thread each while they wait; a few more serve /health,
   // /metrics and idle keep-alive connections.
   opt.http_threads = int(max_queue) + 16;
+  const bool warmup = !args.has("no-warmup");
   TS_TRY(args.check_all_used());
   if (!flags.capture_layers.empty() || !flags.router_hist.empty() || !flags.router_trace.empty())
     return make_error(
@@ -70,6 +72,16 @@ Status cmd_serve(const Args& args) {
 
   TS_ASSIGN(std::unique_ptr<runtime::Engine> session,
             make_session(flags, m, {.n_ctx = ctx, .interventions = std::move(iv)}));
+  std::string warmed = ", no warm-up";
+  if (warmup) {
+    // Before the port opens, so no request waits on it; /metrics leaves it out.
+    const auto t0 = std::chrono::steady_clock::now();
+    TS_ASSIGN(int n, server::warm_up(*session, *tok));
+    char line[96];
+    std::snprintf(line, sizeof line, ", warmed up in %.2f s (%d prompt tokens, 2 decode steps)",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), n);
+    warmed = line;
+  }
   server::EngineOptions eo{.model = m.model.get(),
                            .session = std::move(session),
                            .tokenizer = tok.get(),
@@ -88,8 +100,9 @@ Status cmd_serve(const Args& args) {
     http.stop();
   });
   Status st = http.run([&](int bound) {
-    std::fprintf(stderr, "turbospark serve: %s on http://%s:%d (n_ctx %d, max queue %lld)\n",
-                 opt.model_id.c_str(), opt.host.c_str(), bound, ctx, (long long)max_queue);
+    std::fprintf(stderr, "turbospark serve: %s on http://%s:%d (n_ctx %d, max queue %lld%s)\n",
+                 opt.model_id.c_str(), opt.host.c_str(), bound, ctx, (long long)max_queue,
+                 warmed.c_str());
   });
   if (!st.ok()) engine.stop();
   pthread_kill(waiter.native_handle(), SIGTERM);  // wakes the waiter if no signal came
