@@ -20,9 +20,15 @@ Engine::Engine(EngineOptions options)
 }
 
 Result<int> warm_up(runtime::Engine& session, const tokenizer::Tokenizer& tok) {
+  // 64 tokens: past the few-token path (CUDA: GEMV up to 8 tokens), so the prefill a chat
+  // prompt takes (cuBLAS, the grouped expert GEMMs) runs once too.
+  const int want = std::min(64, session.n_ctx() - 2);
   std::vector<int> prompt = tok.encode("Hello", /*add_special=*/true);
-  if (prompt.empty()) prompt.push_back(0);
-  if (int(prompt.size()) + 2 > session.n_ctx()) prompt.resize(1);
+  const std::vector<int> filler =
+      tok.encode(" The quick brown fox jumps over the lazy dog.", /*add_special=*/false);
+  while (int(prompt.size()) < want)
+    prompt.push_back(filler.empty() ? 0 : filler[prompt.size() % filler.size()]);
+  prompt.resize(size_t(std::max(1, want)));
   TS_TRY(session.forward(prompt, nullptr));
   for (int i = 0; i < 2; ++i) {
     const int t = runtime::argmax(session.last_logits());
