@@ -66,7 +66,7 @@ struct EngineOptions {
   bool log_stats = false;  // one line per request on stderr
 };
 
-// Runs a short prompt and two decode steps, then forgets them, so the first request does not
+// Runs a 64-token prompt and two decode steps, then forgets them, so the first request does not
 // pay the one-time costs (weights paged in, CUDA kernels loaded, cuBLAS started, the decode
 // graph captured), as llama.cpp's server warms up. Returns the prompt's length. Build the
 // Engine after it: its metrics count from its construction.
