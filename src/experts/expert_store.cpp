@@ -40,7 +40,8 @@ std::unique_ptr<TableStore> TableStore::mapped(model::ExpertTable table) {
   return std::unique_ptr<TableStore>(new TableStore(std::move(table), Residency::kMapped));
 }
 
-Result<std::unique_ptr<TableStore>> TableStore::resident(const model::ExpertTable& table) {
+Result<std::unique_ptr<TableStore>> TableStore::resident(const model::ExpertTable& table,
+                                                         const LayerProgress& on_layer) {
   std::unique_ptr<TableStore> s(new TableStore(table, Residency::kResident));
   // One region for every copy, 2 MiB aligned and marked for transparent huge pages, each
   // matrix at a 64-byte boundary: decode streams a few experts' matrices per layer, and on
@@ -69,6 +70,7 @@ Result<std::unique_ptr<TableStore>> TableStore::resident(const model::ExpertTabl
         at += round_up(m->n_bytes(), kAlignMatrix);
       }
     }
+    if (on_layer) on_layer(int(&layer - s->table_.data()) + 1, int(s->table_.size()), at);
   }
   return s;
 }

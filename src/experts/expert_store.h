@@ -11,6 +11,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -23,6 +24,8 @@
 namespace ts::experts {
 
 enum class Residency : uint8_t { kResident, kMapped, kStreamed };
+// Progress of work done layer by layer (weights copied at load): (layers done, layers, bytes).
+using LayerProgress = std::function<void(int, int, uint64_t)>;
 Result<Residency> parse_residency(const std::string& s);
 std::string_view residency_name(Residency r);
 
@@ -110,8 +113,10 @@ class TableStore final : public ExpertStore {
   // mapped: views into the mapping as given.
   static std::unique_ptr<TableStore> mapped(model::ExpertTable table);
   // resident: copies every expert into memory owned by the store (an error, naming the size,
-  // where that memory cannot be had).
-  static Result<std::unique_ptr<TableStore>> resident(const model::ExpertTable& table);
+  // where that memory cannot be had); on_layer, if set, after each layer's copies (layers
+  // done, layers, bytes copied so far).
+  static Result<std::unique_ptr<TableStore>> resident(const model::ExpertTable& table,
+                                                      const LayerProgress& on_layer = {});
   Status acquire(int layer, std::span<const int> ids,
                  std::span<model::ExpertWeights> out) override;
   Residency residency() const override { return residency_; }

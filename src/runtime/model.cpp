@@ -137,7 +137,7 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
       m->store_ = experts::TableStore::mapped(m->weights_.experts);
       break;
     case experts::Residency::kResident: {
-      TS_ASSIGN(m->store_, experts::TableStore::resident(m->weights_.experts));
+      TS_ASSIGN(m->store_, experts::TableStore::resident(m->weights_.experts, options.on_layer));
       break;
     }
     case experts::Residency::kStreamed: {

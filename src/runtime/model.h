@@ -20,6 +20,7 @@ struct LoadOptions {
   experts::Residency residency = experts::Residency::kMapped;
   experts::StreamedOptions streamed;  // slots_per_layer, policy, direct_io, io_threads
   int64_t expert_cache_mb = 0;        // if > 0, sets slots_per_layer from a total budget
+  experts::LayerProgress on_layer;    // resident: after each layer's experts are copied
 };
 
 class LoadedModel {

@@ -45,6 +45,8 @@ struct SessionOptions {
   bool quantize_q8_0 = false;  // CUDA: float matrices -> Q8_0 at load (CPU: use a pack)
   GpuExpertOptions gpu_experts;  // CUDA only
   Interventions interventions;  // steering, residual capture, router trace
+  // CUDA: after each layer's weights are on the device (layers done, layers, GPU bytes so far).
+  experts::LayerProgress on_layer;
 };
 
 class Session final : public Engine {

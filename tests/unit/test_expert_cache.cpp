@@ -7,6 +7,8 @@
 #include <cstring>
 #include <random>
 #include <set>
+#include <tuple>
+#include <vector>
 
 #include "experts/expert_cache.h"
 #include "experts/expert_store.h"
@@ -126,8 +128,26 @@ TEST(TableStore, ResidentCopiesAreEqualAndAligned) {
       table[size_t(l)].push_back(w);
     }
   }
-  auto store = ts::experts::TableStore::resident(table);
+  // The progress callback: once per layer (the dense one too), in order, bytes growing to
+  // the padded total of the copies.
+  std::vector<std::tuple<int, int, uint64_t>> progress;
+  auto store = ts::experts::TableStore::resident(table, [&](int done, int total, uint64_t bytes) {
+    progress.emplace_back(done, total, bytes);
+  });
   ASSERT_TRUE(store.ok()) << store.error().message;
+  ASSERT_EQ(progress.size(), 3u);
+  uint64_t padded = 0;
+  for (const auto& layer : table)
+    for (const ts::model::ExpertWeights& w : layer)
+      for (const ts::model::Matrix* m : {&w.gate, &w.up, &w.down})
+        padded += (m->n_bytes() + 63) / 64 * 64;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::get<0>(progress[size_t(i)]), i + 1);
+    EXPECT_EQ(std::get<1>(progress[size_t(i)]), 3);
+  }
+  EXPECT_GT(std::get<2>(progress[0]), 0u);
+  EXPECT_EQ(std::get<2>(progress[1]), std::get<2>(progress[0])) << "layer 1 has no experts";
+  EXPECT_EQ(std::get<2>(progress[2]), padded);
   for (int l : {0, 2}) {
     std::vector<int> ids{0, 1, 2, 3, 4};
     std::vector<ts::model::ExpertWeights> out(ids.size());

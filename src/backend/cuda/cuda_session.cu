@@ -245,7 +245,13 @@ Status CudaSession::upload(const runtime::LoadedModel& model) {
     TS_ASSIGN(D.dense.gate, up.matrix(L.dense.gate));
     TS_ASSIGN(D.dense.up, up.matrix(L.dense.up));
     TS_ASSIGN(D.dense.down, up.matrix(L.dense.down));
-    if (!L.is_moe) continue;
+    const auto report = [&] {
+      if (opt_.on_layer) opt_.on_layer(l + 1, hp_.n_layers, arena_.bytes());
+    };
+    if (!L.is_moe) {
+      report();
+      continue;
+    }
     // The router stays in its float type: selection must match the CPU's.
     TS_ASSIGN(D.router, keep.matrix(L.router));
     TS_ASSIGN(D.shared_gate, keep.matrix(L.shared_gate));
@@ -296,6 +302,7 @@ Status CudaSession::upload(const runtime::LoadedModel& model) {
       store.release(l);
     }
     TS_TRY(finish_expert_layer(l, base));
+    report();
   }
   CUDA_TRY(cudaStreamSynchronize(stream_));
   free_layer_memory();

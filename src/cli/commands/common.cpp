@@ -1,11 +1,12 @@
 #include "cli/commands/common.h"
 
+#include <unistd.h>
+
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
-
-#include <cmath>
 
 #include "io/gguf.h"
 #include "io/mapped_file.h"
@@ -13,6 +14,15 @@
 #include "io/safetensors.h"
 
 namespace ts::cli {
+
+experts::LayerProgress tty_layer_progress(std::string what) {
+  if (!isatty(fileno(stderr))) return {};
+  return [what = std::move(what)](int done, int total, uint64_t bytes) {
+    std::fprintf(stderr, "\rturbospark: %s: layer %d/%d, %.1f GB%s", what.c_str(), done, total,
+                 double(bytes) / 1e9, done == total ? "\n" : "");
+    std::fflush(stderr);
+  };
+}
 
 nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
                           int64_t tokens_processed) {

@@ -129,9 +129,16 @@ inline Result<ModelFlags> read_model_flags(const Args& args) {
 Result<runtime::Interventions> build_interventions(const ModelFlags& flags,
                                                    const model::HParams& hp);
 
+// Work done layer by layer, shown on stderr when it is a terminal (else nothing is printed):
+// "turbospark: WHAT: layer L/N, X.X GB" rewritten in place, the line ended after the last.
+experts::LayerProgress tty_layer_progress(std::string what);
+
 inline Result<Loaded> load_model(const ModelFlags& flags) {
   Loaded out;
-  TS_ASSIGN(out.model, runtime::LoadedModel::load(flags.dir, flags.load));
+  runtime::LoadOptions load = flags.load;
+  if (load.residency == experts::Residency::kResident)
+    load.on_layer = tty_layer_progress("routed experts into memory");
+  TS_ASSIGN(out.model, runtime::LoadedModel::load(flags.dir, load));
   if (!out.model->load_note().empty())
     std::fprintf(stderr, "turbospark: %s: %s\n", flags.dir.c_str(), out.model->load_note().c_str());
   out.pool = std::make_unique<ThreadPool>(flags.threads);
@@ -162,6 +169,9 @@ inline Result<std::unique_ptr<runtime::Engine>> make_session(const ModelFlags& f
   options.quantize_q8_0 = flags.quantize_q8_0;
   if (flags.prefill_chunk > 0) options.prefill_chunk = flags.prefill_chunk;
   options.gpu_experts = flags.gpu;
+  if (flags.device.kind == runtime::DeviceKind::kCuda)
+    options.on_layer =
+        tty_layer_progress("weights onto cuda:" + std::to_string(flags.device.index));
   if (!flags.cache_warm.empty()) {
     TS_ASSIGN(auto counts, read_cache_warm(flags.cache_warm, m.model->hp()));
     if (flags.gpu.residency != runtime::GpuResidency::kResident) {
