@@ -47,6 +47,8 @@ class Sampler {
   std::mt19937_64 rng_;
   std::unordered_map<int, int> counts_;  // returned tokens, for the penalties
   std::vector<float> penalized_;         // the logits with biases and penalties
+  std::vector<int> order_;               // token ids, sorted by logit as far as needed
+  std::vector<uint16_t> bins_;           // each token's bin of (max - logit) / temperature
 };
 
 int argmax(std::span<const float> v);

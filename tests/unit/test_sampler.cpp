@@ -1,9 +1,12 @@
 // Sampler: presence / frequency penalties against a direct reference, logit biases, min-p's
-// cut, seeds.
+// cut, seeds; the draw against the whole-vocabulary sort it replaced (the same token from the
+// same seed).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <random>
 #include <set>
 
@@ -119,6 +122,98 @@ TEST(Sampler, SeedReproducesWithPenalties) {
   for (int i = 0; i < 100; ++i) sa.push_back(a.sample(logits)), sb.push_back(b.sample(logits));
   EXPECT_EQ(sa, sb);
   EXPECT_GT(std::set<int>(sa.begin(), sa.end()).size(), 1u);
+}
+
+// The draw as the sampler made it before its sort became lazy: every token sorted by logit
+// (ties: lower id), weights exp((logit - max) / T) summed in that order, top-k, top-p, min-p
+// as prefixes, then the seeded walk.
+std::vector<int> full_order(std::span<const float> logits) {
+  std::vector<int> idx(logits.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::sort(idx.begin(), idx.end(), [&](int a, int b) {
+    return logits[size_t(a)] > logits[size_t(b)] ||
+           (logits[size_t(a)] == logits[size_t(b)] && a < b);
+  });
+  return idx;
+}
+
+// idx: full_order(logits).
+int reference_pick(std::span<const float> logits, const std::vector<int>& idx,
+                   const SamplerOptions& o, std::mt19937_64& rng) {
+  size_t keep = idx.size();
+  if (o.top_k > 0 && size_t(o.top_k) < keep) keep = size_t(o.top_k);
+  std::vector<double> p(keep);
+  const double mx = logits[size_t(idx[0])];
+  double sum = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    p[i] = std::exp((double(logits[size_t(idx[i])]) - mx) / double(o.temperature));
+    sum += p[i];
+  }
+  if (o.top_p < 1.0f) {
+    double cum = 0;
+    size_t n = 0;
+    while (n < keep) {
+      cum += p[n] / sum;
+      ++n;
+      if (cum >= double(o.top_p)) break;
+    }
+    keep = n;
+    sum = std::accumulate(p.begin(), p.begin() + long(keep), 0.0);
+  }
+  if (o.min_p > 0.0f) {
+    size_t n = 1;
+    while (n < keep && p[n] >= double(o.min_p)) ++n;
+    keep = n;
+    sum = std::accumulate(p.begin(), p.begin() + long(keep), 0.0);
+  }
+  double u = double(rng() >> 11) * (1.0 / 9007199254740992.0) * sum;
+  for (size_t i = 0; i < keep; ++i) {
+    if (u < p[i]) return idx[i];
+    u -= p[i];
+  }
+  return idx[keep - 1];
+}
+
+// Flat and peaked logits, ties, tokens masked to -inf (JSON mode), vocabularies from 3 to
+// 152k, and every combination of the cuts: the same token as the reference, draw for draw
+// (a draw could only differ where the two sums' last bits put it exactly on a boundary).
+TEST(Sampler, LazySortDrawsWhatTheFullSortDrew) {
+  std::mt19937 rng(std::random_device{}());
+  const SamplerOptions cuts[] = {
+      {.temperature = 0.7f},
+      {.temperature = 1.0f, .top_p = 0.95f},
+      {.temperature = 0.6f, .top_k = 20, .top_p = 0.95f},
+      {.temperature = 1.3f, .min_p = 0.05f},
+      {.temperature = 0.8f, .top_k = 300, .top_p = 0.5f, .min_p = 0.01f},
+      {.temperature = 50.0f},
+      {.temperature = 0.05f, .top_p = 0.99f},
+  };
+  int draws = 0;
+  for (int vocab : {3, 100, 5000, 151936}) {
+    for (int shape = 0; shape < 4; ++shape) {
+      std::vector<float> logits = random_logits(rng, vocab);
+      if (shape == 1)  // peaked: a few tokens far above the rest
+        for (int i = 0; i < std::min(vocab, 5); ++i) logits[size_t(rng() % vocab)] += 15.0f;
+      if (shape == 2)  // ties: logits on a coarse grid
+        for (float& l : logits) l = std::round(l);
+      if (shape == 3)  // most tokens masked
+        for (float& l : logits)
+          if (rng() % 10 != 0) l = -INFINITY;
+      if (shape == 3) logits[0] = 1.0f;  // at least one token left
+      const std::vector<int> order = full_order(logits);
+      for (SamplerOptions o : cuts) {
+        o.seed = rng();
+        Sampler s(o);
+        std::mt19937_64 ref_rng(o.seed);
+        const int n = vocab > 10000 ? 8 : 40;
+        for (int i = 0; i < n; ++i, ++draws)
+          ASSERT_EQ(s.sample(logits), reference_pick(logits, order, o, ref_rng))
+              << "vocab " << vocab << " shape " << shape << " T " << o.temperature << " top_k "
+              << o.top_k << " top_p " << o.top_p << " min_p " << o.min_p << " draw " << i;
+      }
+    }
+  }
+  EXPECT_GT(draws, 1000);
 }
 
 }  // namespace
