@@ -1,7 +1,8 @@
 // Micro-benchmark of the sampler (runtime/sampler): ms per draw over a vocabulary of Qwen3's
-// size (151,936 logits), greedy and at temperature > 0 with the cuts clients send, on two
-// kinds of logits: flat (normal, sd 3: a random-weight model's) and peaked (a few tokens 15
-// above the rest: a trained model's typical step). The sum of the drawn ids is printed so
+// size (151,936 logits), greedy and at temperature > 0 with the cuts clients send, on three
+// kinds of logits: flat (normal, sd 3), peaked (the same with a few tokens 15 above the rest:
+// a trained model's typical step) and near-uniform (sd 0.05: a small random-weight model's,
+// where the draw walks deep into the order). The sum of the drawn ids is printed so
 // runs can be compared draw for draw.
 //
 // Build by hand (no CMake target on purpose; it is a lab tool), after a build in build/:
@@ -23,6 +24,8 @@ int main() {
   for (float& l : flat) l = nd(rng);
   std::vector<float> peaked = flat;
   for (int i = 0; i < 5; ++i) peaked[rng() % peaked.size()] += 15.0f;
+  std::vector<float> uniform = flat;
+  for (float& l : uniform) l *= 0.05f / 3.0f;
   struct Case {
     const char* name;
     SamplerOptions o;
@@ -34,7 +37,8 @@ int main() {
       {"T 0.7, top_k 40, top_p 0.95", {.temperature = 0.7f, .top_k = 40, .top_p = 0.95f}},
       {"T 1, min_p 0.05", {.temperature = 1.0f, .min_p = 0.05f}},
   };
-  for (const auto& [kind, logits] : {std::pair{"flat", &flat}, std::pair{"peaked", &peaked}})
+  for (const auto& [kind, logits] :
+       {std::pair{"flat", &flat}, std::pair{"peaked", &peaked}, std::pair{"uniform", &uniform}})
     for (const Case& c : cases) {
       ts::runtime::Sampler s(c.o);
       long sum = 0;

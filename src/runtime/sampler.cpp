@@ -30,114 +30,168 @@ int Sampler::sample(std::span<const float> logits) {
   return next;
 }
 
+namespace {
+// A uniform draw in [0, 1) from the top 53 bits: the same on every platform.
+double uniform(std::mt19937_64& rng) { return double(rng() >> 11) * (1.0 / 9007199254740992.0); }
+}  // namespace
+
+// Tokens go in descending logit order (ties: lower id first); the weights are
+// exp((logit - max) / T), the best 1. The cuts keep a prefix of that order and the draw walks
+// it. A vocabulary of 152k sorted whole took ~20 ms a draw where a GPU decode step takes ~2.5
+// (docs/PERF.md), so the order is built only where it is looked at: with top-k, by a partial
+// sort of the best k; without, the tokens are binned by max - logit (kBins equal bins over the
+// finite range; -inf and NaN in the last), every bin ranking below the ones before it, and a
+// walk over whole bins steps by their summed weight, sorting only the bin it stops in.
 int Sampler::pick(std::span<const float> logits) {
   if (opt_.temperature <= 0.0f) return argmax(logits);
-  // Tokens in descending logit order (ties: lower id first), sorted only as far as the cuts
-  // and the draw look: a vocabulary of 152k sorted whole took ~20 ms a token, where a GPU
-  // decode step takes ~2.5 (docs/PERF.md). Each token falls in a bin of (max - logit) / T
-  // (a quarter of T wide; the last bin holds the rest), so a bin's tokens rank below every
-  // earlier bin's; order_ grows a run of whole bins at a time, each run sorted, and is the
-  // head of the full order.
   const auto by_logit = [&](int a, int b) {
     return logits[size_t(a)] > logits[size_t(b)] ||
            (logits[size_t(a)] == logits[size_t(b)] && a < b);
   };
   const size_t vocab = logits.size();
-  const int best = argmax(logits);
-  const double mx = logits[size_t(best)];
+  const double mx = logits[size_t(argmax(logits))];
   const double t = double(opt_.temperature);
-  constexpr int kBins = 512;
-  size_t count[kBins] = {};
-  int next_bin = 0;
-  order_.clear();
-  size_t keep = vocab;
+  const auto weight_of = [&](int id) { return std::exp((double(logits[size_t(id)]) - mx) / t); };
+  order_.resize(vocab);
+
   if (opt_.top_k > 0 && size_t(opt_.top_k) < vocab) {
-    // The best top_k, sorted: nothing past them is ever looked at.
-    keep = size_t(opt_.top_k);
-    order_.resize(vocab);
+    size_t keep = size_t(opt_.top_k);
     std::iota(order_.begin(), order_.end(), 0);
     std::partial_sort(order_.begin(), order_.begin() + long(keep), order_.end(), by_logit);
-    order_.resize(keep);
-    next_bin = kBins;
-  } else {
-    bins_.resize(vocab);
-    const double scale = 4.0 / t;
-    for (size_t i = 0; i < vocab; ++i) {
-      const double d = (mx - double(logits[i])) * scale;
-      const int b = d < double(kBins - 1) ? int(d) : kBins - 1;  // NaN: the last bin
-      bins_[i] = uint16_t(b);
-      ++count[b];
+    std::vector<double>& p = weights_;
+    p.resize(keep);
+    double sum = 0;
+    for (size_t i = 0; i < keep; ++i) sum += p[i] = weight_of(order_[i]);
+    if (opt_.top_p < 1.0f) {
+      double cum = 0;
+      size_t n = 0;
+      while (n < keep) {
+        cum += p[n] / sum;
+        ++n;
+        if (cum >= double(opt_.top_p)) break;
+      }
+      keep = n;
+      sum = std::accumulate(p.begin(), p.begin() + long(keep), 0.0);
     }
+    if (opt_.min_p > 0.0f) {
+      size_t n = 1;
+      while (n < keep && p[n] >= double(opt_.min_p)) ++n;
+      keep = n;
+      sum = std::accumulate(p.begin(), p.begin() + long(keep), 0.0);
+    }
+    double u = uniform(rng_) * sum;
+    for (size_t i = 0; i < keep; ++i) {
+      if (u < p[i]) return order_[i];
+      u -= p[i];
+    }
+    return order_[keep - 1];
   }
-  const auto sorted_to = [&](size_t n) {  // order_ holds at least the best min(n, keep)
-    if (n <= order_.size() || next_bin == kBins) return;
-    const size_t want = std::max({n, 2 * order_.size(), size_t(256)});
-    size_t have = order_.size();
-    int end = next_bin;
-    while (end < kBins && have < want) have += count[end++];
-    const size_t from = order_.size();
-    for (size_t i = 0; i < vocab; ++i)
-      if (bins_[i] >= next_bin && bins_[i] < end) order_.push_back(int(i));
-    std::sort(order_.begin() + long(from), order_.end(), by_logit);
-    next_bin = end;
+
+  // Bins: bin b holds max - logit in [b, b + 1) * width; start[b] is its first rank.
+  constexpr int kBins = 1024;
+  double lo = mx;
+  for (float l : logits)
+    if (std::isfinite(l)) lo = std::min(lo, double(l));
+  const double width = mx > lo ? (mx - lo) / (kBins - 1) : 1.0;
+  bins_.resize(vocab);
+  std::vector<uint32_t>& start = bin_start_;
+  std::vector<double>& bin_w = bin_weight_;
+  start.assign(kBins + 1, 0);
+  bin_w.assign(kBins, 0.0);
+  double total = 0;
+  for (size_t i = 0; i < vocab; ++i) {
+    const double d = (mx - double(logits[i])) / width;
+    const int b = d < double(kBins - 1) ? int(d) : kBins - 1;  // -inf, NaN: the last bin
+    bins_[i] = uint16_t(b);
+    ++start[size_t(b) + 1];
+    const double w = weight_of(int(i));
+    bin_w[size_t(b)] += w;
+    total += w;
+  }
+  for (int b = 0; b < kBins; ++b) start[size_t(b) + 1] += start[size_t(b)];
+  {
+    std::vector<uint32_t>& at = bin_fill_;
+    at.assign(start.begin(), start.end() - 1);
+    for (size_t i = 0; i < vocab; ++i) order_[at[bins_[i]]++] = int(i);
+  }
+  std::vector<bool>& sorted = bin_sorted_;
+  sorted.assign(kBins, false);
+  const auto sort_bin = [&](int b) {
+    if (sorted[size_t(b)]) return;
+    std::sort(order_.begin() + start[size_t(b)], order_.begin() + start[size_t(b) + 1], by_logit);
+    sorted[size_t(b)] = true;
   };
-  const auto weight = [&](size_t rank) {
-    return std::exp((double(logits[size_t(order_[rank])]) - mx) / t);
+  const auto bin_of_rank = [&](size_t r) {
+    return int(std::upper_bound(start.begin(), start.end(), uint32_t(r)) - start.begin()) - 1;
   };
+  // Sum of the first n ranks' weights: whole bins by their sums, the last one rank by rank.
   const auto prefix_sum = [&](size_t n) {
-    sorted_to(n);
-    double s = 0;
-    for (size_t i = 0; i < n; ++i) s += weight(i);
-    return s;
-  };
-  // The kept tokens' weights summed: in rank order for a prefix, over the vocabulary in id
-  // order (no sort) while every token is kept.
-  double sum = -1;
-  const auto kept_sum = [&] {
-    if (sum >= 0) return sum;
-    if (keep < vocab) return sum = prefix_sum(keep);
-    sum = 0;
-    for (float l : logits) sum += std::exp((double(l) - mx) / t);
+    if (n >= vocab) return total;
+    double sum = 0;
+    const int last = bin_of_rank(n);
+    for (int b = 0; b < last; ++b) sum += bin_w[size_t(b)];
+    sort_bin(last);
+    for (size_t r = start[size_t(last)]; r < n; ++r) sum += weight_of(order_[r]);
     return sum;
   };
+  size_t keep = vocab;
+  double sum = total;
   if (opt_.top_p < 1.0f) {
-    const double all = kept_sum();
     double cum = 0;
-    size_t n = 0;
-    while (n < keep) {
-      sorted_to(n + 1);
-      cum += weight(n) / all;
-      ++n;
-      if (cum >= double(opt_.top_p)) break;
+    size_t n = vocab;
+    for (int b = 0; b < kBins && n == vocab; ++b) {
+      if (start[size_t(b)] == start[size_t(b) + 1]) continue;
+      if (cum + bin_w[size_t(b)] / total < double(opt_.top_p)) {
+        cum += bin_w[size_t(b)] / total;
+        continue;
+      }
+      sort_bin(b);
+      for (size_t r = start[size_t(b)]; r < start[size_t(b) + 1]; ++r) {
+        cum += weight_of(order_[r]) / total;
+        if (cum >= double(opt_.top_p)) {
+          n = r + 1;
+          break;
+        }
+      }
     }
-    if (n < keep) {
-      keep = n;
-      sum = -1;
-    }
+    keep = n;
+    sum = prefix_sum(keep);
   }
   if (opt_.min_p > 0.0f) {
-    // Weights fall with rank and the best is 1, so the cut is a prefix.
+    // Weights fall with rank and the best is 1, so the cut is a prefix. A bin whose every
+    // weight is surely >= min_p (its far edge's, with a margin for rounding) is passed whole.
     size_t n = 1;
-    while (n < keep) {
-      sorted_to(n + 1);
-      if (weight(n) < double(opt_.min_p)) break;
-      ++n;
+    for (int b = 0; b < kBins && n < keep; ++b) {
+      const size_t end = std::min<size_t>(start[size_t(b) + 1], keep);
+      if (end <= n) continue;
+      if (std::exp(-(double(b) + 1.0) * width / t - 1e-9) >= double(opt_.min_p)) {
+        n = end;
+        continue;
+      }
+      sort_bin(b);
+      while (n < end && weight_of(order_[n]) >= double(opt_.min_p)) ++n;
+      if (n < end) break;
     }
     if (n < keep) {
       keep = n;
-      sum = -1;
+      sum = prefix_sum(keep);
     }
   }
-  kept_sum();
-  // A uniform draw in [0, 1) from the top 53 bits: the same on every platform.
-  double u = double(rng_() >> 11) * (1.0 / 9007199254740992.0) * sum;
-  for (size_t i = 0; i < keep; ++i) {
-    sorted_to(i + 1);
-    const double w = weight(i);
-    if (u < w) return order_[i];
-    u -= w;
+  double u = uniform(rng_) * sum;
+  for (int b = 0; b < kBins && start[size_t(b)] < keep; ++b) {
+    const size_t end = start[size_t(b) + 1];
+    if (end <= keep && u >= bin_w[size_t(b)]) {
+      u -= bin_w[size_t(b)];
+      continue;
+    }
+    sort_bin(b);
+    for (size_t r = start[size_t(b)]; r < std::min(end, keep); ++r) {
+      const double w = weight_of(order_[r]);
+      if (u < w) return order_[r];
+      u -= w;
+    }
   }
-  sorted_to(keep);
+  sort_bin(bin_of_rank(keep - 1));
   return order_[keep - 1];
 }
 

@@ -47,8 +47,12 @@ class Sampler {
   std::mt19937_64 rng_;
   std::unordered_map<int, int> counts_;  // returned tokens, for the penalties
   std::vector<float> penalized_;         // the logits with biases and penalties
-  std::vector<int> order_;               // token ids, sorted by logit as far as needed
-  std::vector<uint16_t> bins_;           // each token's bin of (max - logit) / temperature
+  std::vector<int> order_;               // token ids by rank, sorted where looked at
+  std::vector<double> weights_;          // top-k: the kept tokens' weights
+  std::vector<uint16_t> bins_;           // each token's bin (no top-k)
+  std::vector<uint32_t> bin_start_, bin_fill_;
+  std::vector<double> bin_weight_;
+  std::vector<bool> bin_sorted_;
 };
 
 int argmax(std::span<const float> v);
