@@ -49,8 +49,8 @@ int Sampler::pick(std::span<const float> logits) {
            (logits[size_t(a)] == logits[size_t(b)] && a < b);
   };
   const size_t vocab = logits.size();
-  const double mx = logits[size_t(argmax(logits))];
   const double t = double(opt_.temperature);
+  double mx = 0;  // the best logit
   const auto weight_of = [&](int id) { return std::exp((double(logits[size_t(id)]) - mx) / t); };
   order_.resize(vocab);
 
@@ -58,6 +58,7 @@ int Sampler::pick(std::span<const float> logits) {
     size_t keep = size_t(opt_.top_k);
     std::iota(order_.begin(), order_.end(), 0);
     std::partial_sort(order_.begin(), order_.begin() + long(keep), order_.end(), by_logit);
+    mx = logits[size_t(order_[0])];
     std::vector<double>& p = weights_;
     p.resize(keep);
     double sum = 0;
@@ -88,6 +89,7 @@ int Sampler::pick(std::span<const float> logits) {
   }
 
   // Bins: bin b holds max - logit in [b, b + 1) * width; start[b] is its first rank.
+  mx = logits[size_t(argmax(logits))];
   constexpr int kBins = 1024;
   double lo = mx;
   for (float l : logits)
