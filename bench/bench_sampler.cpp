@@ -8,15 +8,18 @@
 // Build by hand (no CMake target on purpose; it is a lab tool), after a build in build/:
 //   g++ -std=c++20 -O2 -Isrc bench/bench_sampler.cpp build/libturbospark_lib.a -pthread \
 //     -o bench_sampler
-// Run: ./bench_sampler
+// Run: ./bench_sampler [THREADS]   (a pool of THREADS for the passes over the vocabulary)
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
+#include "core/thread_pool.h"
 #include "runtime/sampler.h"
 
-int main() {
+int main(int argc, char** argv) {
+  ts::ThreadPool pool(argc > 1 ? std::atoi(argv[1]) : 1);
   using ts::runtime::SamplerOptions;
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.0f, 3.0f);
@@ -41,6 +44,7 @@ int main() {
        {std::pair{"flat", &flat}, std::pair{"peaked", &peaked}, std::pair{"uniform", &uniform}})
     for (const Case& c : cases) {
       ts::runtime::Sampler s(c.o);
+      s.set_pool(&pool);
       long sum = 0;
       const int n = 50;
       const auto t0 = std::chrono::steady_clock::now();

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <vector>
+
+#include "core/thread_pool.h"
 
 namespace ts::runtime {
 
@@ -88,34 +91,87 @@ int Sampler::pick(std::span<const float> logits) {
     return order_[keep - 1];
   }
 
-  // Bins: bin b holds max - logit in [b, b + 1) * width; start[b] is its first rank.
-  mx = logits[size_t(argmax(logits))];
-  constexpr int kBins = 1024;
-  double lo = mx;
-  for (float l : logits)
-    if (std::isfinite(l)) lo = std::min(lo, double(l));
+  // Bins: bin b holds max - logit in [b, b + 1) * width; start[b] is its first rank. The
+  // passes over the vocabulary run in kChunks fixed ranges (on the pool's threads when there
+  // is one), each with its own sums, added in range order: the same bits for any thread count.
+  constexpr int kBins = 1024, kChunks = 16;
+  const size_t per = (vocab + kChunks - 1) / kChunks;
+  const auto chunks = [&](const std::function<void(size_t, size_t, int)>& fn) {
+    const auto run = [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c)
+        fn(std::min(vocab, size_t(c) * per), std::min(vocab, size_t(c + 1) * per), int(c));
+    };
+    if (pool_ && pool_->size() > 1)
+      pool_->parallel_for(kChunks, 1, run);
+    else
+      run(0, kChunks);
+  };
+  // The best logit (the first, as argmax) and the lowest finite one.
+  int best_at[kChunks];
+  double low_at[kChunks];
+  chunks([&](size_t i0, size_t i1, int c) {
+    size_t best = i0;
+    double low = INFINITY;
+    for (size_t i = i0; i < i1; ++i) {
+      if (logits[i] > logits[best]) best = i;
+      if (std::isfinite(logits[i])) low = std::min(low, double(logits[i]));
+    }
+    best_at[c] = int(best);
+    low_at[c] = low;
+  });
+  int best = best_at[0];
+  double lo = low_at[0];
+  for (int c = 1; c < kChunks; ++c) {
+    if (size_t(c) * per >= vocab) break;
+    if (logits[size_t(best_at[c])] > logits[size_t(best)]) best = best_at[c];
+    lo = std::min(lo, low_at[c]);
+  }
+  mx = logits[size_t(best)];
+  lo = std::min(lo, mx);
   const double width = mx > lo ? (mx - lo) / (kBins - 1) : 1.0;
   bins_.resize(vocab);
+  std::vector<uint32_t>& count = chunk_count_;   // [chunk][bin]
+  std::vector<double>& chunk_w = chunk_weight_;  // [chunk][bin]
+  count.assign(size_t(kChunks) * kBins, 0);
+  chunk_w.assign(size_t(kChunks) * kBins, 0.0);
+  double chunk_total[kChunks] = {};
+  chunks([&](size_t i0, size_t i1, int c) {
+    uint32_t* n = &count[size_t(c) * kBins];
+    double* cw = &chunk_w[size_t(c) * kBins];
+    double sum = 0;
+    for (size_t i = i0; i < i1; ++i) {
+      const double d = (mx - double(logits[i])) / width;
+      const int b = d < double(kBins - 1) ? int(d) : kBins - 1;  // -inf, NaN: the last bin
+      bins_[i] = uint16_t(b);
+      ++n[b];
+      const double w = weight_of(int(i));
+      cw[b] += w;
+      sum += w;
+    }
+    chunk_total[c] = sum;
+  });
   std::vector<uint32_t>& start = bin_start_;
   std::vector<double>& bin_w = bin_weight_;
+  std::vector<uint32_t>& at = bin_fill_;  // [chunk][bin]: where the chunk's next id goes
   start.assign(kBins + 1, 0);
   bin_w.assign(kBins, 0.0);
+  at.resize(size_t(kChunks) * kBins);
   double total = 0;
-  for (size_t i = 0; i < vocab; ++i) {
-    const double d = (mx - double(logits[i])) / width;
-    const int b = d < double(kBins - 1) ? int(d) : kBins - 1;  // -inf, NaN: the last bin
-    bins_[i] = uint16_t(b);
-    ++start[size_t(b) + 1];
-    const double w = weight_of(int(i));
-    bin_w[size_t(b)] += w;
-    total += w;
+  for (int c = 0; c < kChunks; ++c) total += chunk_total[c];
+  for (int b = 0; b < kBins; ++b) {
+    uint32_t run = start[size_t(b)];
+    for (int c = 0; c < kChunks; ++c) {
+      at[size_t(c) * kBins + size_t(b)] = run;
+      run += count[size_t(c) * kBins + size_t(b)];
+      bin_w[size_t(b)] += chunk_w[size_t(c) * kBins + size_t(b)];
+    }
+    start[size_t(b) + 1] = run;
   }
-  for (int b = 0; b < kBins; ++b) start[size_t(b) + 1] += start[size_t(b)];
-  {
-    std::vector<uint32_t>& at = bin_fill_;
-    at.assign(start.begin(), start.end() - 1);
-    for (size_t i = 0; i < vocab; ++i) order_[at[bins_[i]]++] = int(i);
-  }
+  // Each bin's ids in id order.
+  chunks([&](size_t i0, size_t i1, int c) {
+    uint32_t* next = &at[size_t(c) * kBins];
+    for (size_t i = i0; i < i1; ++i) order_[next[bins_[i]]++] = int(i);
+  });
   std::vector<bool>& sorted = bin_sorted_;
   sorted.assign(kBins, false);
   const auto sort_bin = [&](int b) {

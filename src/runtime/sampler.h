@@ -12,6 +12,10 @@
 #include <utility>
 #include <vector>
 
+namespace ts {
+class ThreadPool;
+}
+
 namespace ts::runtime {
 
 struct SamplerOptions {
@@ -40,6 +44,9 @@ class Sampler {
   explicit Sampler(SamplerOptions options) : opt_(options), rng_(options.seed) {}
   // Picks the next token and counts it for the penalties.
   int sample(std::span<const float> logits);
+  // Threads for the passes over the vocabulary at temperature > 0 (by default the calling
+  // thread alone; the same draws either way). The pool must be idle while sample() runs.
+  void set_pool(ThreadPool* pool) { pool_ = pool; }
 
  private:
   int pick(std::span<const float> logits);
@@ -50,7 +57,9 @@ class Sampler {
   std::vector<int> order_;               // token ids by rank, sorted where looked at
   std::vector<double> weights_;          // top-k: the kept tokens' weights
   std::vector<uint16_t> bins_;           // each token's bin (no top-k)
-  std::vector<uint32_t> bin_start_, bin_fill_;
+  std::vector<uint32_t> bin_start_, bin_fill_, chunk_count_;
+  std::vector<double> chunk_weight_;
+  ThreadPool* pool_ = nullptr;
   std::vector<double> bin_weight_;
   std::vector<bool> bin_sorted_;
 };

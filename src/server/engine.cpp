@@ -161,6 +161,7 @@ Result<runtime::Generation> Engine::generate(Job& job) {
           job.top_logprobs, *opt_.tokenizer));
   }
   runtime::Sampler sampler(job.sampling);
+  sampler.set_pool(opt_.pool);
   size_t forced_at = 0;
   const std::vector<int>& forced = opt_.forced_reply;
   const std::vector<int>& eos = opt_.tokenizer->eos_ids();

@@ -59,6 +59,9 @@ struct EngineOptions {
   // The session (CPU or CUDA, from runtime::make_engine); only the engine thread uses it.
   std::unique_ptr<runtime::Engine> session;
   const tokenizer::Tokenizer* tokenizer = nullptr;
+  // Threads for sampling's passes over the vocabulary (the session's own, idle between its
+  // steps); may be null.
+  ThreadPool* pool = nullptr;
   int max_queue = 64;  // jobs waiting (not counting the running one) before submit() refuses
   // Test hook (TURBOSPARK_SERVE_TEST_REPLY): when set, every reply is these tokens and then
   // EOS instead of sampled ones; the model still runs on them.

@@ -10,6 +10,7 @@
 #include <random>
 #include <set>
 
+#include "core/thread_pool.h"
 #include "runtime/sampler.h"
 
 namespace {
@@ -176,7 +177,8 @@ int reference_pick(std::span<const float> logits, const std::vector<int>& idx,
 
 // Flat and peaked logits, ties, tokens masked to -inf (JSON mode), vocabularies from 3 to
 // 152k, and every combination of the cuts: the same token as the reference, draw for draw
-// (a draw could only differ where the two sums' last bits put it exactly on a boundary).
+// (a draw could only differ where the two sums' last bits put it exactly on a boundary), with
+// and without a thread pool.
 TEST(Sampler, LazySortDrawsWhatTheFullSortDrew) {
   std::mt19937 rng(std::random_device{}());
   const SamplerOptions cuts[] = {
@@ -189,6 +191,7 @@ TEST(Sampler, LazySortDrawsWhatTheFullSortDrew) {
       {.temperature = 0.05f, .top_p = 0.99f},
   };
   int draws = 0;
+  ts::ThreadPool pool(3);  // the passes over the vocabulary in chunks on 3 threads: the same draws
   for (int vocab : {3, 100, 5000, 151936}) {
     for (int shape = 0; shape < 4; ++shape) {
       std::vector<float> logits = random_logits(rng, vocab);
@@ -203,13 +206,17 @@ TEST(Sampler, LazySortDrawsWhatTheFullSortDrew) {
       const std::vector<int> order = full_order(logits);
       for (SamplerOptions o : cuts) {
         o.seed = rng();
-        Sampler s(o);
+        Sampler s(o), threaded(o);
+        threaded.set_pool(&pool);
         std::mt19937_64 ref_rng(o.seed);
         const int n = vocab > 10000 ? 8 : 40;
-        for (int i = 0; i < n; ++i, ++draws)
-          ASSERT_EQ(s.sample(logits), reference_pick(logits, order, o, ref_rng))
+        for (int i = 0; i < n; ++i, ++draws) {
+          const int want = reference_pick(logits, order, o, ref_rng);
+          ASSERT_EQ(threaded.sample(logits), want) << "on 3 threads";
+          ASSERT_EQ(s.sample(logits), want)
               << "vocab " << vocab << " shape " << shape << " T " << o.temperature << " top_k "
               << o.top_k << " top_p " << o.top_p << " min_p " << o.min_p << " draw " << i;
+        }
       }
     }
   }

@@ -66,6 +66,7 @@ Status cmd_generate(const Args& args) {
             make_session(flags, m, {.n_ctx = int(n_ctx), .interventions = std::move(iv)}));
   runtime::Engine& session = *engine;
   runtime::Sampler sampler(so);
+  sampler.set_pool(m.pool.get());
   std::string line;
   if (n > 0) {
     TS_TRY(session.forward(tokens, nullptr));

@@ -85,6 +85,7 @@ Status cmd_serve(const Args& args) {
   server::EngineOptions eo{.model = m.model.get(),
                            .session = std::move(session),
                            .tokenizer = tok.get(),
+                           .pool = m.pool.get(),
                            .max_queue = int(max_queue),
                            .log_stats = flags.stats};
   // Test hook: a fixed reply (tool calls, reasoning) from a model whose text is noise.

@@ -136,6 +136,7 @@ Status cmd_run(const Args& args) {
             make_session(flags, m, {.n_ctx = ctx, .interventions = std::move(iv)}));
   runtime::Engine& session = *engine;
   runtime::Sampler sampler(g.sampler);
+  sampler.set_pool(m.pool.get());
   std::vector<int> cached;
   TS_ASSIGN(TurnResult r, generate_text(session, cached, ids, *tok, g, sampler));
   std::printf("\n");
@@ -158,6 +159,7 @@ Status cmd_chat(const Args& args) {
   TS_ASSIGN(std::unique_ptr<runtime::Engine> engine, make_session(flags, m, {.n_ctx = ctx}));
   runtime::Engine& session = *engine;
   runtime::Sampler sampler(g.sampler);
+  sampler.set_pool(m.pool.get());
   const bool tty = isatty(fileno(stdin));
   ojson history = ojson::array();
   auto start = [&] {
