@@ -19,23 +19,31 @@ Engine::Engine(EngineOptions options)
   thread_ = std::thread([this] { run(); });
 }
 
-Result<int> warm_up(runtime::Engine& session, const tokenizer::Tokenizer& tok) {
+Result<WarmUp> warm_up(runtime::Engine& session, const tokenizer::Tokenizer& tok) {
   // 64 tokens: past the few-token path (CUDA: GEMV up to 8 tokens), so the prefill a chat
-  // prompt takes (cuBLAS, the grouped expert GEMMs) runs once too.
-  const int want = std::min(64, session.n_ctx() - 2);
+  // prompt takes (cuBLAS, the grouped expert GEMMs) runs once too; then up to two decode steps
+  // (the decode graph), all within the context.
+  const int ctx = session.n_ctx();
+  const int want = std::max(1, std::min(64, ctx - 2));
   std::vector<int> prompt = tok.encode("Hello", /*add_special=*/true);
   const std::vector<int> filler =
       tok.encode(" The quick brown fox jumps over the lazy dog.", /*add_special=*/false);
-  while (int(prompt.size()) < want)
-    prompt.push_back(filler.empty() ? 0 : filler[prompt.size() % filler.size()]);
-  prompt.resize(size_t(std::max(1, want)));
-  TS_TRY(session.forward(prompt, nullptr));
-  for (int i = 0; i < 2; ++i) {
+  for (size_t i = 0; int(prompt.size()) < want; ++i)
+    prompt.push_back(filler.empty() ? 0 : filler[i % filler.size()]);
+  prompt.resize(size_t(want));
+  const WarmUp w{.prompt_tokens = want, .decode_steps = std::max(0, std::min(2, ctx - want))};
+  const auto step = [&](std::span<const int> tokens) -> Status {
+    if (Status st = session.forward(tokens, nullptr); !st.ok())
+      return make_error("warm-up: " + st.error().message + " (--no-warmup skips it)");
+    return {};
+  };
+  TS_TRY(step(prompt));
+  for (int i = 0; i < w.decode_steps; ++i) {
     const int t = runtime::argmax(session.last_logits());
-    TS_TRY(session.forward(std::span<const int>(&t, 1), nullptr));
+    TS_TRY(step(std::span<const int>(&t, 1)));
   }
   session.reset();
-  return int(prompt.size());
+  return w;
 }
 
 Engine::~Engine() { stop(); }

@@ -71,9 +71,13 @@ struct EngineOptions {
 
 // Runs a 64-token prompt and two decode steps, then forgets them, so the first request does not
 // pay the one-time costs (weights paged in, CUDA kernels loaded, cuBLAS started, the decode
-// graph captured), as llama.cpp's server warms up. Returns the prompt's length. Build the
-// Engine after it: its metrics count from its construction.
-Result<int> warm_up(runtime::Engine& session, const tokenizer::Tokenizer& tok);
+// graph captured), as llama.cpp's server warms up (fewer where the context is shorter). Build
+// the Engine after it: its metrics count from its construction.
+struct WarmUp {
+  int prompt_tokens = 0;
+  int decode_steps = 0;
+};
+Result<WarmUp> warm_up(runtime::Engine& session, const tokenizer::Tokenizer& tok);
 
 class Engine {
  public:

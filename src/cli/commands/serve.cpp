@@ -76,10 +76,11 @@ Status cmd_serve(const Args& args) {
   if (warmup) {
     // Before the port opens, so no request waits on it; /metrics leaves it out.
     const auto t0 = std::chrono::steady_clock::now();
-    TS_ASSIGN(int n, server::warm_up(*session, *tok));
-    char line[96];
-    std::snprintf(line, sizeof line, ", warmed up in %.2f s (%d prompt tokens, 2 decode steps)",
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), n);
+    TS_ASSIGN(server::WarmUp w, server::warm_up(*session, *tok));
+    char line[128];
+    std::snprintf(line, sizeof line, ", warmed up in %.2f s (%d prompt tokens, %d decode steps)",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                  w.prompt_tokens, w.decode_steps);
     warmed = line;
   }
   server::EngineOptions eo{.model = m.model.get(),
