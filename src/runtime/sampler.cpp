@@ -217,12 +217,13 @@ int Sampler::pick(std::span<const float> logits) {
   }
   if (opt_.min_p > 0.0f) {
     // Weights fall with rank and the best is 1, so the cut is a prefix. A bin whose every
-    // weight is surely >= min_p (its far edge's, with a margin for rounding) is passed whole.
+    // weight is surely >= min_p (its far edge's, with a margin for rounding) is passed whole;
+    // not the last, which has no far edge (-inf).
     size_t n = 1;
     for (int b = 0; b < kBins && n < keep; ++b) {
       const size_t end = std::min<size_t>(start[size_t(b) + 1], keep);
       if (end <= n) continue;
-      if (std::exp(-(double(b) + 1.0) * width / t - 1e-9) >= double(opt_.min_p)) {
+      if (b < kBins - 1 && std::exp(-(double(b) + 1.0) * width / t - 1e-9) >= double(opt_.min_p)) {
         n = end;
         continue;
       }
@@ -249,8 +250,13 @@ int Sampler::pick(std::span<const float> logits) {
       u -= w;
     }
   }
-  sort_bin(bin_of_rank(keep - 1));
-  return order_[keep - 1];
+  // Past the end only by the sums' rounding: the last kept token that has a weight.
+  for (size_t r = keep; r-- > 1;) {
+    sort_bin(bin_of_rank(r));
+    if (weight_of(order_[r]) > 0) return order_[r];
+  }
+  sort_bin(0);
+  return order_[0];
 }
 
 }  // namespace ts::runtime
