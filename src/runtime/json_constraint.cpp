@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/thread_pool.h"
+
 namespace ts::runtime {
 
 namespace {
@@ -241,7 +243,8 @@ bool JsonConstraint::allowed(int token) const {
   return s.feed_all(b);
 }
 
-void JsonConstraint::mask(std::span<const float> logits, std::vector<float>& out) const {
+void JsonConstraint::mask(std::span<const float> logits, std::vector<float>& out,
+                          ThreadPool* pool) const {
   out.assign(logits.begin(), logits.end());
   // Shortcuts, each giving allowed()'s answer: inside a string most tokens are plain
   // content; elsewhere most fail on their first byte, tested once per byte value.
@@ -251,16 +254,22 @@ void JsonConstraint::mask(std::span<const float> logits, std::vector<float>& out
     JsonPrefix s = state_;
     first_ok[size_t(b)] = !state_.complete() && s.feed(uint8_t(b));
   }
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (i < bytes_.size() && !is_eos_[i]) {
-      if (in_string && plain_[i]) continue;
-      if (bytes_[i].empty() || !first_ok[uint8_t(bytes_[i][0])]) {
-        out[i] = -INFINITY;
-        continue;
+  const auto range = [&](int64_t i0, int64_t i1) {
+    for (size_t i = size_t(i0); i < size_t(i1); ++i) {
+      if (i < bytes_.size() && !is_eos_[i]) {
+        if (in_string && plain_[i]) continue;
+        if (bytes_[i].empty() || !first_ok[uint8_t(bytes_[i][0])]) {
+          out[i] = -INFINITY;
+          continue;
+        }
       }
+      if (!allowed(int(i))) out[i] = -INFINITY;
     }
-    if (!allowed(int(i))) out[i] = -INFINITY;
-  }
+  };
+  if (pool && pool->size() > 1)
+    pool->parallel_for(int64_t(out.size()), 1024, range);
+  else
+    range(0, int64_t(out.size()));
 }
 
 bool JsonConstraint::accept(int token) {

@@ -16,6 +16,10 @@
 #include <string_view>
 #include <vector>
 
+namespace ts {
+class ThreadPool;
+}
+
 namespace ts::runtime {
 
 class JsonPrefix {
@@ -81,8 +85,10 @@ class JsonConstraint {
   // token_bytes[id]: each token's bytes as a piece of text (Tokenizer::token_bytes); empty
   // for tokens that never belong in JSON text. eos: the end-of-generation tokens.
   JsonConstraint(std::span<const std::string> token_bytes, std::vector<int> eos);
-  // logits with every token that cannot come next at -inf, into out.
-  void mask(std::span<const float> logits, std::vector<float>& out) const;
+  // logits with every token that cannot come next at -inf, into out; with a pool, over ranges
+  // of the vocabulary on its threads (the same out either way).
+  void mask(std::span<const float> logits, std::vector<float>& out,
+            ThreadPool* pool = nullptr) const;
   // The chosen token: its bytes go into the automaton (false if it was not allowed).
   bool accept(int token);
   bool complete() const { return state_.complete(); }

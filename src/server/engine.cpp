@@ -188,7 +188,7 @@ Result<runtime::Generation> Engine::generate(Job& job) {
   // no token be left, which the automaton's alphabet rules out, the reply ends).
   const auto draw = [&](std::span<const float> logits) {
     if (!json) return sampler.sample(logits);
-    json->mask(logits, masked);
+    json->mask(logits, masked, opt_.pool);
     const int tok = sampler.sample(masked);
     return json->accept(tok) || eos.empty() ? tok : eos[0];
   };

@@ -8,6 +8,7 @@
 #include <random>
 #include <string>
 
+#include "core/thread_pool.h"
 #include "runtime/json_constraint.h"
 #include "test_data.h"
 #include "tokenizer/tokenizer.h"
@@ -235,6 +236,7 @@ int constrained_walks(const std::string& dir, int walks) {
   std::mt19937 rng(7);  // fixed: a failure must reproduce
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> logits(bytes.size()), masked;
+  ts::ThreadPool pool(3);
   int ended = 0;
   for (int walk = 0; walk < walks; ++walk) {
     JsonConstraint c(bytes, t.eos_ids());
@@ -244,6 +246,15 @@ int constrained_walks(const std::string& dir, int walks) {
       for (float& l : logits) l = nd(rng);
       for (int e : t.eos_ids()) logits[size_t(e)] += 20.0f;
       c.mask(logits, masked);
+      // On a pool's threads, the same mask.
+      if (step % 8 == 4) {
+        std::vector<float> pooled;
+        c.mask(logits, pooled, &pool);
+        if (pooled != masked) {
+          ADD_FAILURE() << "the pool's mask differs after " << text;
+          return ended;
+        }
+      }
       // mask() takes shortcuts (plain string content, first bytes): the same answers as
       // allowed() token by token, checked every 8th step.
       if (step % 8 == 0)
