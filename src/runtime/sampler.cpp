@@ -36,6 +36,48 @@ int Sampler::sample(std::span<const float> logits) {
 namespace {
 // A uniform draw in [0, 1) from the top 53 bits: the same on every platform.
 double uniform(std::mt19937_64& rng) { return double(rng() >> 11) * (1.0 / 9007199254740992.0); }
+
+// Passes over the vocabulary run in kChunks fixed ranges, on the pool's threads when there is
+// one, each with its own partial results, combined in range order: the same bits for any
+// thread count.
+constexpr int kChunks = 16;
+void for_chunks(size_t n, ThreadPool* pool, const std::function<void(size_t, size_t, int)>& fn) {
+  const size_t per = (n + kChunks - 1) / kChunks;
+  const auto run = [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      fn(std::min(n, size_t(c) * per), std::min(n, size_t(c + 1) * per), int(c));
+  };
+  if (pool && pool->size() > 1)
+    pool->parallel_for(kChunks, 1, run);
+  else
+    run(0, kChunks);
+}
+
+// argmax(logits) (the first of the largest; 0 where logits[0] is NaN) and the lowest finite
+// logit (the largest where none is lower), by ranges.
+std::pair<int, double> best_and_lowest(std::span<const float> v, ThreadPool* pool) {
+  int best_at[kChunks];
+  double low_at[kChunks];
+  for_chunks(v.size(), pool, [&](size_t i0, size_t i1, int c) {
+    int best = -1;  // the first of the chunk's largest, NaN skipped
+    double low = INFINITY;
+    for (size_t i = i0; i < i1; ++i) {
+      if (std::isnan(v[i])) continue;
+      if (best < 0 || v[i] > v[size_t(best)]) best = int(i);
+      if (std::isfinite(v[i])) low = std::min(low, double(v[i]));
+    }
+    best_at[c] = best;
+    low_at[c] = low;
+  });
+  int best = -1;
+  double low = INFINITY;
+  for (int c = 0; c < kChunks; ++c) {
+    if (best_at[c] >= 0 && (best < 0 || v[size_t(best_at[c])] > v[size_t(best)])) best = best_at[c];
+    low = std::min(low, low_at[c]);
+  }
+  if (best < 0 || std::isnan(v[0])) best = 0;
+  return {best, std::min(low, double(v[size_t(best)]))};
+}
 }  // namespace
 
 // Tokens go in descending logit order (ties: lower id first); the weights are
@@ -46,7 +88,11 @@ double uniform(std::mt19937_64& rng) { return double(rng() >> 11) * (1.0 / 90071
 // finite range; -inf and NaN in the last), every bin ranking below the ones before it, and a
 // walk over whole bins steps by their summed weight, sorting only the bin it stops in.
 int Sampler::pick(std::span<const float> logits) {
-  if (opt_.temperature <= 0.0f) return argmax(logits);
+  // Large vocabularies by ranges on the pool; small ones are not worth its wake-up.
+  constexpr size_t kPoolFrom = 32768;
+  ThreadPool* const pool =
+      logits.size() >= kPoolFrom && pool_ && pool_->size() > 1 ? pool_ : nullptr;
+  if (opt_.temperature <= 0.0f) return pool ? best_and_lowest(logits, pool).first : argmax(logits);
   const auto by_logit = [&](int a, int b) {
     return logits[size_t(a)] > logits[size_t(b)] ||
            (logits[size_t(a)] == logits[size_t(b)] && a < b);
@@ -91,43 +137,14 @@ int Sampler::pick(std::span<const float> logits) {
     return order_[keep - 1];
   }
 
-  // Bins: bin b holds max - logit in [b, b + 1) * width; start[b] is its first rank. The
-  // passes over the vocabulary run in kChunks fixed ranges (on the pool's threads when there
-  // is one), each with its own sums, added in range order: the same bits for any thread count.
-  constexpr int kBins = 1024, kChunks = 16;
-  const size_t per = (vocab + kChunks - 1) / kChunks;
+  // Bins: bin b holds max - logit in [b, b + 1) * width; start[b] is its first rank; the
+  // passes over the vocabulary by ranges (for_chunks).
+  constexpr int kBins = 1024;
   const auto chunks = [&](const std::function<void(size_t, size_t, int)>& fn) {
-    const auto run = [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c)
-        fn(std::min(vocab, size_t(c) * per), std::min(vocab, size_t(c + 1) * per), int(c));
-    };
-    if (pool_ && pool_->size() > 1)
-      pool_->parallel_for(kChunks, 1, run);
-    else
-      run(0, kChunks);
+    for_chunks(vocab, pool, fn);
   };
-  // The best logit (the first, as argmax) and the lowest finite one.
-  int best_at[kChunks];
-  double low_at[kChunks];
-  chunks([&](size_t i0, size_t i1, int c) {
-    size_t best = i0;
-    double low = INFINITY;
-    for (size_t i = i0; i < i1; ++i) {
-      if (logits[i] > logits[best]) best = i;
-      if (std::isfinite(logits[i])) low = std::min(low, double(logits[i]));
-    }
-    best_at[c] = int(best);
-    low_at[c] = low;
-  });
-  int best = best_at[0];
-  double lo = low_at[0];
-  for (int c = 1; c < kChunks; ++c) {
-    if (size_t(c) * per >= vocab) break;
-    if (logits[size_t(best_at[c])] > logits[size_t(best)]) best = best_at[c];
-    lo = std::min(lo, low_at[c]);
-  }
+  const auto [best, lo] = best_and_lowest(logits, pool);
   mx = logits[size_t(best)];
-  lo = std::min(lo, mx);
   const double width = mx > lo ? (mx - lo) / (kBins - 1) : 1.0;
   bins_.resize(vocab);
   std::vector<uint32_t>& count = chunk_count_;   // [chunk][bin]

@@ -223,4 +223,28 @@ TEST(Sampler, LazySortDrawsWhatTheFullSortDrew) {
   EXPECT_GT(draws, 1000);
 }
 
+// Greedy over a large vocabulary goes by ranges on the pool: argmax's answer (the first of
+// the largest) also with ties across ranges, NaN inside, NaN first (argmax: 0) and -inf.
+TEST(Sampler, GreedyOnAPoolIsArgmax) {
+  std::mt19937 rng(std::random_device{}());
+  ts::ThreadPool pool(3);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<float> logits = random_logits(rng, 40000 + int(rng() % 20000));
+    const size_t n = logits.size();
+    if (trial % 4 == 1) {  // the largest value twice, far apart
+      const float top = *std::max_element(logits.begin(), logits.end()) + 1.0f;
+      logits[rng() % n] = top;
+      logits[rng() % n] = top;
+    }
+    if (trial % 4 == 2) logits[rng() % n] = NAN;
+    if (trial % 8 == 3) logits[0] = NAN;
+    if (trial % 4 == 3)
+      for (float& l : logits)
+        if (rng() % 3 == 0) l = -INFINITY;
+    Sampler s(SamplerOptions{});
+    s.set_pool(&pool);
+    ASSERT_EQ(s.sample(logits), ts::runtime::argmax(logits)) << "trial " << trial;
+  }
+}
+
 }  // namespace
