@@ -6,6 +6,7 @@
 #include <exception>
 #include <optional>
 
+#include "core/thread_pool.h"
 #include "runtime/json_constraint.h"
 #include "tokenizer/tokenizer.h"
 
@@ -163,10 +164,19 @@ Result<runtime::Generation> Engine::generate(Job& job) {
     const size_t vocab = rows.size() / job.prompt.size();
     const int first = job.prompt[0];
     job.logprobs.push_back({.text = opt_.tokenizer->token_bytes(first), .first = true});
-    for (size_t i = 1; i < job.prompt.size(); ++i)
-      job.logprobs.push_back(token_logprob(
-          std::span<const float>(rows.data() + (i - 1) * vocab, vocab), job.prompt[i],
-          job.top_logprobs, *opt_.tokenizer));
+    // Each row on its own (on the pool's threads when there is one: the same values).
+    const size_t base = job.logprobs.size();
+    job.logprobs.resize(base + job.prompt.size() - 1);
+    const auto score = [&](int64_t i0, int64_t i1) {
+      for (size_t i = size_t(i0) + 1; i < size_t(i1) + 1; ++i)
+        job.logprobs[base + i - 1] =
+            token_logprob(std::span<const float>(rows.data() + (i - 1) * vocab, vocab),
+                          job.prompt[i], job.top_logprobs, *opt_.tokenizer);
+    };
+    if (opt_.pool && opt_.pool->size() > 1)
+      opt_.pool->parallel_for(int64_t(job.prompt.size()) - 1, 8, score);
+    else
+      score(0, int64_t(job.prompt.size()) - 1);
   }
   runtime::Sampler sampler(job.sampling);
   sampler.set_pool(opt_.pool);

@@ -220,6 +220,22 @@ test('logprobs: chat and completions, the first token against the logits the CLI
     assert.ok(Math.abs(elp.token_logprobs[i] - w) < 1e-4, `position ${i}: ${elp.token_logprobs[i]} vs ${w}`);
   }
   assert.equal(e.choices[0].text, elp.tokens.join(''));
+  // A longer prompt: its rows are scored in ranges on the engine's thread pool, every one
+  // against the CLI's logits, and the top alternatives sorted.
+  const long = Array.from({ length: 40 }, (_, i) => (i * 37 + 11) % 400);
+  const longFile = path.join(TMP, 'logits_long.npy');
+  execFileSync(BIN, ['logits', '--model', MODEL_DIR, '--tokens', long.join(','), '--out', longFile]);
+  const longRows = npyRows(longFile);
+  const el = (await openai.completions.create({
+    model: MODEL, prompt: long, max_tokens: 0, echo: true, logprobs: 2 })).choices[0].logprobs;
+  assert.equal(el.token_logprobs.length, long.length);
+  for (let i = 1; i < long.length; i++) {
+    const all = logSoftmax(longRows[i - 1]);
+    assert.ok(Math.abs(el.token_logprobs[i] - all[long[i]]) < 1e-4, `long position ${i}`);
+    const top = Object.values(el.top_logprobs[i]).sort((a, b) => b - a);
+    const best = [...all].sort((a, b) => b - a);
+    top.forEach((x, k) => assert.ok(Math.abs(x - best[k]) < 1e-4, `long position ${i} top ${k}`));
+  }
   // echo then generation: the prompt's entries, then the completion's, as without echo (the
   // prompt's last token is recomputed alone after the whole prefill: equal to float rounding).
   const e2 = await openai.completions.create({
