@@ -97,4 +97,17 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
   });
 }
 
+void ThreadPool::fixed_chunks(ThreadPool* pool, size_t n, int chunks,
+                              const std::function<void(size_t, size_t, int)>& fn) {
+  const size_t per = (n + size_t(chunks) - 1) / size_t(chunks);
+  const auto run = [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      fn(std::min(n, size_t(c) * per), std::min(n, size_t(c + 1) * per), int(c));
+  };
+  if (pool && pool->size() > 1)
+    pool->parallel_for(chunks, 1, run);
+  else
+    run(0, chunks);
+}
+
 }  // namespace ts

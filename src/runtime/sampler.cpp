@@ -37,20 +37,11 @@ namespace {
 // A uniform draw in [0, 1) from the top 53 bits: the same on every platform.
 double uniform(std::mt19937_64& rng) { return double(rng() >> 11) * (1.0 / 9007199254740992.0); }
 
-// Passes over the vocabulary run in kChunks fixed ranges, on the pool's threads when there is
-// one, each with its own partial results, combined in range order: the same bits for any
-// thread count.
+// Passes over the vocabulary run in kChunks fixed ranges (ThreadPool::fixed_chunks): the same
+// bits for any thread count.
 constexpr int kChunks = 16;
 void for_chunks(size_t n, ThreadPool* pool, const std::function<void(size_t, size_t, int)>& fn) {
-  const size_t per = (n + kChunks - 1) / kChunks;
-  const auto run = [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      fn(std::min(n, size_t(c) * per), std::min(n, size_t(c + 1) * per), int(c));
-  };
-  if (pool && pool->size() > 1)
-    pool->parallel_for(kChunks, 1, run);
-  else
-    run(0, kChunks);
+  ThreadPool::fixed_chunks(pool, n, kChunks, fn);
 }
 
 // argmax(logits) (the first of the largest; 0 where logits[0] is NaN) and the lowest finite

@@ -132,22 +132,47 @@ void Engine::run() {
 namespace {
 // log-softmax of the logits at `tok` and the `top` likeliest ids (ties to the lower id).
 TokenLogprob token_logprob(std::span<const float> logits, int tok, int top,
-                           const tokenizer::Tokenizer& t) {
-  float mx = -INFINITY;
-  for (float l : logits) mx = std::max(mx, l);
+                           const tokenizer::Tokenizer& t, ThreadPool* pool = nullptr) {
+  // By 16 fixed ranges of the vocabulary (on the pool when given): each range's max, sum and
+  // best `top`, combined in range order (the same values on any thread count).
+  constexpr int kChunks = 16;
+  const size_t k = std::min(size_t(std::max(top, 0)), logits.size());
+  const auto better = [&](int a, int b) {
+    return logits[size_t(a)] > logits[size_t(b)] ||
+           (logits[size_t(a)] == logits[size_t(b)] && a < b);
+  };
+  float chunk_max[kChunks];
+  std::fill(chunk_max, chunk_max + kChunks, -INFINITY);
+  std::vector<int> best[kChunks];
+  ThreadPool::fixed_chunks(pool, logits.size(), kChunks, [&](size_t i0, size_t i1, int c) {
+    float m = -INFINITY;
+    for (size_t i = i0; i < i1; ++i) m = std::max(m, logits[i]);
+    chunk_max[c] = m;
+    if (k == 0 || i0 == i1) return;
+    std::vector<int>& ids = best[c];
+    ids.resize(i1 - i0);
+    for (size_t i = i0; i < i1; ++i) ids[i - i0] = int(i);
+    const size_t kc = std::min(k, ids.size());
+    std::partial_sort(ids.begin(), ids.begin() + long(kc), ids.end(), better);
+    ids.resize(kc);
+  });
+  const float mx = *std::max_element(chunk_max, chunk_max + kChunks);
+  double chunk_sum[kChunks] = {};
+  ThreadPool::fixed_chunks(pool, logits.size(), kChunks, [&](size_t i0, size_t i1, int c) {
+    double s = 0;
+    for (size_t i = i0; i < i1; ++i) s += std::exp(double(logits[i]) - double(mx));
+    chunk_sum[c] = s;
+  });
   double sum = 0;
-  for (float l : logits) sum += std::exp(double(l) - double(mx));
+  for (double s : chunk_sum) sum += s;
   const double log_z = double(mx) + std::log(sum);
   const auto lp = [&](int id) { return float(double(logits[size_t(id)]) - log_z); };
   const auto text = [&](int id) { return t.token_bytes(id); };
   TokenLogprob out{.text = text(tok), .logprob = lp(tok)};
-  if (top <= 0) return out;
-  std::vector<int> ids(logits.size());
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int(i);
-  const size_t k = std::min(size_t(top), ids.size());
-  std::partial_sort(ids.begin(), ids.begin() + long(k), ids.end(), [&](int a, int b) {
-    return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
-  });
+  if (k == 0) return out;
+  std::vector<int> ids;
+  for (const std::vector<int>& b : best) ids.insert(ids.end(), b.begin(), b.end());
+  std::partial_sort(ids.begin(), ids.begin() + long(k), ids.end(), better);
   for (size_t i = 0; i < k; ++i) out.top.emplace_back(text(ids[i]), lp(ids[i]));
   return out;
 }
@@ -214,7 +239,8 @@ Result<runtime::Generation> Engine::generate(Job& job) {
             // An end-of-generation token ends the reply without being part of it.
             const bool ends = std::find(eos.begin(), eos.end(), tok) != eos.end();
             if (job.top_logprobs >= 0 && !ends)
-              job.logprobs.push_back(token_logprob(logits, tok, job.top_logprobs, *opt_.tokenizer));
+              job.logprobs.push_back(
+                  token_logprob(logits, tok, job.top_logprobs, *opt_.tokenizer, opt_.pool));
             return tok;
           },
       .on_text =
