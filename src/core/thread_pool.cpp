@@ -104,8 +104,8 @@ void ThreadPool::fixed_chunks(ThreadPool* pool, size_t n, int chunks,
     for (int64_t c = c0; c < c1; ++c)
       fn(std::min(n, size_t(c) * per), std::min(n, size_t(c + 1) * per), int(c));
   };
-  if (pool && pool->size() > 1)
-    pool->parallel_for(chunks, 1, run);
+  if (pool)
+    pool->parallel_for(chunks, 1, run);  // one thread: inline
   else
     run(0, chunks);
 }

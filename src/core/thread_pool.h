@@ -35,7 +35,7 @@ class ThreadPool {
   // Calls fn(thread_index) once on each of size() threads.
   void run_on_all(const std::function<void(int)>& fn);
   // Calls fn(begin, end, chunk) on `chunks` fixed ranges of [0, n) (the last ones may be
-  // empty), on the pool's threads when there is a pool of more than one: results kept per
+  // empty), on the pool's threads when there is a pool: results kept per
   // chunk and combined in chunk order are the same bits for any thread count. Not from inside
   // another parallel-for of the same pool.
   static void fixed_chunks(ThreadPool* pool, size_t n, int chunks,

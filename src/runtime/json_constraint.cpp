@@ -266,7 +266,7 @@ void JsonConstraint::mask(std::span<const float> logits, std::vector<float>& out
       if (!allowed(int(i))) out[i] = -INFINITY;
     }
   };
-  if (pool && pool->size() > 1)
+  if (pool)
     pool->parallel_for(int64_t(out.size()), 1024, range);
   else
     range(0, int64_t(out.size()));

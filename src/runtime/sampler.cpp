@@ -40,22 +40,21 @@ double uniform(std::mt19937_64& rng) { return double(rng() >> 11) * (1.0 / 90071
 // Passes over the vocabulary run in kChunks fixed ranges (ThreadPool::fixed_chunks): the same
 // bits for any thread count.
 constexpr int kChunks = 16;
-void for_chunks(size_t n, ThreadPool* pool, const std::function<void(size_t, size_t, int)>& fn) {
-  ThreadPool::fixed_chunks(pool, n, kChunks, fn);
-}
 
-// argmax(logits) (the first of the largest; 0 where logits[0] is NaN) and the lowest finite
-// logit (the largest where none is lower), by ranges.
+// argmax(logits) (the first of the largest; 0 where logits[0] is NaN) and, with kLowest, the
+// lowest finite logit (the largest where none is lower; else +inf), by ranges.
+template <bool kLowest>
 std::pair<int, double> best_and_lowest(std::span<const float> v, ThreadPool* pool) {
   int best_at[kChunks];
   double low_at[kChunks];
-  for_chunks(v.size(), pool, [&](size_t i0, size_t i1, int c) {
+  ThreadPool::fixed_chunks(pool, v.size(), kChunks, [&](size_t i0, size_t i1, int c) {
     int best = -1;  // the first of the chunk's largest, NaN skipped
     double low = INFINITY;
     for (size_t i = i0; i < i1; ++i) {
       if (std::isnan(v[i])) continue;
       if (best < 0 || v[i] > v[size_t(best)]) best = int(i);
-      if (std::isfinite(v[i])) low = std::min(low, double(v[i]));
+      if constexpr (kLowest)
+        if (std::isfinite(v[i])) low = std::min(low, double(v[i]));
     }
     best_at[c] = best;
     low_at[c] = low;
@@ -83,7 +82,8 @@ int Sampler::pick(std::span<const float> logits) {
   constexpr size_t kPoolFrom = 32768;
   ThreadPool* const pool =
       logits.size() >= kPoolFrom && pool_ && pool_->size() > 1 ? pool_ : nullptr;
-  if (opt_.temperature <= 0.0f) return pool ? best_and_lowest(logits, pool).first : argmax(logits);
+  if (opt_.temperature <= 0.0f)
+    return pool ? best_and_lowest<false>(logits, pool).first : argmax(logits);
   const auto by_logit = [&](int a, int b) {
     return logits[size_t(a)] > logits[size_t(b)] ||
            (logits[size_t(a)] == logits[size_t(b)] && a < b);
@@ -129,12 +129,10 @@ int Sampler::pick(std::span<const float> logits) {
   }
 
   // Bins: bin b holds max - logit in [b, b + 1) * width; start[b] is its first rank; the
-  // passes over the vocabulary by ranges (for_chunks).
+  // passes over the vocabulary by ranges (ThreadPool::fixed_chunks).
   constexpr int kBins = 1024;
-  const auto chunks = [&](const std::function<void(size_t, size_t, int)>& fn) {
-    for_chunks(vocab, pool, fn);
-  };
-  const auto [best, lo] = best_and_lowest(logits, pool);
+
+  const auto [best, lo] = best_and_lowest<true>(logits, pool);
   mx = logits[size_t(best)];
   const double width = mx > lo ? (mx - lo) / (kBins - 1) : 1.0;
   bins_.resize(vocab);
@@ -143,7 +141,7 @@ int Sampler::pick(std::span<const float> logits) {
   count.assign(size_t(kChunks) * kBins, 0);
   chunk_w.assign(size_t(kChunks) * kBins, 0.0);
   double chunk_total[kChunks] = {};
-  chunks([&](size_t i0, size_t i1, int c) {
+  ThreadPool::fixed_chunks(pool, vocab, kChunks, [&](size_t i0, size_t i1, int c) {
     uint32_t* n = &count[size_t(c) * kBins];
     double* cw = &chunk_w[size_t(c) * kBins];
     double sum = 0;
@@ -176,7 +174,7 @@ int Sampler::pick(std::span<const float> logits) {
     start[size_t(b) + 1] = run;
   }
   // Each bin's ids in id order.
-  chunks([&](size_t i0, size_t i1, int c) {
+  ThreadPool::fixed_chunks(pool, vocab, kChunks, [&](size_t i0, size_t i1, int c) {
     uint32_t* next = &at[size_t(c) * kBins];
     for (size_t i = i0; i < i1; ++i) order_[next[bins_[i]]++] = int(i);
   });

@@ -198,7 +198,7 @@ Result<runtime::Generation> Engine::generate(Job& job) {
             token_logprob(std::span<const float>(rows.data() + (i - 1) * vocab, vocab),
                           job.prompt[i], job.top_logprobs, *opt_.tokenizer);
     };
-    if (opt_.pool && opt_.pool->size() > 1)
+    if (opt_.pool)
       opt_.pool->parallel_for(int64_t(job.prompt.size()) - 1, 8, score);
     else
       score(0, int64_t(job.prompt.size()) - 1);
