@@ -34,6 +34,11 @@ struct StoreStats {
   uint64_t hits = 0;        // of those, already in memory
   uint64_t bytes_read = 0;  // read from storage by the store itself
   double io_us = 0;         // wall time spent waiting for reads
+  // What was counted after `base`, an earlier reading of the same counters.
+  StoreStats since(const StoreStats& base) const {
+    return {requests - base.requests, hits - base.hits, bytes_read - base.bytes_read,
+            io_us - base.io_us};
+  }
 };
 
 class ExpertStore {

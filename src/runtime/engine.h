@@ -46,6 +46,19 @@ struct PhaseTimes {
   // best ranks were prefetched into L2), and how many of them it named.
   uint64_t predicted_picks = 0;
   uint64_t predicted_right = 0;
+  // What was counted after `base`, an earlier reading of the same session's times.
+  PhaseTimes since(const PhaseTimes& b) const {
+    return {attention_us - b.attention_us,
+            router_us - b.router_us,
+            expert_io_us - b.expert_io_us,
+            expert_compute_us - b.expert_compute_us,
+            dense_ffn_us - b.dense_ffn_us,
+            lm_head_us - b.lm_head_us,
+            total_us - b.total_us,
+            expert_requests - b.expert_requests,
+            predicted_picks - b.predicted_picks,
+            predicted_right - b.predicted_right};
+  }
 };
 
 // A backend's own expert cache (CUDA with --residency host|streamed): the GPU slots in front
@@ -59,6 +72,17 @@ struct ExpertCacheReport {
   uint64_t copied_bytes = 0;  // host -> device
   double copy_ms = 0;         // time the copy stream spent copying
   double bind_ms = 0;         // host time planning each step's misses and issuing their copies
+  // The counters gathered after `b`, an earlier reading of the same cache (its residency and
+  // slots as now).
+  ExpertCacheReport since(const ExpertCacheReport& b) const {
+    return {residency,
+            slots_per_layer,
+            requests - b.requests,
+            hits - b.hits,
+            copied_bytes - b.copied_bytes,
+            copy_ms - b.copy_ms,
+            bind_ms - b.bind_ms};
+  }
 };
 
 class Engine {

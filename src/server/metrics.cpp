@@ -31,21 +31,12 @@ void Metrics::record_generation(const runtime::Generation& g, const experts::Sto
   prefill_s_ += g.prefill_s;
   decode_s_ += g.decode_s;
   if (g.generated > 0 && g.decode_s > 0) last_decode_tok_s_ = double(g.generated) / g.decode_s;
-  store_ = store;
-  store_.requests -= base_store_.requests;
-  store_.hits -= base_store_.hits;
-  store_.bytes_read -= base_store_.bytes_read;
-  store_.io_us -= base_store_.io_us;
-  gpu_ = gpu;
-  if (gpu_) {
-    gpu_->requests -= base_gpu_.requests;
-    gpu_->hits -= base_gpu_.hits;
-    gpu_->copied_bytes -= base_gpu_.copied_bytes;
-    gpu_->copy_ms -= base_gpu_.copy_ms;
-    gpu_->bind_ms -= base_gpu_.bind_ms;
-  }
-  predicted_picks_ = phases.predicted_picks - base_picks_;
-  predicted_right_ = phases.predicted_right - base_right_;
+  store_ = store.since(base_store_);
+  gpu_.reset();
+  if (gpu) gpu_ = gpu->since(base_gpu_);
+  const runtime::PhaseTimes counted = phases.since(base_phases_);
+  predicted_picks_ = counted.predicted_picks;
+  predicted_right_ = counted.predicted_right;
 }
 
 void Metrics::set_baseline(const experts::StoreStats& store,
@@ -54,8 +45,7 @@ void Metrics::set_baseline(const experts::StoreStats& store,
   std::lock_guard lock(mu_);
   base_store_ = store;
   base_gpu_ = gpu.value_or(runtime::ExpertCacheReport{});
-  base_picks_ = phases.predicted_picks;
-  base_right_ = phases.predicted_right;
+  base_phases_ = phases;
 }
 
 std::string Metrics::prometheus(int queue_depth, int running) const {

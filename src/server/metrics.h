@@ -46,7 +46,7 @@ class Metrics {
   uint64_t predicted_picks_ = 0, predicted_right_ = 0;
   experts::StoreStats base_store_;
   runtime::ExpertCacheReport base_gpu_;
-  uint64_t base_picks_ = 0, base_right_ = 0;
+  runtime::PhaseTimes base_phases_;
 };
 
 }  // namespace ts::server

@@ -31,36 +31,25 @@ nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engi
 
 nlohmann::json stats_json(const runtime::LoadedModel& model, const runtime::Engine& session,
                           int64_t tokens_processed, const RunCounters& since) {
-  runtime::PhaseTimes p = session.phases();
-  p.attention_us -= since.phases.attention_us;
-  p.router_us -= since.phases.router_us;
-  p.expert_io_us -= since.phases.expert_io_us;
-  p.expert_compute_us -= since.phases.expert_compute_us;
-  p.dense_ffn_us -= since.phases.dense_ffn_us;
-  p.lm_head_us -= since.phases.lm_head_us;
-  p.expert_requests -= since.phases.expert_requests;
-  p.predicted_picks -= since.phases.predicted_picks;
-  p.predicted_right -= since.phases.predicted_right;
-  experts::StoreStats s = model.experts().stats();
-  s.requests -= since.store.requests;
-  s.hits -= since.store.hits;
-  s.bytes_read -= since.store.bytes_read;
+  const runtime::PhaseTimes p = session.phases().since(since.phases);
+  experts::StoreStats s = model.experts().stats().since(since.store);
   const double t = double(std::max<int64_t>(1, tokens_processed));
   std::string residency(experts::residency_name(model.experts().residency()));
   int slots = model.slots_per_layer();
   nlohmann::json gpu_cache = nullptr;
-  if (const auto c = session.expert_cache()) {
+  if (const auto cache = session.expert_cache()) {
     // The GPU's expert cache is the one that hits or misses; the store only feeds it.
-    residency = c->residency;
-    slots = c->slots_per_layer;
-    const uint64_t bytes = c->copied_bytes - since.cache.copied_bytes;
-    const double ms = c->copy_ms - since.cache.copy_ms;
-    s.requests = c->requests - since.cache.requests;
-    s.hits = c->hits - since.cache.hits;
+    const runtime::ExpertCacheReport c = cache->since(since.cache);
+    residency = c.residency;
+    slots = c.slots_per_layer;
+    const uint64_t bytes = c.copied_bytes;
+    const double ms = c.copy_ms;
+    s.requests = c.requests;
+    s.hits = c.hits;
     gpu_cache = {{"h2d_bytes", bytes},
                  {"h2d_bytes_per_token", double(bytes) / t},
                  {"copy_ms", ms},
-                 {"bind_ms", c->bind_ms - since.cache.bind_ms},
+                 {"bind_ms", c.bind_ms},
                  {"h2d_gbps", ms > 0 ? double(bytes) / (ms * 1e-3) / 1e9 : 0.0}};
   }
   nlohmann::json prediction = nullptr;
