@@ -369,6 +369,9 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
 __host__ __device__ constexpr size_t gqa_cluster_smem_floats(int group, int hd) {
   return gqa_smem_floats(group, hd) + size_t(group) * size_t(hd + 2);
 }
+// The cluster kernel's shared memory may pass the 48 KiB default (set per launch); 32 blocks
+// of it a step are few, so only this bound limits it.
+constexpr size_t kGqaClusterMaxSmem = 96 * 1024;
 
 template <typename T>
 __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_cluster_kernel(AttentionArgs a) {
@@ -1050,7 +1053,8 @@ bool cluster_attention_available() {
 bool cluster_attention_applies(int n_heads, int n_kv_heads, int head_dim) {
   if (!gqa_attention_applies(n_heads, n_kv_heads, head_dim)) return false;
   const int group = n_heads / n_kv_heads;
-  return gqa_cluster_smem_floats(group, head_dim) * 4 <= 48 * 1024 && cluster_attention_available();
+  return gqa_cluster_smem_floats(group, head_dim) * 4 <= kGqaClusterMaxSmem &&
+         cluster_attention_available();
 }
 
 void attention(const AttentionArgs& args, cudaStream_t s) {
@@ -1074,11 +1078,16 @@ void attention(const AttentionArgs& args, cudaStream_t s) {
     if (a.head_dim % 32 != 0) a.out_q = {};
     if (a.cluster && a.n == 1 && cluster_attention_applies(a.n_heads, a.n_kv_heads, a.head_dim)) {
       const int group = a.n_heads / a.n_kv_heads;
-      launch_cluster_kernel(
-          bf16 ? attention_gqa_cluster_kernel<__nv_bfloat16> : attention_gqa_cluster_kernel<float>,
-          dim3(unsigned(a.n_kv_heads), unsigned(kClusterSplits)),
-          32 * std::min(group, kGqaMaxWarps), gqa_cluster_smem_floats(group, a.head_dim) * 4,
-          dim3(1, unsigned(kClusterSplits)), s, a);
+      const auto kernel =
+          bf16 ? attention_gqa_cluster_kernel<__nv_bfloat16> : attention_gqa_cluster_kernel<float>;
+      const size_t smem = gqa_cluster_smem_floats(group, a.head_dim) * 4;
+      // Past the 48 KiB default (groups of 16 at head dim 128: Qwen3-235B-A22B's 64 query
+      // heads on 4 KV heads). Per device, so set at every launch (a host-side call).
+      if (smem > 48 * 1024)
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      launch_cluster_kernel(kernel, dim3(unsigned(a.n_kv_heads), unsigned(kClusterSplits)),
+                            32 * std::min(group, kGqaMaxWarps), smem,
+                            dim3(1, unsigned(kClusterSplits)), s, a);
       if (args.out_q.q && !a.out_q.q)
         quantize_act(a.out, int64_t(a.n_heads) * a.head_dim, args.out_q, s);
       return;
