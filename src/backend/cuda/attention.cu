@@ -369,8 +369,8 @@ __global__ void __launch_bounds__(32 * kGqaMaxWarps) attention_gqa_kernel(Attent
 __host__ __device__ constexpr size_t gqa_cluster_smem_floats(int group, int hd) {
   return gqa_smem_floats(group, hd) + size_t(group) * size_t(hd + 2);
 }
-// The cluster kernel's shared memory may pass the 48 KiB default (set per launch); 32 blocks
-// of it a step are few, so only this bound limits it.
+// The cluster kernel's shared memory may pass the 48 KiB default (set per launch); a step
+// launches only 8 blocks per KV head (32 for 4 KV heads), so occupancy does not bound it.
 constexpr size_t kGqaClusterMaxSmem = 96 * 1024;
 
 template <typename T>
