@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CUDA against the CPU at the widths of released models: two-layer random-weight checkpoints
 # of qwen3-30b-a3b, qwen3-235b-a22b (64 query heads on 4 KV heads, d_model 4096), olmoe-1b-7b,
-# qwen1.5-moe-a2.7b, mixtral-8x7b and mixtral-8x22b (d_model 6144) (tests/gpu/shapes), written
-# by `turbospark synth`, as BF16 and as Q8_0 packs (qwen3-30b-a3b also Q4_K experts). The
+# qwen1.5-moe-a2.7b, qwen2-57b-a14b (28 query heads on 4 KV heads: groups of 7, d_model 3584),
+# mixtral-8x7b and mixtral-8x22b (d_model 6144) (tests/gpu/shapes), written by `turbospark
+# synth`, as BF16 and as Q8_0 packs (qwen3-30b-a3b also Q4_K experts). The
 # fixtures in tests/models are small (d_model 64); many CUDA paths (Q8 activations, clusters,
 # tensor-core decode attention past 256 keys, the top-k in the expert phases, the plan's tile
 # heights) only run at these widths.
