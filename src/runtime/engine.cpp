@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "runtime/sampler.h"
 #include "runtime/session.h"
 
 #ifdef TS_HAVE_CUDA
@@ -9,6 +10,15 @@
 #endif
 
 namespace ts::runtime {
+
+Status Engine::decode_greedy(int token, int n, const std::function<bool(int)>& on_token) {
+  for (int i = 0; i < n; ++i) {
+    TS_TRY(forward(std::span<const int>(&token, 1), nullptr));
+    token = argmax(last_logits());
+    if (!on_token(token)) break;
+  }
+  return {};
+}
 
 Result<Device> parse_device(const std::string& s) {
   if (s == "cpu") return Device{DeviceKind::kCpu, 0};

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -98,6 +99,15 @@ class Engine {
   // Errors: empty input, a token id outside [0, vocab), or the context overflowing.
   virtual Status forward(std::span<const int> tokens, std::vector<float>* all_logits) = 0;
   virtual std::span<const float> last_logits() const = 0;
+  // Greedy decoding: feeds `token`, then each step's argmax (argmax(): the first of the
+  // largest logit) to the next step, and hands every new id to on_token in order, at most n;
+  // on_token returns whether to go on. Afterwards the KV cache holds `token` and every id
+  // on_token accepted except the last one given (what a loop of forward + argmax leaves:
+  // the last id is never fed). The default is that loop; a backend may run steps ahead of
+  // on_token (CUDA: steps queued on the device, the ids read back behind them) and takes back
+  // any it ran past the stop, so the state and the ids are the same. last_logits() is
+  // unspecified afterwards. Errors as forward's.
+  virtual Status decode_greedy(int token, int n, const std::function<bool(int)>& on_token);
   virtual const PhaseTimes& phases() const = 0;
   // Selections per (layer, expert), [n_layers * n_experts], over the session's lifetime.
   virtual std::vector<uint64_t> router_hist() const = 0;

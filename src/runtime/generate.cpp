@@ -76,24 +76,48 @@ Result<Generation> generate_on_cache(Engine& session, std::vector<int>& cached,
     r.text += piece;
     return !g.on_text || g.on_text(piece);
   };
-  for (int64_t i = 0; i < g.max_tokens; ++i) {
-    const int next = g.next_token(session.last_logits());
+  // One picked id: whether the generation goes on with it (it is then fed to the session).
+  const auto take = [&](int next) {
     if (std::find(tok.eos_ids().begin(), tok.eos_ids().end(), next) != tok.eos_ids().end()) {
       r.stop_reason = StopReason::kEos;
-      break;
+      return false;
     }
     ++r.generated;
     if (!emit(stops.feed(stream.push(next), &stopped))) {
       r.stop_reason = StopReason::kCancelled;
-      break;
+      return false;
     }
     if (stopped) {
       r.stop_reason = StopReason::kStop;
       r.stop_index = stops.matched();
-      break;
+      return false;
     }
-    TS_TRY(session.forward(std::span<const int>(&next, 1), nullptr));
-    cached.push_back(next);
+    return true;
+  };
+  if (g.greedy_on_engine && g.max_tokens > 1) {
+    // The first id from the prefill's logits, the rest picked by the engine (on CUDA without a
+    // host round trip per token); every accepted id is fed, as in the loop below.
+    int fed = g.next_token(session.last_logits());
+    if (take(fed)) {
+      bool all = true;
+      TS_TRY(session.decode_greedy(fed, int(g.max_tokens - 1), [&](int id) {
+        cached.push_back(fed);  // its KV row is in
+        fed = id;
+        all = take(id);
+        return all;
+      }));
+      if (all) {
+        TS_TRY(session.forward(std::span<const int>(&fed, 1), nullptr));
+        cached.push_back(fed);
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < g.max_tokens; ++i) {
+      const int next = g.next_token(session.last_logits());
+      if (!take(next)) break;
+      TS_TRY(session.forward(std::span<const int>(&next, 1), nullptr));
+      cached.push_back(next);
+    }
   }
   if (!stopped && r.stop_reason != StopReason::kCancelled) {
     std::string tail = stops.feed(stream.flush(), &stopped);

@@ -48,6 +48,9 @@ struct GenerateParams {
   std::vector<std::string> stops;
   // Picks the next token from the last logits (a Sampler, or a forced script in tests).
   std::function<int(std::span<const float>)> next_token;
+  // next_token is the plain argmax (runtime::argmax) of the logits as they are: the ids after
+  // the first are picked by the engine (Engine::decode_greedy), the same ids.
+  bool greedy_on_engine = false;
   // Receives each piece of final text (possibly empty, once per token, so it can notice a
   // gone client between tokens); returning false cancels the generation.
   std::function<bool(std::string_view)> on_text;

@@ -32,6 +32,11 @@ struct SamplerOptions {
   // token, +100 in effect forces it); ids past the logits are ignored.
   std::vector<std::pair<int, float>> logit_bias;
   // The first logit_bias id at or past `vocab` (what the CLI and the server refuse), or -1.
+  // Greedy on the logits as they are: sample() is runtime::argmax.
+  bool plain_greedy() const {
+    return temperature <= 0.0f && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
+           logit_bias.empty();
+  }
   int bias_outside(int64_t vocab) const {
     for (const auto& [id, bias] : logit_bias)
       if (id >= vocab) return id;
@@ -42,6 +47,7 @@ struct SamplerOptions {
 class Sampler {
  public:
   explicit Sampler(SamplerOptions options) : opt_(options), rng_(options.seed) {}
+  const SamplerOptions& options() const { return opt_; }
   // Picks the next token and counts it for the penalties.
   int sample(std::span<const float> logits);
   // Threads for the passes over the vocabulary at temperature > 0 (by default the calling

@@ -243,6 +243,9 @@ Result<runtime::Generation> Engine::generate(Job& job) {
                   token_logprob(logits, tok, job.top_logprobs, *opt_.tokenizer, opt_.pool));
             return tok;
           },
+      // Plain greedy with nothing read from the logits but the argmax: the engine picks.
+      .greedy_on_engine =
+          forced.empty() && !json && job.top_logprobs < 0 && sampler.options().plain_greedy(),
       .on_text =
           [&](std::string_view piece) {
             if (job.on_text && !job.on_text(piece)) job.cancelled = true;

@@ -166,6 +166,8 @@ CudaSession::~CudaSession() {
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   for (cudaGraphExec_t g : graphs_)
     if (g) cudaGraphExecDestroy(g);
+  for (cudaGraphExec_t g : greedy_graphs_)
+    if (g) cudaGraphExecDestroy(g);
   for (const auto& set : segment_sets_)
     for (cudaGraphExec_t g : set) cudaGraphExecDestroy(g);
   if (blas_) bl_->destroy(blas_);
@@ -173,7 +175,7 @@ CudaSession::~CudaSession() {
   for (void* p :
        {static_cast<void*>(h_tokens_), static_cast<void*>(h_pos_), static_cast<void*>(h_ids_),
         static_cast<void*>(h_plan_), static_cast<void*>(h_slot_hit_), static_cast<void*>(h_logits_),
-        static_cast<void*>(ids_flag_host_)})
+        static_cast<void*>(ids_flag_host_), static_cast<void*>(greedy_ring_host_)})
     if (p) cudaFreeHost(p);
 }
 
@@ -582,6 +584,14 @@ Status CudaSession::init(const std::string& device_name) {
   TS_ASSIGN(slot_hit_, arena_.alloc_n<int>(size_t(kGemvMaxTokens) * k));
   segment_hits_.resize(size_t(hp.n_layers));
   CUDA_TRY(cudaMallocHost(&h_logits_, size_t(hp.vocab) * 4));
+  TS_ASSIGN(pick_v_, arena_.alloc_n<float>(kGreedyBlocks));
+  TS_ASSIGN(pick_i_, arena_.alloc_n<int>(kGreedyBlocks));
+  TS_ASSIGN(pick_count_, arena_.alloc_n<unsigned>(2));
+  CUDA_TRY(cudaMemset(pick_count_, 0, 2 * sizeof(unsigned)));
+  CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&greedy_ring_host_), (1 + kGreedyRing) * 4,
+                         cudaHostAllocMapped));
+  CUDA_TRY(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&greedy_ring_dev_), greedy_ring_host_, 0));
   std::fill_n(h_logits_, hp.vocab, 0.0f);
   iv_ = std::move(opt_.interventions);
   iv_.steer.resize(size_t(hp.n_layers));
@@ -791,6 +801,124 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   for (const DevLayer& L : w_.layers) moe_layers += L.is_moe;
   phases_.expert_requests += uint64_t(n) * uint64_t(hp_.top_k) * uint64_t(moe_layers);
   return {};
+}
+
+Status CudaSession::capture_greedy(bool cluster) {
+  cudaGraphExec_t& graph = greedy_graphs_[cluster ? 1 : 0];
+  if (graph) return {};
+  attn_cluster_ = cluster;
+  graph_splits_ = attention_splits(1, n_ctx_);
+  cudaGraph_t g = nullptr;
+  CUDA_TRY(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  Status st = [&]() -> Status {
+    TS_TRY(run_layers(1, nullptr, true));
+    greedy_pick({.logits = logits_,
+                 .vocab = hp_.vocab,
+                 .tokens = tokens_,
+                 .pos = pos_dev_,
+                 .part_v = pick_v_,
+                 .part_i = pick_i_,
+                 .count = pick_count_,
+                 .seq = pick_count_ + 1,
+                 .ring = greedy_ring_dev_,
+                 .ring_size = kGreedyRing},
+                stream_);
+    CUDA_TRY(cudaGetLastError());
+    return {};
+  }();
+  const cudaError_t end = cudaStreamEndCapture(stream_, &g);
+  TS_TRY(st);
+  if (end != cudaSuccess) return cuda_error("cudaStreamEndCapture", end, __FILE__, __LINE__);
+  const cudaError_t inst = cudaGraphInstantiate(&graph, g, 0);
+  cudaGraphDestroy(g);
+  if (inst != cudaSuccess) return cuda_error("cudaGraphInstantiate", inst, __FILE__, __LINE__);
+  return {};
+}
+
+// Spins until the ring's count reaches `count` (as wait_ids_flag: never hangs).
+Status CudaSession::wait_greedy(int count) {
+  volatile int* ring = greedy_ring_host_;
+  for (uint64_t spin = 1; ring[0] < count; ++spin) {
+    if (spin % 1024 != 0) continue;
+    const cudaError_t q = cudaStreamQuery(stream_);
+    if (q == cudaErrorNotReady) continue;
+    if (q != cudaSuccess) return cuda_error("cudaStreamQuery", q, __FILE__, __LINE__);
+    if (ring[0] < count) return make_error("internal: a greedy step's id never reached the host");
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return {};
+}
+
+Status CudaSession::decode_greedy(int token, int n, const std::function<bool(int)>& on_token) {
+  if (n < 1) return {};
+  if (!graph_eligible() || cached() || pos_ + n > n_ctx_ || token < 0 || token >= hp_.vocab)
+    return Engine::decode_greedy(token, n, on_token);
+  CUDA_TRY(cudaSetDevice(device_));
+  const auto t0 = Clock::now();
+  // Step j runs at position start + j: in clusters while that covers at most
+  // kClusterAttentionKeys keys. Both graphs are captured before anything is queued.
+  const int start = pos_;
+  const auto in_cluster = [&](int j) {
+    return cluster_attention_ok_ && start + j + 1 <= kClusterAttentionKeys;
+  };
+  if (in_cluster(0)) TS_TRY(capture_greedy(true));
+  if (!in_cluster(n - 1)) TS_TRY(capture_greedy(false));
+  h_tokens_[0] = token;
+  *h_pos_ = start;
+  greedy_ring_host_[0] = 0;
+  CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, 4, cudaMemcpyHostToDevice, stream_));
+  CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
+  CUDA_TRY(cudaMemsetAsync(pick_count_ + 1, 0, sizeof(unsigned), stream_));
+  int launched = 0, read = 0;
+  const auto launch = [&]() -> Status {
+    CUDA_TRY(cudaGraphLaunch(greedy_graphs_[in_cluster(launched) ? 1 : 0], stream_));
+    ++launched;
+    return {};
+  };
+  Status st = [&]() -> Status {
+    while (launched < std::min(n, kGreedyAhead)) TS_TRY(launch());
+    while (read < launched) {
+      TS_TRY(wait_greedy(read + 1));
+      const int id = greedy_ring_host_[1 + read % kGreedyRing];
+      ++read;
+      if (!on_token(id)) break;
+      if (launched < n) TS_TRY(launch());
+    }
+    return {};
+  }();
+  // The steps queued past the stop ran on ids nobody took: their KV rows lie past the
+  // position kept, which the next step overwrites.
+  const cudaError_t sync = cudaStreamSynchronize(stream_);
+  TS_TRY(st);
+  if (sync != cudaSuccess) return cuda_error("cudaStreamSynchronize", sync, __FILE__, __LINE__);
+  CUDA_TRY(cudaGetLastError());
+  pos_ = start + read;
+  int moe_layers = 0;
+  for (const DevLayer& L : w_.layers) moe_layers += L.is_moe;
+  phases_.expert_requests += uint64_t(read) * uint64_t(hp_.top_k) * uint64_t(moe_layers);
+  phases_.total_us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+  return {};
+}
+
+Result<double> CudaSession::replay_step_ms(int n) {
+  cudaGraphExec_t graph = graphs_[attn_cluster_ ? 1 : 0];
+  if (!graph || n < 1 || !graph_eligible()) return make_error("no decode graph to replay");
+  cudaEvent_t ev[2] = {};
+  float ms = 0;
+  Status st = [&]() -> Status {
+    for (cudaEvent_t& e : ev) CUDA_TRY(cudaEventCreate(&e));
+    CUDA_TRY(cudaGraphLaunch(graph, stream_));  // untimed: the first replay waits on nothing
+    CUDA_TRY(cudaEventRecord(ev[0], stream_));
+    for (int i = 0; i < n; ++i) CUDA_TRY(cudaGraphLaunch(graph, stream_));
+    CUDA_TRY(cudaEventRecord(ev[1], stream_));
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+    CUDA_TRY(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+    return {};
+  }();
+  for (cudaEvent_t e : ev)
+    if (e) cudaEventDestroy(e);
+  TS_TRY(st);
+  return double(ms) / n;
 }
 
 Status CudaSession::predict_layer(int layer) {
@@ -1169,6 +1297,12 @@ void set_profiling(runtime::Engine& engine, bool on) {
 std::vector<KernelStat> profile_table(const runtime::Engine& engine) {
   auto* s = dynamic_cast<const CudaSession*>(&engine);
   return s ? const_cast<CudaSession*>(s)->profiler().table() : std::vector<KernelStat>{};
+}
+
+Result<double> replay_step_ms(runtime::Engine& engine, int n) {
+  auto* s = dynamic_cast<CudaSession*>(&engine);
+  if (!s) return make_error("replay_step_ms: not a CUDA session");
+  return s->replay_step_ms(n);
 }
 
 CudaBenchInfo bench_info(const runtime::Engine& engine) {

@@ -67,5 +67,11 @@ struct KernelStat {
 void set_sampled_routing(runtime::Engine& engine, uint64_t seed);
 void set_profiling(runtime::Engine& engine, bool on);  // also clears the table
 std::vector<KernelStat> profile_table(const runtime::Engine& engine);
+// The last decode step's graph replayed n times back to back, with no host round trip between
+// replays (each rewrites the same KV row with the same values, so the session's state is
+// unchanged): the step's time on the device alone, ms. Against the host loop's step time it
+// shows what the synchronize, the host's turn and the next launch cost a token. An error where
+// the last step did not run as one graph (an expert cache, profiling, --steer, ...).
+Result<double> replay_step_ms(runtime::Engine& engine, int n);
 
 }  // namespace ts::cuda

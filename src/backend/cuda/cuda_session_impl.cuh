@@ -226,6 +226,10 @@ class CudaSession final : public runtime::Engine {
   void reset() override { pos_ = 0; }
   void truncate(int n) override { pos_ = std::min(pos_, std::max(0, n)); }
   Status forward(std::span<const int> tokens, std::vector<float>* all_logits) override;
+  // With the decode graphs (resident experts, no profiling or interventions): every step a
+  // graph replay that feeds itself (greedy_graphs_), up to kGreedyAhead of them queued ahead of
+  // on_token; else Engine's loop.
+  Status decode_greedy(int token, int n, const std::function<bool(int)>& on_token) override;
   // The pinned buffer the step's last copy wrote (no host copy of it per step).
   std::span<const float> last_logits() const override { return {h_logits_, size_t(hp_.vocab)}; }
   const runtime::PhaseTimes& phases() const override {
@@ -243,6 +247,7 @@ class CudaSession final : public runtime::Engine {
 
   CudaBenchInfo info() const;
   KernelProfiler& profiler() { return prof_; }
+  Result<double> replay_step_ms(int n);
   void sample_routing(uint64_t seed) {
     sampled_routing_ = true;
     route_seed_ = seed;
@@ -393,6 +398,19 @@ class CudaSession final : public runtime::Engine {
   int* ids_flag_host_ = nullptr;
   int* ids_flag_dev_ = nullptr;
   Status wait_ids_flag(int k);
+  // Greedy decoding on the device (decode_greedy): graphs of a decode step whose input token
+  // and position are the device's own (no host copies) and whose last launch, greedy_pick,
+  // writes the argmax as the next step's token and into the mapped ring [count, ids...]
+  // (greedy_ring_dev_ as the device sees it); [0] split attention, [1] in clusters, as graphs_.
+  static constexpr int kGreedyAhead = 2, kGreedyRing = 8;
+  cudaGraphExec_t greedy_graphs_[2] = {};
+  int* greedy_ring_host_ = nullptr;
+  int* greedy_ring_dev_ = nullptr;
+  float* pick_v_ = nullptr;
+  int* pick_i_ = nullptr;
+  unsigned* pick_count_ = nullptr;  // [0] the blocks done, [1] the picks since the start
+  Status capture_greedy(bool cluster);
+  Status wait_greedy(int count);
   float* h_logits_ = nullptr;
   mutable runtime::PhaseTimes phases_;  // (the prediction counts are read when asked)
   runtime::Interventions iv_;

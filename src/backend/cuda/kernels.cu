@@ -245,8 +245,87 @@ void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int cols, f
   launch_kernel(rmsnorm_kernel, unsigned(rows), block, 0, s, x, w, y, cols, eps, q);
 }
 
+namespace {
+
+// (v, i) ranks before (bv, bi): larger, or equal and earlier; bi < 0 is no candidate.
+__device__ __forceinline__ bool pick_before(float v, int i, float bv, int bi) {
+  return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+// The block's best (value, index) of its candidates; the result in thread 0.
+__device__ __forceinline__ void block_best(float& bv, int& bi) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_down_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_down_sync(0xffffffffu, bi, o);
+    if (pick_before(ov, oi, bv, bi)) bv = ov, bi = oi;
+  }
+  if (lane == 0) sv[warp] = bv, si[warp] = bi;
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = int(blockDim.x) / 32;
+    bv = lane < warps ? sv[lane] : 0.0f;
+    bi = lane < warps ? si[lane] : -1;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_down_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_down_sync(0xffffffffu, bi, o);
+      if (pick_before(ov, oi, bv, bi)) bv = ov, bi = oi;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256) greedy_pick_kernel(GreedyPick a) {
+  pdl_wait();
+  const int per = (a.vocab + int(gridDim.x) - 1) / int(gridDim.x);
+  const int i0 = int(blockIdx.x) * per, i1 = min(a.vocab, i0 + per);
+  float bv = 0.0f;
+  int bi = -1;
+  for (int i = i0 + int(threadIdx.x); i < i1; i += int(blockDim.x)) {
+    const float v = a.logits[i];
+    if (!isnan(v) && pick_before(v, i, bv, bi)) bv = v, bi = i;
+  }
+  block_best(bv, bi);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    a.part_v[blockIdx.x] = bv;
+    a.part_i[blockIdx.x] = bi;
+    __threadfence();
+    last = atomicAdd(a.count, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  bv = 0.0f;
+  bi = -1;
+  for (int b = int(threadIdx.x); b < int(gridDim.x); b += int(blockDim.x)) {
+    const float v = __ldcg(a.part_v + b);
+    const int i = __ldcg(a.part_i + b);
+    if (pick_before(v, i, bv, bi)) bv = v, bi = i;
+  }
+  block_best(bv, bi);
+  if (threadIdx.x == 0) {
+    const int id = bi < 0 || isnan(a.logits[0]) ? 0 : bi;
+    *a.count = 0;
+    a.tokens[0] = id;
+    a.pos[0] += 1;
+    const unsigned seq = *a.seq;
+    *a.seq = seq + 1;
+    a.ring[1 + int(seq % unsigned(a.ring_size))] = id;
+    __threadfence_system();
+    reinterpret_cast<volatile int*>(a.ring)[0] = int(seq + 1);
+  }
+}
+
+}  // namespace
+
 void add_bias(float* y, const float* b, int n, int dim, cudaStream_t s) {
   launch_kernel(add_bias_kernel, grid_for(int64_t(n) * dim), 256, 0, s, y, b, int64_t(n) * dim, dim);
+}
+
+void greedy_pick(const GreedyPick& a, cudaStream_t s) {
+  launch_kernel(greedy_pick_kernel, kGreedyBlocks, 256, 0, s, a);
 }
 
 void add_inplace(float* x, const float* y, int64_t n, cudaStream_t s) {

@@ -372,4 +372,26 @@ void fill_q4_k_random(void* dst, int64_t n, float scale, uint64_t seed, cudaStre
 void synthetic_route(float* logits, const float* bias, const int* pos, int n, int n_experts,
                      uint64_t seed, cudaStream_t s);
 
+// Greedy decoding on the device (CudaSession::decode_greedy): the argmax of logits[vocab] (the
+// first of the largest, NaN skipped; 0 where logits[0] is NaN or every logit is), as
+// runtime::argmax. One launch of kGreedyBlocks blocks; the last block to finish (counted in
+// *count, left 0 again) writes the id as the next step's input (tokens[0]), advances pos[0]
+// by one, and hands it to the host: ring[1 + seq % ring_size] = id, then ring[0] = seq + 1
+// (ring in mapped pinned memory; the store of the id is fenced before the count's), where seq
+// (*seq, incremented) counts the picks since it was last zeroed.
+struct GreedyPick {
+  const float* logits = nullptr;
+  int vocab = 0;
+  int* tokens = nullptr;
+  int* pos = nullptr;
+  float* part_v = nullptr;  // [kGreedyBlocks]
+  int* part_i = nullptr;    // [kGreedyBlocks]
+  unsigned* count = nullptr;
+  unsigned* seq = nullptr;
+  int* ring = nullptr;  // device pointer of the mapped ring, 1 + ring_size ints
+  int ring_size = 0;
+};
+constexpr int kGreedyBlocks = 64;
+void greedy_pick(const GreedyPick& a, cudaStream_t s);
+
 }  // namespace ts::cuda

@@ -254,6 +254,45 @@ Status cmd_bench_cuda(const Args& args) {
           "        experts predicted a layer ahead: %.1f%% of the picks (the best ranks "
           "prefetched into L2)\n",
           100.0 * rate);
+    // The same step's graph replayed back to back: the device's time for a step alone, and
+    // what the host's round trip between steps (synchronize, return, next launch) adds.
+    if (auto r = cuda::replay_step_ms(*engine, int(n_gen)); r.ok()) {
+      const double host_ms = 1e3 / tps;
+      decode.back()["step_ms"] = host_ms;
+      decode.back()["step_ms_back_to_back"] = r.value();
+      if (!json)
+        std::printf(
+            "        the step's graph back to back: %.4f ms (%.1f tok/s); between "
+            "steps the host adds %.1f us\n",
+            r.value(), 1e3 / r.value(), 1e3 * (host_ms - r.value()));
+    }
+    // Greedy decoding as `generate` and `run` do it (Engine::decode_greedy: each step feeds
+    // the argmax of the one before on the device, steps queued ahead of the host reading the
+    // ids), from the same context; with resident experts only (random weights repeat their
+    // tokens, which would flatter an expert cache).
+    if (!engine->expert_cache()) {
+      engine->reset();
+      TS_TRY(engine->forward(prompt_of(ctx), nullptr));
+      int t = runtime::argmax(engine->last_logits());
+      int64_t got = 0;
+      const auto count = [&](int id) {
+        t = id;
+        ++got;
+        return true;
+      };
+      TS_TRY(engine->decode_greedy(t, 2, count));  // untimed, as the steps above
+      got = 0;
+      const auto g0 = Clock::now();
+      TS_TRY(engine->decode_greedy(t, int(n_gen), count));
+      const double gs = std::chrono::duration<double>(Clock::now() - g0).count();
+      if (got != n_gen)
+        return make_error("bench: greedy decoding gave " + std::to_string(got) + " of " +
+                          std::to_string(n_gen) + " ids");
+      decode.back()["greedy_tokens_per_s"] = double(n_gen) / gs;
+      if (!json)
+        std::printf("        greedy decoding (the argmax fed back on the device): %.1f tok/s\n",
+                    double(n_gen) / gs);
+    }
   }
   nlohmann::json prefill = nlohmann::json::array();
   // FLOPs per prompt token: 2 per active weight (dense, lm head once, top_k experts) plus

@@ -70,10 +70,21 @@ Status cmd_generate(const Args& args) {
   std::string line;
   if (n > 0) {
     TS_TRY(session.forward(tokens, nullptr));
-    for (int64_t i = 0; i < n; ++i) {
-      int next = sampler.sample(session.last_logits());
-      line += (i ? " " : "") + std::to_string(next);
-      if (i + 1 < n) TS_TRY(session.forward(std::span<const int>(&next, 1), nullptr));
+    if (n > 1 && so.plain_greedy() && flags.router_hist.empty()) {
+      // The engine picks the rest (on CUDA without a host round trip per token). Not with
+      // --router-hist: steps it runs ahead would count in it.
+      const int first = sampler.sample(session.last_logits());
+      line = std::to_string(first);
+      TS_TRY(session.decode_greedy(first, int(n - 1), [&](int id) {
+        line += " " + std::to_string(id);
+        return true;
+      }));
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        int next = sampler.sample(session.last_logits());
+        line += (i ? " " : "") + std::to_string(next);
+        if (i + 1 < n) TS_TRY(session.forward(std::span<const int>(&next, 1), nullptr));
+      }
     }
   }
   std::printf("%s\n", line.c_str());

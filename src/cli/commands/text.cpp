@@ -66,7 +66,7 @@ struct TurnResult {
 // Runs prompt ids (reusing the session's cached prefix `cached`) and streams the reply.
 Result<TurnResult> generate_text(runtime::Engine& session, std::vector<int>& cached,
                                  const std::vector<int>& prompt, const tokenizer::Tokenizer& tok,
-                                 const GenFlags& g, runtime::Sampler& sampler) {
+                                 const GenFlags& g, runtime::Sampler& sampler, bool router_hist) {
   if (int64_t(prompt.size()) + g.max_tokens > session.n_ctx())
     return make_error("prompt of " + std::to_string(prompt.size()) + " tokens + " +
                       std::to_string(g.max_tokens) + " new tokens exceed the context of " +
@@ -75,6 +75,8 @@ Result<TurnResult> generate_text(runtime::Engine& session, std::vector<int>& cac
       .max_tokens = g.max_tokens,
       .stops = g.stops,
       .next_token = [&](std::span<const float> logits) { return sampler.sample(logits); },
+      // Not with --router-hist: steps the engine runs ahead of a stop would count in it.
+      .greedy_on_engine = sampler.options().plain_greedy() && !router_hist,
       .on_text =
           [](std::string_view piece) {
             std::fwrite(piece.data(), 1, piece.size(), stdout);
@@ -138,7 +140,8 @@ Status cmd_run(const Args& args) {
   runtime::Sampler sampler(g.sampler);
   sampler.set_pool(m.pool.get());
   std::vector<int> cached;
-  TS_ASSIGN(TurnResult r, generate_text(session, cached, ids, *tok, g, sampler));
+  TS_ASSIGN(TurnResult r,
+            generate_text(session, cached, ids, *tok, g, sampler, !flags.router_hist.empty()));
   std::printf("\n");
   std::fflush(stdout);
   if (flags.stats) print_turn_stats(r);
@@ -182,7 +185,7 @@ Status cmd_chat(const Args& args) {
     history.push_back({{"role", "user"}, {"content", line}});
     TS_ASSIGN(std::string text, tmpl.render(history, nullptr, true));
     std::vector<int> ids = tok->encode(text, false);
-    auto r = generate_text(session, cached, ids, *tok, g, sampler);
+    auto r = generate_text(session, cached, ids, *tok, g, sampler, !flags.router_hist.empty());
     if (!r.ok()) {
       // A turn that does not fit is reported; the conversation can go on after /reset.
       std::fprintf(stderr, "turbospark chat: error: %s\n", r.error().message.c_str());

@@ -18,6 +18,7 @@
 #include "core/thread_pool.h"
 #include "cuda_test_util.h"
 #include "model/router.h"
+#include "runtime/sampler.h"
 
 namespace {
 
@@ -303,6 +304,63 @@ TEST(CudaKernels, RmsnormMatchesCpu) {
     EXPECT_EQ(dq.get<int8_t>(), dq_ref.get<int8_t>()) << cols;
     EXPECT_EQ(dd.get<float>(), dd_ref.get<float>()) << cols;
   }
+}
+
+// greedy_pick: runtime::argmax's id (the first of the largest, NaN skipped, 0 where logits[0]
+// is NaN) on random logits with ties across and within the blocks' ranges, NaNs, -inf only;
+// each pick is the next token, advances the position, and goes into the ring in order; the
+// block count is left 0 for the next launch.
+TEST(CudaKernels, GreedyPickIsTheHostArgmaxAndFillsTheRing) {
+  SKIP_WITHOUT_GPU();
+  const float nan = std::nanf(""), inf = INFINITY;
+  std::vector<std::vector<float>> cases;
+  for (int vocab : {1, 31, 1000, 151936}) cases.push_back(randn(size_t(vocab), uint32_t(vocab)));
+  {
+    std::vector<float> v = randn(151936, 5);
+    const float top = *std::max_element(v.begin(), v.end()) + 1.0f;
+    v[150000] = top, v[77777] = top, v[77778] = top;  // the first of three ties wins
+    cases.push_back(v);
+    v[0] = nan;  // NaN first: 0, as the host's loop
+    cases.push_back(v);
+    v[0] = 0.0f, v[77777] = nan, v[77778] = nan;  // NaN skipped: 150000
+    cases.push_back(v);
+  }
+  cases.push_back(std::vector<float>(5000, -inf));
+  cases.push_back(std::vector<float>(5000, nan));
+  const int ring_size = 4;
+  int* ring_host = nullptr;
+  ASSERT_EQ(
+      cudaHostAlloc(reinterpret_cast<void**>(&ring_host), (1 + ring_size) * 4, cudaHostAllocMapped),
+      cudaSuccess);
+  int* ring_dev = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev), ring_host, 0),
+            cudaSuccess);
+  std::fill_n(ring_host, 1 + ring_size, -7);
+  ring_host[0] = 0;
+  Dev tokens(4), pos(std::vector<int>{41}), part_v(ts::cuda::kGreedyBlocks * 4),
+      part_i(ts::cuda::kGreedyBlocks * 4), count(std::vector<unsigned>{0, 0});
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const std::vector<float>& v = cases[c];
+    Dev logits(v);
+    ts::cuda::greedy_pick({.logits = logits.as<float>(),
+                           .vocab = int(v.size()),
+                           .tokens = tokens.as<int>(),
+                           .pos = pos.as<int>(),
+                           .part_v = part_v.as<float>(),
+                           .part_i = part_i.as<int>(),
+                           .count = count.as<unsigned>(),
+                           .seq = count.as<unsigned>() + 1,
+                           .ring = ring_dev,
+                           .ring_size = ring_size},
+                          nullptr);
+    const int want = ts::runtime::argmax(v);
+    EXPECT_EQ(tokens.get<int>()[0], want) << "case " << c;
+    EXPECT_EQ(pos.get<int>()[0], 42 + int(c)) << "case " << c;
+    EXPECT_EQ(count.get<unsigned>(), (std::vector<unsigned>{0, unsigned(c + 1)})) << "case " << c;
+    EXPECT_EQ(ring_host[0], int(c + 1)) << "case " << c;
+    EXPECT_EQ(ring_host[1 + c % ring_size], want) << "case " << c;
+  }
+  cudaFreeHost(ring_host);
 }
 
 // count_predicted: per compared layer, how many of the router's picks the prediction held

@@ -113,6 +113,66 @@ TEST_P(CudaFixture, GreedyContinuationMatchesTransformers) {
   EXPECT_EQ(got, greedy_);
 }
 
+// Engine::decode_greedy on CUDA (the argmax fed back on the device, steps queued ahead of the
+// host): the ids of a forward + argmax loop on the same engine, through the cluster attention
+// bound (both graphs), transformers' greedy ids where the fixture has them; stopped early, the
+// session is where the loop's would be (the next step's logits byte-identical), though steps
+// ran past the stop.
+TEST_P(CudaFixture, GreedyDecodingOnTheDeviceMatchesTheHostLoop) {
+  const int steps = ts::cuda::kClusterAttentionKeys + 24 - int(prompt_.size());
+  const int n_ctx = int(prompt_.size()) + steps + 1;
+  auto loop = engine(*model_, {.n_ctx = n_ctx});
+  auto dev = engine(*model_, {.n_ctx = n_ctx});
+  ASSERT_TRUE(loop && dev);
+  ASSERT_TRUE(loop->forward(prompt_, nullptr).ok());
+  ASSERT_TRUE(dev->forward(prompt_, nullptr).ok());
+  const int first = ts::runtime::argmax(loop->last_logits());
+  std::vector<int> want, got;
+  int next = first;
+  for (int i = 0; i < steps; ++i) {
+    ASSERT_TRUE(loop->forward(std::span<const int>(&next, 1), nullptr).ok());
+    next = ts::runtime::argmax(loop->last_logits());
+    want.push_back(next);
+  }
+  ASSERT_TRUE(dev->decode_greedy(first, steps,
+                                 [&](int id) {
+                                   got.push_back(id);
+                                   return true;
+                                 })
+                  .ok());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(dev->position(), loop->position());
+  std::vector<int> ref{first};
+  ref.insert(ref.end(), want.begin(), want.end());
+  ref.resize(std::min(ref.size(), greedy_.size()));
+  EXPECT_EQ(ref, std::vector<int>(greedy_.begin(), greedy_.begin() + long(ref.size())));
+
+  // Stopped after 3 ids (2 fed after `first`) while later steps were queued: the same state
+  // as the loop's after those steps.
+  for (int stop_after : {1, 3}) {
+    auto a = engine(*model_, {.n_ctx = n_ctx});
+    auto b = engine(*model_, {.n_ctx = n_ctx});
+    ASSERT_TRUE(a && b);
+    ASSERT_TRUE(a->forward(prompt_, nullptr).ok());
+    ASSERT_TRUE(b->forward(prompt_, nullptr).ok());
+    int given = 0, last = -1;
+    ASSERT_TRUE(a->decode_greedy(first, steps, [&](int id) {
+                   last = id;
+                   return ++given < stop_after;
+                 }).ok());
+    EXPECT_EQ(given, stop_after);
+    EXPECT_EQ(last, want[size_t(stop_after - 1)]);
+    EXPECT_EQ(a->position(), int(prompt_.size()) + stop_after) << "stop after " << stop_after;
+    std::vector<int> fed{first};
+    fed.insert(fed.end(), want.begin(), want.begin() + stop_after - 1);
+    for (int t : fed) ASSERT_TRUE(b->forward(std::span<const int>(&t, 1), nullptr).ok());
+    ASSERT_TRUE(a->forward(std::span<const int>(&last, 1), nullptr).ok());
+    ASSERT_TRUE(b->forward(std::span<const int>(&last, 1), nullptr).ok());
+    EXPECT_EQ(0, std::memcmp(a->last_logits().data(), b->last_logits().data(), V_ * 4))
+        << "stop after " << stop_after;
+  }
+}
+
 // Token by token: the decode kernels (replayed from a CUDA graph after the first step).
 TEST_P(CudaFixture, DecodeMatchesTransformers) {
   auto s = engine(*model_, {.n_ctx = int(prompt_.size())});
