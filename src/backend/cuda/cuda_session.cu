@@ -764,22 +764,14 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
     cudaGraphExec_t& graph = graphs_[attn_cluster_ ? 1 : 0];
     if (!graph) {
       graph_splits_ = attention_splits(1, n_ctx_);
-      cudaGraph_t g = nullptr;
-      CUDA_TRY(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      Status st = [&]() -> Status {
+      TS_TRY(capture_graph(graph, [&]() -> Status {
         CUDA_TRY(cudaMemcpyAsync(tokens_, h_tokens_, 4, cudaMemcpyHostToDevice, stream_));
         CUDA_TRY(cudaMemcpyAsync(pos_dev_, h_pos_, 4, cudaMemcpyHostToDevice, stream_));
         TS_TRY(run_layers(1, nullptr, true));
         CUDA_TRY(cudaMemcpyAsync(h_logits_, logits_, size_t(hp_.vocab) * 4,
                                  cudaMemcpyDeviceToHost, stream_));
         return {};
-      }();
-      const cudaError_t end = cudaStreamEndCapture(stream_, &g);
-      TS_TRY(st);
-      if (end != cudaSuccess) return cuda_error("cudaStreamEndCapture", end, __FILE__, __LINE__);
-      const cudaError_t inst = cudaGraphInstantiate(&graph, g, 0);
-      cudaGraphDestroy(g);
-      if (inst != cudaSuccess) return cuda_error("cudaGraphInstantiate", inst, __FILE__, __LINE__);
+      }));
     }
     CUDA_TRY(cudaGraphLaunch(graph, stream_));
   } else {
@@ -803,14 +795,26 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   return {};
 }
 
+Status CudaSession::capture_graph(cudaGraphExec_t& graph, const std::function<Status()>& body) {
+  cudaGraph_t g = nullptr;
+  CUDA_TRY(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const Status st = body();
+  const cudaError_t end = cudaStreamEndCapture(stream_, &g);  // closed whatever body returned
+  if (!st.ok() && g) cudaGraphDestroy(g);
+  TS_TRY(st);
+  if (end != cudaSuccess) return cuda_error("cudaStreamEndCapture", end, __FILE__, __LINE__);
+  const cudaError_t inst = cudaGraphInstantiate(&graph, g, 0);
+  cudaGraphDestroy(g);
+  if (inst != cudaSuccess) return cuda_error("cudaGraphInstantiate", inst, __FILE__, __LINE__);
+  return {};
+}
+
 Status CudaSession::capture_greedy(bool cluster) {
   cudaGraphExec_t& graph = greedy_graphs_[cluster ? 1 : 0];
   if (graph) return {};
   attn_cluster_ = cluster;
   graph_splits_ = attention_splits(1, n_ctx_);
-  cudaGraph_t g = nullptr;
-  CUDA_TRY(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  Status st = [&]() -> Status {
+  return capture_graph(graph, [&]() -> Status {
     TS_TRY(run_layers(1, nullptr, true));
     greedy_pick({.logits = logits_,
                  .vocab = hp_.vocab,
@@ -825,14 +829,7 @@ Status CudaSession::capture_greedy(bool cluster) {
                 stream_);
     CUDA_TRY(cudaGetLastError());
     return {};
-  }();
-  const cudaError_t end = cudaStreamEndCapture(stream_, &g);
-  TS_TRY(st);
-  if (end != cudaSuccess) return cuda_error("cudaStreamEndCapture", end, __FILE__, __LINE__);
-  const cudaError_t inst = cudaGraphInstantiate(&graph, g, 0);
-  cudaGraphDestroy(g);
-  if (inst != cudaSuccess) return cuda_error("cudaGraphInstantiate", inst, __FILE__, __LINE__);
-  return {};
+  });
 }
 
 // Spins until the ring's count reaches `count` (as wait_ids_flag: never hangs).

@@ -410,6 +410,9 @@ class CudaSession final : public runtime::Engine {
   int* pick_i_ = nullptr;
   unsigned* pick_count_ = nullptr;  // [0] the blocks done, [1] the picks since the start
   Status capture_greedy(bool cluster);
+  // Captures what body launches on stream_ as `graph` (instantiated); the capture is closed
+  // whatever body returns.
+  Status capture_graph(cudaGraphExec_t& graph, const std::function<Status()>& body);
   Status wait_greedy(int count);
   float* h_logits_ = nullptr;
   mutable runtime::PhaseTimes phases_;  // (the prediction counts are read when asked)
