@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU test runner: run on a machine with a CUDA device, from the repository root.
 #   bash tests/gpu/run.sh [BIN_DIR]   (BIN_DIR holds turbospark and ts_unit_tests; default build)
-# Runs every CUDA kernel and model test (tests/unit/cuda), then the CLI on one fixture with
-# --device cuda against --device cpu, and the GPU expert cache modes against resident.
+# Runs every CUDA kernel and model test (tests/unit/cuda), then the CLI on every fixture with
+# --device cuda against --device cpu (logits, greedy generate), and the GPU expert cache modes
+# against resident.
 set -euo pipefail
 bin=${1:-build}
 # lib/: shared libraries the build machine has and the GPU machine may not (cpp-httplib).
@@ -31,6 +32,17 @@ PY
   cmp "$tmp/cuda.npy" "$tmp/host.npy"
   cmp "$tmp/cuda.npy" "$tmp/streamed.npy"
   echo "cli $m: host and streamed GPU expert cache logits byte-identical to resident"
+  # Greedy `generate` on CUDA (the argmax fed back on the device: Engine::decode_greedy)
+  # against the CPU's and transformers' greedy ids (ref.json).
+  want=$(python3 -c "import json; print(' '.join(map(str, json.load(open('$m/ref.json'))['greedy_ids'])))")
+  n=$(wc -w <<<"$want")
+  cpu_ids=$("$bin/turbospark" generate --model "$m" --tokens "$ids" -n "$n")
+  cuda_ids=$("$bin/turbospark" generate --model "$m" --tokens "$ids" -n "$n" --device cuda)
+  if [[ $cpu_ids != "$want" || $cuda_ids != "$want" ]]; then
+    echo "cli $m: greedy ids differ: cpu '$cpu_ids', cuda '$cuda_ids', transformers '$want'"
+    exit 1
+  fi
+  echo "cli $m: greedy generate, cuda = cpu = transformers ($n ids)"
 done
 # GGUF files (each fixture as F32 and Q8_0, written by the test binary as llama.cpp's
 # converter lays them out). F32: CUDA against the CPU on the same file. Q8_0: on these small
