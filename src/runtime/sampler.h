@@ -31,12 +31,12 @@ struct SamplerOptions {
   // logit[id] += bias before everything else (OpenAI's logit_bias: -100 in effect bans a
   // token, +100 in effect forces it); ids past the logits are ignored.
   std::vector<std::pair<int, float>> logit_bias;
-  // The first logit_bias id at or past `vocab` (what the CLI and the server refuse), or -1.
   // Greedy on the logits as they are: sample() is runtime::argmax.
   bool plain_greedy() const {
     return temperature <= 0.0f && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
            logit_bias.empty();
   }
+  // The first logit_bias id at or past `vocab` (what the CLI and the server refuse), or -1.
   int bias_outside(int64_t vocab) const {
     for (const auto& [id, bias] : logit_bias)
       if (id >= vocab) return id;
