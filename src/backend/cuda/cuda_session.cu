@@ -724,19 +724,26 @@ Status CudaSession::decode_segments() {
   return {};
 }
 
-// Spins until the segment's router kernel has raised the flag, then copies its k ids to
-// h_ids_. Never hangs: the stream is polled, and an idle or failed stream without the flag is
-// an error.
-Status CudaSession::wait_ids_flag(int k) {
-  volatile int* flag = ids_flag_host_;
-  for (uint64_t spin = 1; *flag == 0; ++spin) {
+// Spins until the mapped word reaches at_least. Never hangs: the stream is polled, and an idle
+// or failed stream before then is an error ("internal: <what> never reached the host").
+Status CudaSession::wait_mapped(const int* word, int at_least, const char* what) {
+  const volatile int* w = word;
+  for (uint64_t spin = 1; *w < at_least; ++spin) {
     if (spin % 1024 != 0) continue;
     const cudaError_t q = cudaStreamQuery(stream_);
     if (q == cudaErrorNotReady) continue;
     if (q != cudaSuccess) return cuda_error("cudaStreamQuery", q, __FILE__, __LINE__);
-    if (*flag == 0) return make_error("internal: the router's ids never reached the host");
+    if (*w < at_least)
+      return make_error(std::string("internal: ") + what + " never reached the host");
   }
   std::atomic_thread_fence(std::memory_order_acquire);
+  return {};
+}
+
+// Waits until the segment's router kernel has raised the flag (to 1), then copies its k ids
+// to h_ids_.
+Status CudaSession::wait_ids_flag(int k) {
+  TS_TRY(wait_mapped(ids_flag_host_, 1, "the router's ids"));
   for (int i = 0; i < k; ++i) h_ids_[i] = reinterpret_cast<volatile int*>(ids_flag_host_)[1 + i];
   return {};
 }
@@ -832,20 +839,6 @@ Status CudaSession::capture_greedy(bool cluster) {
   });
 }
 
-// Spins until the ring's count reaches `count` (as wait_ids_flag: never hangs).
-Status CudaSession::wait_greedy(int count) {
-  volatile int* ring = greedy_ring_host_;
-  for (uint64_t spin = 1; ring[0] < count; ++spin) {
-    if (spin % 1024 != 0) continue;
-    const cudaError_t q = cudaStreamQuery(stream_);
-    if (q == cudaErrorNotReady) continue;
-    if (q != cudaSuccess) return cuda_error("cudaStreamQuery", q, __FILE__, __LINE__);
-    if (ring[0] < count) return make_error("internal: a greedy step's id never reached the host");
-  }
-  std::atomic_thread_fence(std::memory_order_acquire);
-  return {};
-}
-
 Status CudaSession::decode_greedy(int token, int n, const std::function<bool(int)>& on_token) {
   if (n < 1) return {};
   if (!graph_eligible() || cached() || pos_ + n > n_ctx_ || token < 0 || token >= hp_.vocab)
@@ -875,7 +868,7 @@ Status CudaSession::decode_greedy(int token, int n, const std::function<bool(int
   Status st = [&]() -> Status {
     while (launched < std::min(n, kGreedyAhead)) TS_TRY(launch());
     while (read < launched) {
-      TS_TRY(wait_greedy(read + 1));
+      TS_TRY(wait_mapped(greedy_ring_host_, read + 1, "a greedy step's id"));
       const int id = greedy_ring_host_[1 + read % kGreedyRing];
       ++read;
       if (!on_token(id)) break;

@@ -398,6 +398,7 @@ class CudaSession final : public runtime::Engine {
   int* ids_flag_host_ = nullptr;
   int* ids_flag_dev_ = nullptr;
   Status wait_ids_flag(int k);
+  Status wait_mapped(const int* word, int at_least, const char* what);
   // Greedy decoding on the device (decode_greedy): graphs of a decode step whose input token
   // and position are the device's own (no host copies) and whose last launch, greedy_pick,
   // writes the argmax as the next step's token and into the mapped ring [count, ids...]
@@ -413,7 +414,6 @@ class CudaSession final : public runtime::Engine {
   // Captures what body launches on stream_ as `graph` (instantiated); the capture is closed
   // whatever body returns.
   Status capture_graph(cudaGraphExec_t& graph, const std::function<Status()>& body);
-  Status wait_greedy(int count);
   float* h_logits_ = nullptr;
   mutable runtime::PhaseTimes phases_;  // (the prediction counts are read when asked)
   runtime::Interventions iv_;
