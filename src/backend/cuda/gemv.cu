@@ -566,7 +566,10 @@ __device__ __forceinline__ void block_route_one(const RouteArgs& a) {
       }
     }
     for (int o = g / 2; o > 0; o >>= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
-    if (e < ne && part == 0 && rank < a.top_k) {
+    // A NaN probability (all are, where one logit is NaN or +inf) beats nothing and is beaten
+    // by nothing, so its rank would be 0 for every expert: such experts take no rank, and
+    // every rank names expert 0 with weight 0, as route_token's do.
+    if (e < ne && part == 0 && rank < a.top_k && pe >= 0.0f) {
       sel_e[rank] = e;
       sel_p[rank] = pe;
     }

@@ -1024,6 +1024,57 @@ TEST(CudaKernels, NormRouteMatchesNormRouterAndTopK) {
   }
 }
 
+// A NaN in the residual stream makes every router logit NaN: norm_route's last block (the
+// ranks counted at once) must then name what route_token names — expert 0 with weight 0 at
+// every rank — not whichever expert wrote rank 0 last.
+TEST(CudaKernels, NormRouteOnNaNLogitsPicksAsRouteDoes) {
+  SKIP_WITHOUT_GPU();
+  const int d = 2048, n_experts = 128, k = 8;
+  const DType t = DType::kBF16;
+  const std::vector<uint8_t> router = make_matrix(t, n_experts, d, 17);
+  std::vector<float> x = randn(size_t(d), 19);
+  x[5] = std::nanf("");
+  const std::vector<float> nw = randn(size_t(d), 23);
+  Dev dr(router), dx(x), dnw(nw), counter(std::vector<unsigned>{0}), xn(size_t(d) * 4),
+      logits(size_t(n_experts) * 4);
+  struct Out {
+    Dev ids, w, hist;
+  };
+  const std::unique_ptr<Out> ref(
+      new Out{Dev(std::vector<int>(size_t(k), 3)), Dev(size_t(k) * 4),
+              Dev(std::vector<unsigned long long>(size_t(n_experts), 0))}),
+      got(new Out{Dev(std::vector<int>(size_t(k), 3)), Dev(size_t(k) * 4),
+                  Dev(std::vector<unsigned long long>(size_t(n_experts), 0))});
+  const auto route_args = [&](Out& o) {
+    return ts::cuda::RouteArgs{.logits = logits.as<float>(),
+                               .ids = o.ids.as<int>(),
+                               .weights = o.w.as<float>(),
+                               .hist = o.hist.as<unsigned long long>(),
+                               .n = 1,
+                               .n_experts = n_experts,
+                               .top_k = k,
+                               .renormalize = true};
+  };
+  ts::cuda::norm_route({.x = dx.as<float>(),
+                        .norm_w = dnw.as<float>(),
+                        .eps = 1e-6f,
+                        .d = d,
+                        .xn = xn.as<float>(),
+                        .router = dr.p,
+                        .router_dtype = t,
+                        .logits = logits.as<float>(),
+                        .counter = counter.as<unsigned>(),
+                        .route = route_args(*got)},
+                       nullptr);
+  for (float v : logits.get<float>()) ASSERT_TRUE(std::isnan(v));
+  ts::cuda::route(route_args(*ref), nullptr);
+  EXPECT_EQ(ref->ids.get<int>(), std::vector<int>(size_t(k), 0));
+  EXPECT_EQ(got->ids.get<int>(), ref->ids.get<int>());
+  EXPECT_EQ(got->w.get<uint32_t>(), ref->w.get<uint32_t>());
+  EXPECT_EQ(got->hist.get<unsigned long long>(), ref->hist.get<unsigned long long>());
+  EXPECT_EQ(counter.get<unsigned>()[0], 0u);
+}
+
 // Decode's top-k inside phase 1 (MoeArgs::route): every block ranks the logits up to its own
 // slot, block (0, 0) writes ids / weights / hist; phase 2 by rank, which stages its rows before
 // its wait, ranks them again per warp (the ids are phase 1's, not yet written then). The same
