@@ -930,6 +930,19 @@ TEST(CudaKernels, RouteMatchesSelectExperts) {
   }
 }
 
+// One token's routing into these buffers (weights renormalized).
+ts::cuda::RouteArgs one_token_route(const Dev& logits, const Dev& ids, const Dev& w,
+                                    const Dev& hist, int n_experts, int k) {
+  return {.logits = logits.as<float>(),
+          .ids = ids.as<int>(),
+          .weights = w.as<float>(),
+          .hist = hist.as<unsigned long long>(),
+          .n = 1,
+          .n_experts = n_experts,
+          .top_k = k,
+          .renormalize = true};
+}
+
 // The fused decode launch against the three it replaces (rmsnorm with its Q8 copy, the
 // router GEMV, route): the same bytes of xn, its Q8 blocks, the logits, ids and weights, and
 // the same histogram counts. Outputs are poisoned (NaN / 0xff) before each run; the second
@@ -960,14 +973,7 @@ TEST(CudaKernels, NormRouteMatchesNormRouterAndTopK) {
         };
         const std::unique_ptr<Out> ref(make_out()), got(make_out());
         const auto route_args = [&](Out& o) {
-          return ts::cuda::RouteArgs{.logits = o.logits.as<float>(),
-                                     .ids = o.ids.as<int>(),
-                                     .weights = o.w.as<float>(),
-                                     .hist = o.hist.as<unsigned long long>(),
-                                     .n = 1,
-                                     .n_experts = n_experts,
-                                     .top_k = k,
-                                     .renormalize = true};
+          return one_token_route(o.logits, o.ids, o.w, o.hist, n_experts, k);
         };
         const auto reference = [&] {
           ts::cuda::rmsnorm(dx.as<float>(), dnw.as<float>(), ref->xn.as<float>(), 1, d, 1e-6f,
@@ -1046,14 +1052,7 @@ TEST(CudaKernels, NormRouteOnNaNLogitsPicksAsRouteDoes) {
       got(new Out{Dev(std::vector<int>(size_t(k), 3)), Dev(size_t(k) * 4),
                   Dev(std::vector<unsigned long long>(size_t(n_experts), 0))});
   const auto route_args = [&](Out& o) {
-    return ts::cuda::RouteArgs{.logits = logits.as<float>(),
-                               .ids = o.ids.as<int>(),
-                               .weights = o.w.as<float>(),
-                               .hist = o.hist.as<unsigned long long>(),
-                               .n = 1,
-                               .n_experts = n_experts,
-                               .top_k = k,
-                               .renormalize = true};
+    return one_token_route(logits, o.ids, o.w, o.hist, n_experts, k);
   };
   ts::cuda::norm_route({.x = dx.as<float>(),
                         .norm_w = dnw.as<float>(),
@@ -1145,14 +1144,7 @@ TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
     };
     const std::unique_ptr<Out> ref(make_out()), got(make_out());
     const auto route_args = [&](Out& o) {
-      return ts::cuda::RouteArgs{.logits = dl.as<float>(),
-                                 .ids = o.ids.as<int>(),
-                                 .weights = o.w.as<float>(),
-                                 .hist = o.hist.as<unsigned long long>(),
-                                 .n = 1,
-                                 .n_experts = c.n_experts,
-                                 .top_k = c.k,
-                                 .renormalize = true};
+      return one_token_route(dl, o.ids, o.w, o.hist, c.n_experts, c.k);
     };
     const auto moe_args = [&](Out& o) {
       ts::cuda::MoeArgs a{.gate = dg.as<const void*>(),
