@@ -796,10 +796,14 @@ Status CudaSession::forward_chunk(const int* tokens, int n, float* logits_out, b
   prof_.collect();
   if (cached()) collect_copy_times();
   pos_ += n;
+  count_expert_requests(n);
+  return {};
+}
+
+void CudaSession::count_expert_requests(int tokens) {
   int moe_layers = 0;
   for (const DevLayer& L : w_.layers) moe_layers += L.is_moe;
-  phases_.expert_requests += uint64_t(n) * uint64_t(hp_.top_k) * uint64_t(moe_layers);
-  return {};
+  phases_.expert_requests += uint64_t(tokens) * uint64_t(hp_.top_k) * uint64_t(moe_layers);
 }
 
 Status CudaSession::capture_graph(cudaGraphExec_t& graph, const std::function<Status()>& body) {
@@ -883,9 +887,7 @@ Status CudaSession::decode_greedy(int token, int n, const std::function<bool(int
   if (sync != cudaSuccess) return cuda_error("cudaStreamSynchronize", sync, __FILE__, __LINE__);
   CUDA_TRY(cudaGetLastError());
   pos_ = start + read;
-  int moe_layers = 0;
-  for (const DevLayer& L : w_.layers) moe_layers += L.is_moe;
-  phases_.expert_requests += uint64_t(read) * uint64_t(hp_.top_k) * uint64_t(moe_layers);
+  count_expert_requests(read);
   phases_.total_us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
   return {};
 }

@@ -411,6 +411,8 @@ class CudaSession final : public runtime::Engine {
   int* pick_i_ = nullptr;
   unsigned* pick_count_ = nullptr;  // [0] the blocks done, [1] the picks since the start
   Status capture_greedy(bool cluster);
+  // phases_.expert_requests for `tokens` tokens through every MoE layer.
+  void count_expert_requests(int tokens);
   // Captures what body launches on stream_ as `graph` (instantiated); the capture is closed
   // whatever body returns.
   Status capture_graph(cudaGraphExec_t& graph, const std::function<Status()>& body);
