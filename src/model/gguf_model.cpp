@@ -16,6 +16,7 @@
 #include "io/gguf.h"
 #include "io/safetensors.h"
 #include "model/ggml_dequant.h"
+#include "model/families/family.h"
 #include "model/hparams.h"
 #include "model/weights.h"
 
@@ -258,7 +259,7 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
                                              "' is not supported (qwen3moe, qwen2moe, olmoe, "
                                              "llama with experts = Mixtral)");
   }
-  const FamilyNames& fam = family_names(family);
+  const FamilyNames& fam = family_def(family).names;
 
   TS_ASSIGN(int64_t d_model, m.integer(m.k("embedding_length")));
   TS_ASSIGN(int64_t n_layers, m.integer(m.k("block_count")));

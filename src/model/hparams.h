@@ -1,5 +1,5 @@
 // Model hyper-parameters read from a Hugging Face config.json. Family differences that the
-// forward pass needs are data here (QkNorm, MoeOptions), never `if (family == ...)` in the
+// forward pass needs are data here (AttentionKind, RopeSpec, RouterSpec, QkNorm), never `if (family == ...)` in the
 // shared layers.
 #pragma once
 
@@ -11,7 +11,16 @@
 
 namespace ts::model {
 
-enum class Family : uint8_t { kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe };
+enum class Family : uint8_t {
+  kMixtral,
+  kQwen2Moe,
+  kQwen3Moe,
+  kOlmoe,
+  kDeepseekV2,
+  kDeepseekV3,  // also kimi_k2
+  kGlm4Moe,
+  kMinimaxM2,
+};
 
 // Where q/k RMSNorm is applied, if anywhere.
 enum class QkNorm : uint8_t {
@@ -20,8 +29,53 @@ enum class QkNorm : uint8_t {
   kFullProjection,  // olmoe: over the whole q (k) projection, weight [n_heads * head_dim]
 };
 
-struct MoeOptions {
-  bool renormalize = false;  // divide the top-k softmax weights by their sum
+// How a token's experts are chosen and weighted (model/router.h has the one reference).
+enum class ScoreFn : uint8_t { kSoftmax, kSigmoid };
+enum class GroupScore : uint8_t {
+  kTop2Sum,  // DeepSeek-V3 / GLM-4.5: sum of the group's two best (biased) scores
+  kMax,      // DeepSeek-V2 group_limited_greedy: the group's best score
+};
+struct RouterSpec {
+  ScoreFn scoring = ScoreFn::kSoftmax;  // over all experts (softmax) or per expert (sigmoid)
+  bool correction_bias = false;  // a per-expert bias added to the scores for selection only
+  int n_group = 1;               // experts split into n_group equal groups, of which only
+  int topk_group = 1;            // the topk_group best groups may be selected
+  GroupScore group_score = GroupScore::kTop2Sum;
+  bool renormalize = false;      // divide the top-k weights by their sum
+  float scale = 1.0f;            // routed_scaling_factor, applied to the final weights
+};
+
+// Rotary position embedding. The first `dim` values of each head's rotary part turn;
+// inv_freq holds dim / 2 frequencies (YaRN's blend already applied) and cos / sin are
+// multiplied by attention_factor (YaRN's mscale; 1 otherwise), as transformers does.
+enum class RopeLayout : uint8_t {
+  kHalf,         // pairs (i, i + dim/2): transformers' rotate_half
+  kInterleaved,  // pairs (2i, 2i + 1): DeepSeek's rope_interleave, GPT-J style
+};
+struct RopeSpec {
+  float theta = 10000.0f;
+  int dim = 0;
+  RopeLayout layout = RopeLayout::kHalf;
+  std::vector<float> inv_freq;  // [dim / 2]
+  float attention_factor = 1.0f;
+  bool yarn = false;
+  float factor = 1.0f;          // YaRN's scaling factor and mscale_all_dim, which MLA's
+  float mscale_all_dim = 0.0f;  // softmax scale also reads
+};
+
+enum class AttentionKind : uint8_t {
+  kGqa,  // q/k/v projections, KV cache of n_kv_heads * head_dim per position for K and V
+  kMla,  // DeepSeek's multi-head latent attention: one cache row of kv_lora_rank + rope_dim
+};
+// MLA shapes (DeepSeek-V2/V3): q through an optional low-rank q_a -> norm -> q_b; the KV
+// latent c (kv_lora_rank, normed) and one shared rotary key (rope_dim) are what is cached.
+struct MlaSpec {
+  int q_lora_rank = 0;  // 0: a full q_proj
+  int kv_lora_rank = 0;
+  int nope_dim = 0;     // per-head query/key dims without position
+  int rope_dim = 0;     // per-head query dims (and the shared key) with RoPE
+  int v_dim = 0;        // per-head value dims
+  int qk_dim() const { return nope_dim + rope_dim; }
 };
 
 struct HParams {
@@ -41,15 +95,30 @@ struct HParams {
   bool shared_expert_gate = false;  // sigmoid gate on the shared expert (qwen2_moe)
   bool qkv_bias = false;
   QkNorm qk_norm = QkNorm::kNone;
-  MoeOptions moe;
+  AttentionKind attention = AttentionKind::kGqa;
+  MlaSpec mla;
+  float attn_scale = 0;    // softmax scale of q.k (1 / sqrt(head_dim), or MLA's with mscale)
+  RouterSpec router;
   float rms_eps = 1e-6f;
-  float rope_theta = 10000.0f;
+  RopeSpec rope;
   int max_positions = 0;
   bool tie_word_embeddings = false;
   std::vector<bool> layer_is_moe;  // [n_layers]
+  int n_nextn_layers = 0;          // multi-token-prediction layers in the checkpoint, skipped
 
-  int q_dim() const { return n_heads * head_dim; }
+  // GQA widths; for MLA, q_dim is the query's n_heads * (nope + rope), and o_proj reads
+  // n_heads * v_dim (attn_out_dim).
+  int q_dim() const {
+    return attention == AttentionKind::kMla ? n_heads * mla.qk_dim() : n_heads * head_dim;
+  }
   int kv_dim() const { return n_kv_heads * head_dim; }
+  int attn_out_dim() const {
+    return attention == AttentionKind::kMla ? n_heads * mla.v_dim : n_heads * head_dim;
+  }
+  // Floats cached per position and layer: K (and as many for V) for GQA, the latent for MLA.
+  int cache_row() const {
+    return attention == AttentionKind::kMla ? mla.kv_lora_rank + mla.rope_dim : kv_dim();
+  }
 };
 
 std::string_view family_name(Family f);

@@ -1,61 +1,86 @@
 #include "model/tensor_specs.h"
 
-#include "model/weights.h"
+#include "model/families/family.h"
 
 namespace ts::model {
 
 std::vector<TensorSpec> checkpoint_tensors(const HParams& hp) {
-  const FamilyNames& names = family_names(hp.family);
+  const FamilyNames& names = family_def(hp.family).names;
   const int64_t d = hp.d_model;
+  using K = TensorKind;
+  using R = TensorRole;
   std::vector<TensorSpec> out;
-  auto add = [&](std::string name, std::vector<int64_t> shape, TensorKind kind) {
-    out.push_back({std::move(name), std::move(shape), kind});
+  int layer = -1, expert = -1;
+  auto add = [&](std::string name, std::vector<int64_t> shape, K kind, R role) {
+    out.push_back({std::move(name), std::move(shape), kind, role, layer, expert});
   };
   auto mlp = [&](const std::string& p, const char* g, const char* u, const char* dn,
-                 int64_t hidden, TensorKind kind) {
-    add(p + g + ".weight", {hidden, d}, kind);
-    add(p + u + ".weight", {hidden, d}, kind);
-    add(p + dn + ".weight", {d, hidden}, kind);
+                 int64_t hidden, K kind, R gate_role) {
+    const R up_role = R(int(gate_role) + 1), down_role = R(int(gate_role) + 2);
+    add(p + g + ".weight", {hidden, d}, kind, gate_role);
+    add(p + u + ".weight", {hidden, d}, kind, up_role);
+    add(p + dn + ".weight", {d, hidden}, kind, down_role);
   };
-  add("model.embed_tokens.weight", {hp.vocab, d}, TensorKind::kEmbedding);
-  for (int l = 0; l < hp.n_layers; ++l) {
-    std::string p = "model.layers." + std::to_string(l) + ".";
+  add("model.embed_tokens.weight", {hp.vocab, d}, K::kEmbedding, R::kEmbed);
+  for (layer = 0; layer < hp.n_layers; ++layer) {
+    std::string p = "model.layers." + std::to_string(layer) + ".";
     std::string a = p + "self_attn.";
-    add(p + "input_layernorm.weight", {d}, TensorKind::kNorm);
-    add(p + "post_attention_layernorm.weight", {d}, TensorKind::kNorm);
-    add(a + "q_proj.weight", {hp.q_dim(), d}, TensorKind::kLinear);
-    add(a + "k_proj.weight", {hp.kv_dim(), d}, TensorKind::kLinear);
-    add(a + "v_proj.weight", {hp.kv_dim(), d}, TensorKind::kLinear);
-    add(a + "o_proj.weight", {d, hp.q_dim()}, TensorKind::kLinear);
-    if (hp.qkv_bias) {
-      add(a + "q_proj.bias", {hp.q_dim()}, TensorKind::kBias);
-      add(a + "k_proj.bias", {hp.kv_dim()}, TensorKind::kBias);
-      add(a + "v_proj.bias", {hp.kv_dim()}, TensorKind::kBias);
+    add(p + "input_layernorm.weight", {d}, K::kNorm, R::kAttnNorm);
+    add(p + "post_attention_layernorm.weight", {d}, K::kNorm, R::kFfnNorm);
+    if (hp.attention == AttentionKind::kMla) {
+      const MlaSpec& m = hp.mla;
+      if (m.q_lora_rank > 0) {
+        add(a + "q_a_proj.weight", {m.q_lora_rank, d}, K::kLinear, R::kQa);
+        add(a + "q_a_layernorm.weight", {m.q_lora_rank}, K::kNorm, R::kQaNorm);
+        add(a + "q_b_proj.weight", {hp.q_dim(), m.q_lora_rank}, K::kLinear, R::kQb);
+      } else {
+        add(a + "q_proj.weight", {hp.q_dim(), d}, K::kLinear, R::kWq);
+      }
+      add(a + "kv_a_proj_with_mqa.weight", {m.kv_lora_rank + m.rope_dim, d}, K::kLinear, R::kKva);
+      add(a + "kv_a_layernorm.weight", {m.kv_lora_rank}, K::kNorm, R::kKvaNorm);
+      add(a + "kv_b_proj.weight", {int64_t(hp.n_heads) * (m.nope_dim + m.v_dim), m.kv_lora_rank},
+          K::kLinear, R::kKvb);
+      add(a + "o_proj.weight", {d, hp.attn_out_dim()}, K::kLinear, R::kWo);
+    } else {
+      add(a + "q_proj.weight", {hp.q_dim(), d}, K::kLinear, R::kWq);
+      add(a + "k_proj.weight", {hp.kv_dim(), d}, K::kLinear, R::kWk);
+      add(a + "v_proj.weight", {hp.kv_dim(), d}, K::kLinear, R::kWv);
+      add(a + "o_proj.weight", {d, hp.q_dim()}, K::kLinear, R::kWo);
+      if (hp.qkv_bias) {
+        add(a + "q_proj.bias", {hp.q_dim()}, K::kBias, R::kBq);
+        add(a + "k_proj.bias", {hp.kv_dim()}, K::kBias, R::kBk);
+        add(a + "v_proj.bias", {hp.kv_dim()}, K::kBias, R::kBv);
+      }
+      if (hp.qk_norm == QkNorm::kPerHead) {
+        add(a + "q_norm.weight", {hp.head_dim}, K::kNorm, R::kQNorm);
+        add(a + "k_norm.weight", {hp.head_dim}, K::kNorm, R::kKNorm);
+      } else if (hp.qk_norm == QkNorm::kFullProjection) {
+        add(a + "q_norm.weight", {hp.q_dim()}, K::kNorm, R::kQNorm);
+        add(a + "k_norm.weight", {hp.kv_dim()}, K::kNorm, R::kKNorm);
+      }
     }
-    if (hp.qk_norm == QkNorm::kPerHead) {
-      add(a + "q_norm.weight", {hp.head_dim}, TensorKind::kNorm);
-      add(a + "k_norm.weight", {hp.head_dim}, TensorKind::kNorm);
-    } else if (hp.qk_norm == QkNorm::kFullProjection) {
-      add(a + "q_norm.weight", {hp.q_dim()}, TensorKind::kNorm);
-      add(a + "k_norm.weight", {hp.kv_dim()}, TensorKind::kNorm);
-    }
-    if (hp.layer_is_moe[size_t(l)]) {
+    if (hp.layer_is_moe[size_t(layer)]) {
       std::string m = p + names.moe_block + ".";
-      add(m + "gate.weight", {hp.n_experts, d}, TensorKind::kRouter);
-      for (int e = 0; e < hp.n_experts; ++e)
-        mlp(m + "experts." + std::to_string(e) + ".", names.expert_gate, names.expert_up,
-            names.expert_down, hp.d_expert, TensorKind::kExpert);
+      add(m + "gate.weight", {hp.n_experts, d}, K::kRouter, R::kRouter);
+      if (hp.router.correction_bias)
+        add(m + names.correction_bias, {hp.n_experts}, K::kBias, R::kRouterBias);
+      for (expert = 0; expert < hp.n_experts; ++expert)
+        mlp(m + "experts." + std::to_string(expert) + ".", names.expert_gate, names.expert_up,
+            names.expert_down, hp.d_expert, K::kExpert, R::kExpertGate);
+      expert = -1;
       if (hp.d_shared > 0) {
-        mlp(m + "shared_expert.", "gate_proj", "up_proj", "down_proj", hp.d_shared,
-            TensorKind::kLinear);
-        if (hp.shared_expert_gate) add(m + "shared_expert_gate.weight", {1, d}, TensorKind::kRouter);
+        mlp(m + names.shared + ".", "gate_proj", "up_proj", "down_proj", hp.d_shared, K::kLinear,
+            R::kSharedGate);
+        if (hp.shared_expert_gate)
+          add(m + "shared_expert_gate.weight", {1, d}, K::kRouter, R::kSharedExpertGate);
       }
     } else {
-      mlp(p + "mlp.", "gate_proj", "up_proj", "down_proj", hp.d_ff, TensorKind::kLinear);
+      mlp(p + "mlp.", "gate_proj", "up_proj", "down_proj", hp.d_ff, K::kLinear, R::kDenseGate);
     }
   }
-  add("model.norm.weight", {d}, TensorKind::kNorm);
-  if (!hp.tie_word_embeddings) add("lm_head.weight", {hp.vocab, d}, TensorKind::kLinear);
+  layer = -1;
+  add("model.norm.weight", {d}, K::kNorm, R::kFinalNorm);
+  if (!hp.tie_word_embeddings) add("lm_head.weight", {hp.vocab, d}, K::kLinear, R::kLmHead);
   return out;
 }
 

@@ -1,5 +1,7 @@
-// The list of checkpoint tensors a family's config implies (Hub names and shapes), for
-// writing synthetic checkpoints.
+// The one tensor table of a model: every checkpoint tensor its HParams imply, with its Hub
+// name, shape, kind (for synth's random scales and the byte counts) and role (the weight
+// field it binds to). bind_weights, synth, synthetic_weight_bytes and pack all read it, so a
+// family's tensors are written out once, here, from its specs and FamilyNames.
 #pragma once
 
 #include <cstdint>
@@ -12,12 +14,28 @@ namespace ts::model {
 
 enum class TensorKind : uint8_t { kEmbedding, kLinear, kRouter, kNorm, kBias, kExpert };
 
+enum class TensorRole : uint8_t {
+  kEmbed, kFinalNorm, kLmHead,
+  kAttnNorm, kFfnNorm,
+  kWq, kWk, kWv, kWo, kBq, kBk, kBv, kQNorm, kKNorm,  // GQA
+  kQa, kQaNorm, kQb, kKva, kKvaNorm, kKvb,             // MLA (kWq when no q LoRA, kWo)
+  kRouter, kRouterBias,
+  // each MLP's gate, up, down in this order (checkpoint_tensors counts on it)
+  kSharedGate, kSharedUp, kSharedDown, kSharedExpertGate,
+  kDenseGate, kDenseUp, kDenseDown,
+  kExpertGate, kExpertUp, kExpertDown,
+};
+
 struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
   TensorKind kind;
+  TensorRole role;
+  int layer = -1;   // -1: not a layer's
+  int expert = -1;  // routed expert index, else -1
 };
 
+// In checkpoint order: embedding, each layer's tensors, final norm, lm_head (absent when tied).
 std::vector<TensorSpec> checkpoint_tensors(const HParams& hp);
 
 }  // namespace ts::model

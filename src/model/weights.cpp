@@ -1,9 +1,9 @@
-// Binding checkpoint tensors to the forward pass's weight views, with the Hub names of each
-// family (per-expert tensors model.layers.N.mlp.experts.E.gate_proj.weight, or Mixtral's
-// block_sparse_moe.experts.E.w1/w2/w3).
+// Binding checkpoint tensors to the forward pass's weight views: each entry of the model's
+// tensor table (tensor_specs.h) is looked up, shape-checked and bound by its role.
 #include "model/weights.h"
 
 #include "io/safetensors.h"
+#include "model/tensor_specs.h"
 
 namespace ts::model {
 namespace {
@@ -39,85 +39,78 @@ struct Binder {
     float_row_to_f32(t->data, t->dtype, out.data(), n);
     return out;
   }
-  Result<ExpertWeights> mlp(const std::string& prefix, const char* g, const char* u,
-                            const char* d, int64_t d_model, int64_t d_hidden) const {
-    ExpertWeights e;
-    TS_ASSIGN(e.gate, matrix(prefix + g + ".weight", d_hidden, d_model));
-    TS_ASSIGN(e.up, matrix(prefix + u + ".weight", d_hidden, d_model));
-    TS_ASSIGN(e.down, matrix(prefix + d + ".weight", d_model, d_hidden));
-    return e;
-  }
 };
 
 }  // namespace
 
-const FamilyNames& family_names(Family f) {
-  static const FamilyNames kMixtral{"block_sparse_moe", "w1", "w3", "w2"};
-  static const FamilyNames kHub{"mlp", "gate_proj", "up_proj", "down_proj"};
-  return f == Family::kMixtral ? kMixtral : kHub;
-}
-
 Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensors) {
   Binder b{tensors};
-  const FamilyNames& names = family_names(hp.family);
-  const int64_t d = hp.d_model;
   BoundWeights out;
   DenseWeights& w = out.dense;
-  // A quantized embedding (GGUF files quantize token_embd) is dequantized row by row as the
-  // forward pass gathers it: exactly, into F32.
-  TS_ASSIGN(w.embed, b.matrix("model.embed_tokens.weight", hp.vocab, d));
-  TS_ASSIGN(w.final_norm, b.vec("model.norm.weight", d));
-  if (hp.tie_word_embeddings && !tensors.find("lm_head.weight")) {
-    w.lm_head = w.embed;
-  } else {
-    TS_ASSIGN(w.lm_head, b.matrix("lm_head.weight", hp.vocab, d));
-  }
+  w.layers.resize(size_t(hp.n_layers));
   out.experts.resize(size_t(hp.n_layers));
   for (int l = 0; l < hp.n_layers; ++l) {
-    LayerWeights L;
-    std::string p = "model.layers." + std::to_string(l) + ".";
-    std::string a = p + "self_attn.";
-    TS_ASSIGN(L.attn_norm, b.vec(p + "input_layernorm.weight", d));
-    TS_ASSIGN(L.ffn_norm, b.vec(p + "post_attention_layernorm.weight", d));
-    TS_ASSIGN(L.wq, b.matrix(a + "q_proj.weight", hp.q_dim(), d));
-    TS_ASSIGN(L.wk, b.matrix(a + "k_proj.weight", hp.kv_dim(), d));
-    TS_ASSIGN(L.wv, b.matrix(a + "v_proj.weight", hp.kv_dim(), d));
-    TS_ASSIGN(L.wo, b.matrix(a + "o_proj.weight", d, hp.q_dim()));
-    if (hp.qkv_bias) {
-      TS_ASSIGN(L.bq, b.vec(a + "q_proj.bias", hp.q_dim()));
-      TS_ASSIGN(L.bk, b.vec(a + "k_proj.bias", hp.kv_dim()));
-      TS_ASSIGN(L.bv, b.vec(a + "v_proj.bias", hp.kv_dim()));
-    }
-    if (hp.qk_norm == QkNorm::kPerHead) {
-      TS_ASSIGN(L.q_norm, b.vec(a + "q_norm.weight", hp.head_dim));
-      TS_ASSIGN(L.k_norm, b.vec(a + "k_norm.weight", hp.head_dim));
-    } else if (hp.qk_norm == QkNorm::kFullProjection) {
-      TS_ASSIGN(L.q_norm, b.vec(a + "q_norm.weight", hp.q_dim()));
-      TS_ASSIGN(L.k_norm, b.vec(a + "k_norm.weight", hp.kv_dim()));
-    }
-    L.is_moe = hp.layer_is_moe[size_t(l)];
-    if (L.is_moe) {
-      std::string m = p + names.moe_block + ".";
-      TS_ASSIGN(L.router, b.matrix(m + "gate.weight", hp.n_experts, d));
-      auto& experts = out.experts[size_t(l)];
-      experts.reserve(size_t(hp.n_experts));
-      for (int e = 0; e < hp.n_experts; ++e) {
-        TS_ASSIGN(ExpertWeights ew, b.mlp(m + "experts." + std::to_string(e) + ".",
-                                          names.expert_gate, names.expert_up, names.expert_down,
-                                          d, hp.d_expert));
-        experts.push_back(ew);
+    w.layers[size_t(l)].is_moe = hp.layer_is_moe[size_t(l)];
+    if (hp.layer_is_moe[size_t(l)]) out.experts[size_t(l)].resize(size_t(hp.n_experts));
+  }
+  using R = TensorRole;
+  for (const TensorSpec& s : checkpoint_tensors(hp)) {
+    if (s.shape.size() == 1) {
+      TS_ASSIGN(std::vector<float> v, b.vec(s.name, s.shape[0]));
+      LayerWeights* L = s.layer >= 0 ? &w.layers[size_t(s.layer)] : nullptr;
+      switch (s.role) {
+        case R::kFinalNorm: w.final_norm = std::move(v); break;
+        case R::kAttnNorm: L->attn_norm = std::move(v); break;
+        case R::kFfnNorm: L->ffn_norm = std::move(v); break;
+        case R::kBq: L->bq = std::move(v); break;
+        case R::kBk: L->bk = std::move(v); break;
+        case R::kBv: L->bv = std::move(v); break;
+        case R::kQNorm: L->q_norm = std::move(v); break;
+        case R::kKNorm: L->k_norm = std::move(v); break;
+        case R::kQaNorm: L->q_a_norm = std::move(v); break;
+        case R::kKvaNorm: L->kv_a_norm = std::move(v); break;
+        case R::kRouterBias: L->router_bias = std::move(v); break;
+        default: TS_CHECK(false, "a vector role binds to a vector field");
       }
-      if (hp.d_shared > 0) {
-        TS_ASSIGN(L.shared, b.mlp(m + "shared_expert.", "gate_proj", "up_proj", "down_proj", d,
-                                  hp.d_shared));
-        if (hp.shared_expert_gate) {
-          TS_ASSIGN(L.shared_gate, b.matrix(m + "shared_expert_gate.weight", 1, d));
-        }
-      }
+      continue;
+    }
+    TS_ASSIGN(Matrix m, b.matrix(s.name, s.shape[0], s.shape[1]));
+    if (s.layer < 0) {
+      (s.role == R::kEmbed ? w.embed : w.lm_head) = m;
+      continue;
+    }
+    LayerWeights& L = w.layers[size_t(s.layer)];
+    ExpertWeights* e = s.expert >= 0 ? &out.experts[size_t(s.layer)][size_t(s.expert)] : nullptr;
+    switch (s.role) {
+      case R::kWq: L.wq = m; break;
+      case R::kWk: L.wk = m; break;
+      case R::kWv: L.wv = m; break;
+      case R::kWo: L.wo = m; break;
+      case R::kQa: L.q_a = m; break;
+      case R::kQb: L.q_b = m; break;
+      case R::kKva: L.kv_a = m; break;
+      case R::kKvb: L.kv_b = m; break;
+      case R::kRouter: L.router = m; break;
+      case R::kSharedGate: L.shared.gate = m; break;
+      case R::kSharedUp: L.shared.up = m; break;
+      case R::kSharedDown: L.shared.down = m; break;
+      case R::kSharedExpertGate: L.shared_gate = m; break;
+      case R::kDenseGate: L.dense.gate = m; break;
+      case R::kDenseUp: L.dense.up = m; break;
+      case R::kDenseDown: L.dense.down = m; break;
+      case R::kExpertGate: e->gate = m; break;
+      case R::kExpertUp: e->up = m; break;
+      case R::kExpertDown: e->down = m; break;
+      default: TS_CHECK(false, "a matrix role binds to a matrix field");
+    }
+  }
+  // A tied head is the embedding, unless the checkpoint holds an lm_head all the same.
+  if (hp.tie_word_embeddings) {
+    if (tensors.find("lm_head.weight")) {
+      TS_ASSIGN(w.lm_head, b.matrix("lm_head.weight", hp.vocab, hp.d_model));
     } else {
-      TS_ASSIGN(L.dense, b.mlp(p + "mlp.", "gate_proj", "up_proj", "down_proj", d, hp.d_ff));
+      w.lm_head = w.embed;
     }
-    w.layers.push_back(std::move(L));
   }
   return out;
 }
@@ -147,11 +140,9 @@ WeightCounts count_weights(const HParams& hp, const BoundWeights& bw) {
   add_vec(w.final_norm);
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
-    for (const Matrix* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.router, &L.shared.gate, &L.shared.up,
-                            &L.shared.down, &L.shared_gate, &L.dense.gate, &L.dense.up,
-                            &L.dense.down})
-      add_dense(*m);
-    for (const auto* v : {&L.attn_norm, &L.ffn_norm, &L.bq, &L.bk, &L.bv, &L.q_norm, &L.k_norm})
+    for (const Matrix* m : L.matrices()) add_dense(*m);
+    for (const auto* v : {&L.attn_norm, &L.ffn_norm, &L.bq, &L.bk, &L.bv, &L.q_norm, &L.k_norm,
+                          &L.q_a_norm, &L.kv_a_norm, &L.router_bias})
       add_vec(*v);
     const auto& experts = bw.experts[l];
     for (size_t e = 0; e < experts.size(); ++e) {

@@ -35,10 +35,18 @@ struct ExpertWeights {
 
 struct LayerWeights {
   std::vector<float> attn_norm;  // [d_model]
-  Matrix wq;                     // [n_heads * head_dim, d_model]
+  Matrix wq;                     // [q_dim, d_model] (MLA without q LoRA too)
   Matrix wk;                     // [n_kv_heads * head_dim, d_model]
   Matrix wv;                     // [n_kv_heads * head_dim, d_model]
-  Matrix wo;                     // [d_model, n_heads * head_dim]
+  Matrix wo;                     // [d_model, attn_out_dim]
+  // MLA (AttentionKind::kMla); the query through wq or q_a -> q_a_norm -> q_b.
+  Matrix q_a;                    // [q_lora_rank, d_model]
+  std::vector<float> q_a_norm;   // [q_lora_rank]
+  Matrix q_b;                    // [q_dim, q_lora_rank]
+  Matrix kv_a;                   // [kv_lora_rank + rope_dim, d_model]
+  std::vector<float> kv_a_norm;  // [kv_lora_rank]
+  Matrix kv_b;                   // [n_heads * (nope_dim + v_dim), kv_lora_rank]: per head,
+                                 // nope_dim rows of W_UK then v_dim rows of W_UV
   std::vector<float> bq, bk, bv;  // biases when qkv_bias, else empty
   std::vector<float> q_norm;     // [head_dim] per head, or [q_dim] full projection, or empty
   std::vector<float> k_norm;     // [head_dim] or [kv_dim] or empty
@@ -46,9 +54,16 @@ struct LayerWeights {
 
   bool is_moe = false;
   Matrix router;                 // [n_experts, d_model]
+  std::vector<float> router_bias;  // [n_experts] selection-only correction bias, or empty
   ExpertWeights shared;          // shared expert (d_shared), absent if none
   Matrix shared_gate;            // [1, d_model] sigmoid gate on the shared expert
   ExpertWeights dense;           // dense MLP (d_ff) on layers without experts
+
+  // Every dense matrix of the layer (absent ones included; check present()).
+  std::vector<const Matrix*> matrices() const {
+    return {&wq, &wk, &wv, &wo, &q_a, &q_b, &kv_a, &kv_b, &router, &shared.gate, &shared.up,
+            &shared.down, &shared_gate, &dense.gate, &dense.up, &dense.down};
+  }
 };
 
 struct DenseWeights {
@@ -60,15 +75,6 @@ struct DenseWeights {
 
 // Routed expert weights per layer: experts[layer][expert]; empty for dense layers.
 using ExpertTable = std::vector<std::vector<ExpertWeights>>;
-
-// Checkpoint tensor names of one family.
-struct FamilyNames {
-  const char* moe_block;    // "mlp" or "block_sparse_moe"
-  const char* expert_gate;  // "gate_proj" or "w1"
-  const char* expert_up;    // "up_proj" or "w3"
-  const char* expert_down;  // "down_proj" or "w2"
-};
-const FamilyNames& family_names(Family f);
 
 struct BoundWeights {
   DenseWeights dense;

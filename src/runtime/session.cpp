@@ -42,21 +42,23 @@ Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions opti
   const model::HParams& hp = model.hp();
   n_ctx_ = options.n_ctx > 0 ? options.n_ctx : std::min(hp.max_positions, 4096);
   chunk_ = options.prefill_chunk > 0 ? options.prefill_chunk : 256;
-  const size_t kv = size_t(hp.n_layers) * size_t(n_ctx_) * size_t(hp.kv_dim());
+  const bool mla = hp.attention == model::AttentionKind::kMla;
+  const size_t kv = size_t(hp.n_layers) * size_t(n_ctx_) * size_t(hp.cache_row());
   k_cache_.assign(kv, 0.0f);
-  v_cache_.assign(kv, 0.0f);
-  // transformers: inv_freq = 1 / theta ** (arange(0, dim, 2) / dim), in float32.
-  for (int i = 0; i < hp.head_dim / 2; ++i)
-    inv_freq_.push_back(1.0f / std::pow(hp.rope_theta, float(2 * i) / float(hp.head_dim)));
+  if (!mla) v_cache_.assign(kv, 0.0f);
   const size_t c = size_t(chunk_), d = size_t(hp.d_model);
   const size_t hidden = size_t(std::max({hp.d_expert, hp.d_ff, hp.d_shared}));
   x_.resize(c * d);
   xn_.resize(c * d);
   tmp_.resize(c * d);
   q_.resize(c * size_t(hp.q_dim()));
-  att_.resize(c * size_t(hp.q_dim()));
-  k_.resize(c * size_t(hp.kv_dim()));
-  v_.resize(c * size_t(hp.kv_dim()));
+  att_.resize(c * size_t(std::max(hp.q_dim(), hp.attn_out_dim())));
+  if (mla) {
+    lat_.resize(c * size_t(std::max(hp.mla.q_lora_rank, hp.cache_row())));
+  } else {
+    k_.resize(c * size_t(hp.kv_dim()));
+    v_.resize(c * size_t(hp.kv_dim()));
+  }
   router_.resize(c * size_t(hp.n_experts));
   slots_.resize(c * size_t(hp.top_k) * d);
   gather_.resize(c * d);
@@ -174,6 +176,67 @@ Status Session::forward_chunk(const int* tokens, int n, float* logits_out, bool 
 
 void Session::attention_block(int layer, int n) {
   auto t0 = Clock::now();
+  if (model_.hp().attention == model::AttentionKind::kMla)
+    mla_attention(layer, n);
+  else
+    gqa_attention(layer, n);
+  const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
+  linear(pool_, L.wo, att_.data(), n, tmp_.data());
+  const size_t d = size_t(model_.hp().d_model);
+  for (size_t i = 0; i < size_t(n) * d; ++i) x_[i] += tmp_[i];
+  phases_.attention_us += us_since(t0);
+}
+
+cpu::RopeTable Session::rope_table(int head_stride, int offset) const {
+  const model::RopeSpec& r = model_.hp().rope;
+  return {.head_stride = head_stride,
+          .offset = offset,
+          .dim = r.dim,
+          .interleaved = r.layout == model::RopeLayout::kInterleaved,
+          .attention_factor = r.attention_factor,
+          .inv_freq = r.inv_freq};
+}
+
+void Session::mla_attention(int layer, int n) {
+  const model::HParams& hp = model_.hp();
+  const model::MlaSpec& m = hp.mla;
+  const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
+  const int d = hp.d_model, qk = m.qk_dim(), row = hp.cache_row();
+  cpu::rmsnorm_rows(x_.data(), L.attn_norm.data(), xn_.data(), n, d, hp.rms_eps);
+  if (m.q_lora_rank > 0) {
+    linear(pool_, L.q_a, xn_.data(), n, lat_.data());
+    cpu::rmsnorm_rows(lat_.data(), L.q_a_norm.data(), lat_.data(), n, m.q_lora_rank, hp.rms_eps);
+    linear(pool_, L.q_b, lat_.data(), n, q_.data());
+  } else {
+    linear(pool_, L.wq, xn_.data(), n, q_.data());
+  }
+  // The latent rows: kv_a -> RMSNorm over the first kv_lora_rank, RoPE on the shared key.
+  linear(pool_, L.kv_a, xn_.data(), n, lat_.data());
+  const cpu::RopeTable q_rope = rope_table(qk, m.nope_dim), k_rope = rope_table(row, m.kv_lora_rank);
+  float* cache = k_cache_.data() + size_t(layer) * size_t(n_ctx_) * size_t(row);
+  for (int t = 0; t < n; ++t) {
+    float* c = lat_.data() + size_t(t) * size_t(row);
+    cpu::rmsnorm_rows(c, L.kv_a_norm.data(), c, 1, m.kv_lora_rank, hp.rms_eps);
+    cpu::rope_apply(c, 1, k_rope, pos_ + t);
+    cpu::rope_apply(q_.data() + size_t(t) * size_t(hp.q_dim()), hp.n_heads, q_rope, pos_ + t);
+    std::copy_n(c, row, cache + size_t(pos_ + t) * size_t(row));
+  }
+  cpu::mla_attention(pool_, {.q = q_.data(),
+                             .cache = cache,
+                             .kv_b = L.kv_b.data,
+                             .kv_b_dtype = L.kv_b.dtype,
+                             .out = att_.data(),
+                             .n_tokens = n,
+                             .pos0 = pos_,
+                             .n_heads = hp.n_heads,
+                             .nope_dim = m.nope_dim,
+                             .rope_dim = m.rope_dim,
+                             .v_dim = m.v_dim,
+                             .kv_lora_rank = m.kv_lora_rank,
+                             .scale = hp.attn_scale});
+}
+
+void Session::gqa_attention(int layer, int n) {
   const model::HParams& hp = model_.hp();
   const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
   const int d = hp.d_model, qd = hp.q_dim(), kvd = hp.kv_dim();
@@ -197,7 +260,7 @@ void Session::attention_block(int layer, int n) {
       cpu::rmsnorm_rows(k_.data(), L.k_norm.data(), k_.data(), n, kvd, hp.rms_eps);
       break;
   }
-  const cpu::RopeTable rope{hp.head_dim, inv_freq_};
+  const cpu::RopeTable rope = rope_table(hp.head_dim, 0);
   const size_t layer_off = size_t(layer) * size_t(n_ctx_) * size_t(kvd);
   for (int t = 0; t < n; ++t) {
     cpu::rope_apply(q_.data() + size_t(t) * qd, hp.n_heads, rope, pos_ + t);
@@ -215,10 +278,8 @@ void Session::attention_block(int layer, int n) {
                          .pos0 = pos_,
                          .n_heads = hp.n_heads,
                          .n_kv_heads = hp.n_kv_heads,
-                         .head_dim = hp.head_dim});
-  linear(pool_, L.wo, att_.data(), n, tmp_.data());
-  for (size_t i = 0; i < size_t(n) * size_t(d); ++i) x_[i] += tmp_[i];
-  phases_.attention_us += us_since(t0);
+                         .head_dim = hp.head_dim,
+                         .scale = hp.attn_scale});
 }
 
 void Session::dense_mlp_block(const model::ExpertWeights& mlp, int n, int d_hidden, float* out) {
@@ -239,7 +300,7 @@ Status Session::moe_block(int layer, int n) {
     model::select_experts(
         std::span<const float>(router_.data() + size_t(t) * size_t(hp.n_experts),
                                size_t(hp.n_experts)),
-        hp.moe,
+        L.router_bias, hp.router,
         {.ids = std::span<int>(sel_ids_.data() + size_t(t) * k, k),
          .weights = std::span<float>(sel_w_.data() + size_t(t) * k, k)});
   }

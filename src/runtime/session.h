@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "backend/cpu/ops.h"
 #include "core/status.h"
 #include "experts/expert_cache.h"
 #include "runtime/engine.h"
@@ -71,7 +72,11 @@ class Session final : public Engine {
  private:
   Status forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk);
   void layer_boundary(int layer, int n, bool last_chunk);  // steering + capture
-  void attention_block(int layer, int n);
+  void attention_block(int layer, int n);  // by hp.attention: gqa_attention or mla_attention
+  void gqa_attention(int layer, int n);
+  void mla_attention(int layer, int n);
+  // RoPE of hp.rope over heads `head_stride` floats apart, from `offset` in each.
+  cpu::RopeTable rope_table(int head_stride, int offset) const;
   Status moe_block(int layer, int n);
   void dense_mlp_block(const model::ExpertWeights& mlp, int n, int d_hidden, float* out);
 
@@ -80,10 +85,11 @@ class Session final : public Engine {
   int n_ctx_;
   int chunk_;
   int pos_ = 0;
-  std::vector<float> k_cache_, v_cache_;  // [n_layers, n_ctx, kv_dim]
-  std::vector<float> inv_freq_;
+  // [n_layers, n_ctx, cache_row]: K and V rows (GQA), or MLA's latent rows in k_cache_ alone.
+  std::vector<float> k_cache_, v_cache_;
   // Scratch, sized for one chunk.
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, router_, slots_, gather_, h1_, h2_, h3_;
+  std::vector<float> lat_;  // MLA: the q LoRA's and the KV latent's rows
   std::vector<int> sel_ids_;
   std::vector<float> sel_w_;
   std::vector<float> last_logits_;

@@ -371,7 +371,7 @@ inline void convert_hf_dir(const std::string& dir, const std::string& out,
   w.u32(arch + ".feed_forward_length", uint32_t(hp.d_ff > 0 ? hp.d_ff : hp.d_expert));
   w.u32(arch + ".attention.head_count", uint32_t(hp.n_heads));
   w.u32(arch + ".attention.head_count_kv", uint32_t(hp.n_kv_heads));
-  w.f32(arch + ".rope.freq_base", hp.rope_theta);
+  w.f32(arch + ".rope.freq_base", hp.rope.theta);
   w.f32(arch + ".attention.layer_norm_rms_epsilon", hp.rms_eps);
   w.u32(arch + ".expert_count", uint32_t(hp.n_experts));
   w.u32(arch + ".expert_used_count", uint32_t(hp.top_k));
@@ -388,8 +388,8 @@ inline void convert_hf_dir(const std::string& dir, const std::string& out,
   if (hp.family == Family::kQwen2Moe)
     w.u32(arch + ".expert_shared_feed_forward_length", uint32_t(hp.d_shared));
   const bool llama_cpp_norm = mixtral || hp.family == Family::kQwen3Moe;
-  if (opt.write_weights_norm && !mixtral && hp.moe.renormalize != llama_cpp_norm)
-    w.boolean(arch + ".expert_weights_norm", hp.moe.renormalize);
+  if (opt.write_weights_norm && !mixtral && hp.router.renormalize != llama_cpp_norm)
+    w.boolean(arch + ".expert_weights_norm", hp.router.renormalize);
 
   // One tensor: HF name -> GGUF name, F32 (or Q8_0 for 2-D weights), ggml dims reversed.
   auto put = [&](const std::string& hf, const std::string& name, int64_t permute_heads = 0) {

@@ -28,8 +28,8 @@ TEST(Config, RopeSpellingsAgree) {
                          "b.json");
   ASSERT_TRUE(a.ok()) << a.error().message;
   ASSERT_TRUE(b.ok()) << b.error().message;
-  EXPECT_EQ(a->rope_theta, 12345.0f);
-  EXPECT_EQ(b->rope_theta, 12345.0f);
+  EXPECT_EQ(a->rope.theta, 12345.0f);
+  EXPECT_EQ(b->rope.theta, 12345.0f);
 }
 
 TEST(Config, ContradictoryRopeThetaIsAnError) {
@@ -49,7 +49,7 @@ TEST(Config, Qwen2SparseStepAndMlpOnlyLayers) {
   EXPECT_EQ(r->d_shared, 96);
   EXPECT_TRUE(r->shared_expert_gate);
   EXPECT_TRUE(r->qkv_bias);
-  EXPECT_FALSE(r->moe.renormalize);
+  EXPECT_FALSE(r->router.renormalize);
   EXPECT_EQ(r->head_dim, 16);
 }
 
@@ -58,7 +58,7 @@ TEST(Config, FamilyRules) {
       "num_attention_heads":4,"vocab_size":100,"num_local_experts":8,"num_experts_per_tok":2,
       "intermediate_size":128})", "m.json");
   ASSERT_TRUE(mx.ok()) << mx.error().message;
-  EXPECT_TRUE(mx->moe.renormalize);
+  EXPECT_TRUE(mx->router.renormalize);
   EXPECT_EQ(mx->n_kv_heads, 4);
   EXPECT_EQ(mx->qk_norm, ts::model::QkNorm::kNone);
   auto q3 = parse_hparams(R"({"model_type":"qwen3_moe","hidden_size":96,"num_hidden_layers":2,
@@ -69,13 +69,13 @@ TEST(Config, FamilyRules) {
   EXPECT_EQ(q3->head_dim, 32);
   EXPECT_EQ(q3->q_dim(), 192);
   EXPECT_EQ(q3->qk_norm, ts::model::QkNorm::kPerHead);
-  EXPECT_TRUE(q3->moe.renormalize);
+  EXPECT_TRUE(q3->router.renormalize);
   auto ol = parse_hparams(R"({"model_type":"olmoe","hidden_size":64,"num_hidden_layers":2,
       "num_attention_heads":4,"vocab_size":100,"num_experts":8,"num_experts_per_tok":2,
       "intermediate_size":64})", "o.json");
   ASSERT_TRUE(ol.ok()) << ol.error().message;
   EXPECT_EQ(ol->qk_norm, ts::model::QkNorm::kFullProjection);
-  EXPECT_FALSE(ol->moe.renormalize);
+  EXPECT_FALSE(ol->router.renormalize);
 }
 
 struct BadCase {
@@ -97,7 +97,9 @@ TEST(Config, BadConfigsNameTheKey) {
           "num_attention_heads":4,"vocab_size":100,"num_local_experts":8,
           "num_experts_per_tok":2,"intermediate_size":128})", "num_attention_heads"},
       {R"({"model_type":"mixtral","hidden_size":64,"num_hidden_layers":"two"})", "num_hidden_layers"},
-      {qwen2(R"(,"rope_parameters":{"rope_type":"yarn","rope_theta":1e6})"), "rope_type"},
+      {qwen2(R"(,"rope_parameters":{"rope_type":"longrope","rope_theta":1e6})"), "rope_type"},
+      {qwen2(R"(,"rope_parameters":{"rope_type":"yarn","rope_theta":1e6})"),
+       "original_max_position_embeddings"},
       {qwen2(R"(,"mlp_only_layers":[7])"), "mlp_only_layers"},
       {"{not json", "not valid JSON"},
   };
@@ -118,7 +120,7 @@ TEST(Router, TopKInRankOrderWithRenormalisation) {
     for (bool renorm : {false, true}) {
       std::vector<int> ids(4);
       std::vector<float> w(4);
-      ts::model::select_experts(logits, {.renormalize = renorm}, {.ids = ids, .weights = w});
+      ts::model::select_experts(logits, {}, {.renormalize = renorm}, {.ids = ids, .weights = w});
       // Reference: softmax, then sort indices by probability descending.
       double mx = *std::max_element(logits.begin(), logits.end()), sum = 0;
       std::vector<double> p(16);
@@ -141,7 +143,7 @@ TEST(Router, TiesGoToTheLowerExpertId) {
   std::vector<float> logits = {0.5f, 2.0f, 1.0f, 2.0f, 1.0f};
   std::vector<int> ids(3);
   std::vector<float> w(3);
-  ts::model::select_experts(logits, {}, {.ids = ids, .weights = w});
+  ts::model::select_experts(logits, {}, {}, {.ids = ids, .weights = w});
   EXPECT_EQ(ids, (std::vector<int>{1, 3, 2}));
 }
 
@@ -218,7 +220,7 @@ TEST(Ops, RopeRotatesHalvesByPositionTimesFrequency) {
   std::vector<float> x(heads * hd);
   for (float& v : x) v = nd(rng);
   std::vector<float> y = x;
-  ts::cpu::rope_apply(y.data(), heads, {.head_dim = hd, .inv_freq = inv}, pos);
+  ts::cpu::rope_apply(y.data(), heads, {.head_stride = hd, .dim = hd, .inv_freq = inv}, pos);
   for (int h = 0; h < heads; ++h)
     for (int i = 0; i < hd / 2; ++i) {
       double a = x[size_t(h * hd + i)], b = x[size_t(h * hd + i + hd / 2)];

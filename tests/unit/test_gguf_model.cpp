@@ -88,9 +88,9 @@ TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
   EXPECT_EQ(ha.d_shared, hb.d_shared);
   EXPECT_EQ(ha.qkv_bias, hb.qkv_bias);
   EXPECT_EQ(ha.qk_norm, hb.qk_norm);
-  EXPECT_EQ(ha.moe.renormalize, hb.moe.renormalize);
+  EXPECT_EQ(ha.router.renormalize, hb.router.renormalize);
   EXPECT_EQ(ha.rms_eps, hb.rms_eps);
-  EXPECT_EQ(ha.rope_theta, hb.rope_theta);
+  EXPECT_EQ(ha.rope.theta, hb.rope.theta);
   EXPECT_EQ(ha.max_positions, hb.max_positions);
   EXPECT_EQ(ha.tie_word_embeddings, hb.tie_word_embeddings);
   EXPECT_EQ(ha.layer_is_moe, hb.layer_is_moe);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "backend/cpu/quant.h"
 #include "core/thread_pool.h"
 
 namespace ts::cpu {
@@ -42,16 +43,21 @@ bool rmsnorm_fits_f16(std::span<const float> w) {
 }
 
 void rope_apply(float* x, int n_heads, const RopeTable& rope, int position) {
-  const int half = rope.head_dim / 2;
+  const int half = rope.dim / 2;
   for (int i = 0; i < half; ++i) {
     // transformers computes freqs = position * inv_freq in float32, then cos/sin.
     float freq = float(position) * rope.inv_freq[size_t(i)];
     float c = float(std::cos(double(freq))), s = float(std::sin(double(freq)));
+    if (rope.attention_factor != 1.0f) {
+      c *= rope.attention_factor;
+      s *= rope.attention_factor;
+    }
+    const int ia = rope.interleaved ? 2 * i : i, ib = rope.interleaved ? 2 * i + 1 : i + half;
     for (int h = 0; h < n_heads; ++h) {
-      float* xh = x + size_t(h) * size_t(rope.head_dim);
-      float a = xh[i], b = xh[i + half];
-      xh[i] = a * c - b * s;
-      xh[i + half] = b * c + a * s;
+      float* xh = x + size_t(h) * size_t(rope.head_stride) + size_t(rope.offset);
+      float a = xh[ia], b = xh[ib];
+      xh[ia] = a * c - b * s;
+      xh[ib] = b * c + a * s;
     }
   }
 }
@@ -63,7 +69,7 @@ void silu_mul(const float* g, const float* u, float* h, int64_t n) {
 void attention(ThreadPool& pool, const AttentionArgs& a) {
   const int group = a.n_heads / a.n_kv_heads;
   const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
-  const float scale = 1.0f / std::sqrt(float(a.head_dim));
+  const float scale = a.scale;
   const int64_t jobs = int64_t(a.n_tokens) * a.n_heads;
   pool.parallel_for(jobs, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores(size_t(a.pos0 + a.n_tokens));
@@ -89,6 +95,63 @@ void attention(ThreadPool& pool, const AttentionArgs& a) {
         const float p = scores[size_t(j)] * inv;
         const float* v = a.v_cache + size_t(j) * kv_dim + size_t(g) * a.head_dim;
         for (int d = 0; d < a.head_dim; ++d) o[d] += p * v[d];
+      }
+    }
+  });
+}
+
+void mla_attention(ThreadPool& pool, const MlaArgs& a) {
+  const int qk = a.nope_dim + a.rope_dim, row = a.kv_lora_rank + a.rope_dim;
+  const int64_t r = a.kv_lora_rank;
+  const size_t kv_b_row = dtype_row_bytes(a.kv_b_dtype, r);
+  auto load_rows = [&](int first, int n, float* dst) {
+    const uint8_t* src = static_cast<const uint8_t*>(a.kv_b) + size_t(first) * kv_b_row;
+    for (int i = 0; i < n; ++i, src += kv_b_row, dst += r) {
+      if (dtype_is_quantized(a.kv_b_dtype))
+        dequantize_row(a.kv_b_dtype, src, dst, r);
+      else
+        float_row_to_f32(src, a.kv_b_dtype, dst, r);
+    }
+  };
+  pool.parallel_for(a.n_heads, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> uk(size_t(a.nope_dim) * size_t(r)), uv(size_t(a.v_dim) * size_t(r));
+    std::vector<float> q_lat(static_cast<size_t>(r)), o_lat(static_cast<size_t>(r));
+    std::vector<float> scores(static_cast<size_t>(a.pos0 + a.n_tokens));
+    for (int64_t h = b; h < e; ++h) {
+      const int first = int(h) * (a.nope_dim + a.v_dim);
+      load_rows(first, a.nope_dim, uk.data());
+      load_rows(first + a.nope_dim, a.v_dim, uv.data());
+      for (int t = 0; t < a.n_tokens; ++t) {
+        const float* q = a.q + size_t(t) * size_t(a.n_heads) * qk + size_t(h) * qk;
+        std::fill(q_lat.begin(), q_lat.end(), 0.0f);
+        for (int i = 0; i < a.nope_dim; ++i) {
+          const float qi = q[i];
+          const float* w = uk.data() + size_t(i) * size_t(r);
+          for (int64_t j = 0; j < r; ++j) q_lat[size_t(j)] += qi * w[j];
+        }
+        const int n_keys = a.pos0 + t + 1;
+        float mx = -INFINITY;
+        for (int j = 0; j < n_keys; ++j) {
+          const float* c = a.cache + size_t(j) * size_t(row);
+          const float s = (dot(q_lat.data(), c, int(r)) + dot(q + a.nope_dim, c + r, a.rope_dim)) *
+                          a.scale;
+          scores[size_t(j)] = s;
+          mx = std::max(mx, s);
+        }
+        float sum = 0;
+        for (int j = 0; j < n_keys; ++j) {
+          scores[size_t(j)] = std::exp(scores[size_t(j)] - mx);
+          sum += scores[size_t(j)];
+        }
+        const float inv = 1.0f / sum;
+        std::fill(o_lat.begin(), o_lat.end(), 0.0f);
+        for (int j = 0; j < n_keys; ++j) {
+          const float p = scores[size_t(j)] * inv;
+          const float* c = a.cache + size_t(j) * size_t(row);
+          for (int64_t d = 0; d < r; ++d) o_lat[size_t(d)] += p * c[d];
+        }
+        float* o = a.out + size_t(t) * size_t(a.n_heads) * a.v_dim + size_t(h) * a.v_dim;
+        for (int i = 0; i < a.v_dim; ++i) o[i] = dot(uv.data() + size_t(i) * size_t(r), o_lat.data(), int(r));
       }
     }
   });

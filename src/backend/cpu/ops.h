@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <span>
 
+#include "core/dtype.h"
+
 namespace ts {
 class ThreadPool;
 }
@@ -21,11 +23,17 @@ void rmsnorm_rows(const float* x, const float* w, float* y, int64_t n_rows, int6
 // empty or non-finite weights. (The CUDA prefill gathers the experts' input in F16 on it.)
 bool rmsnorm_fits_f16(std::span<const float> w);
 
-// Rotates pairs (i, i + head_dim/2) of each head (the rotate_half convention of
-// transformers) of x [n_heads * head_dim] for one position.
+// Rotates the first `dim` values after `offset` in each of n_heads heads of x (heads
+// `head_stride` floats apart) for one position: pairs (i, i + dim/2) (transformers'
+// rotate_half) or, interleaved, (2i, 2i + 1); pair i turns by position * inv_freq[i], with
+// cos and sin multiplied by attention_factor (YaRN's mscale; 1 otherwise).
 struct RopeTable {
-  int head_dim = 0;
-  std::span<const float> inv_freq;  // [head_dim / 2]
+  int head_stride = 0;
+  int offset = 0;
+  int dim = 0;
+  bool interleaved = false;
+  float attention_factor = 1.0f;
+  std::span<const float> inv_freq;  // [dim / 2]
 };
 void rope_apply(float* x, int n_heads, const RopeTable& rope, int position);
 
@@ -44,7 +52,31 @@ struct AttentionArgs {
   int n_heads;
   int n_kv_heads;
   int head_dim;
+  float scale;          // of q.k before the softmax
 };
 void attention(ThreadPool& pool, const AttentionArgs& a);
+
+// Multi-head latent attention (DeepSeek MLA) in the absorbed form, causal, for n_tokens
+// queries at positions pos0 .. pos0+n_tokens-1 over a latent cache whose rows 0 ..
+// pos0+n_tokens-1 are filled. Per head h, with W_UK_h / W_UV_h the nope_dim / v_dim rows of
+// kv_b that belong to it: q_lat = W_UK_h^T q_nope, score_j = (q_lat . c_j + q_rope . k_j) *
+// scale, out = W_UV_h (sum_j p_j c_j). Only the cache is read per position; each kv_b row
+// is converted to F32 once per call. Bit-identical for any thread count (one head per job).
+struct MlaArgs {
+  const float* q;       // [n_tokens, n_heads * (nope_dim + rope_dim)], rope part rotated
+  const float* cache;   // [n_ctx, kv_lora_rank + rope_dim]: latent c_j, then rotated key k_j
+  const void* kv_b;     // [n_heads * (nope_dim + v_dim), kv_lora_rank] in kv_b_dtype
+  DType kv_b_dtype;
+  float* out;           // [n_tokens, n_heads * v_dim]
+  int n_tokens;
+  int pos0;
+  int n_heads;
+  int nope_dim;
+  int rope_dim;
+  int v_dim;
+  int kv_lora_rank;
+  float scale;
+};
+void mla_attention(ThreadPool& pool, const MlaArgs& a);
 
 }  // namespace ts::cpu

@@ -453,9 +453,7 @@ Status CudaSession::init(const std::string& device_name) {
     TS_ASSIGN(k_cache_, arena_.alloc_n<float>(kv));
     TS_ASSIGN(v_cache_, arena_.alloc_n<float>(kv));
   }
-  std::vector<float> inv;
-  for (int i = 0; i < hp.head_dim / 2; ++i)
-    inv.push_back(1.0f / std::pow(hp.rope_theta, float(2 * i) / float(hp.head_dim)));
+  const std::vector<float>& inv = hp.rope.inv_freq;
   TS_ASSIGN(inv_freq_, arena_.alloc_n<float>(inv.size()));
   CUDA_TRY(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
   TS_ASSIGN(x_, arena_.alloc_n<float>(c * d));
@@ -939,7 +937,7 @@ Status CudaSession::predict_layer(int layer) {
                           .n = 1,
                           .n_experts = hp_.n_experts,
                           .top_k = k,
-                          .renormalize = hp_.moe.renormalize},
+                          .renormalize = hp_.router.renormalize},
                 // Blocks of 256 threads find room beside the q|k|v blocks already
                 // resident (1,024 waited behind them and cost more than they saved).
                 .block = 256},
@@ -1236,11 +1234,29 @@ Status check_weights_fit(const std::string& what, uint64_t bytes, bool at_least,
                     " GiB on " + where + ", which has " + std::to_string(gib(free_b)) +
                     " GiB free of " + std::to_string(gib(total_b)) + " GiB");
 }
+
+// The layer kinds the CUDA forward pass runs: GQA with full rotate-half RoPE (no YaRN) and
+// the softmax router without groups, bias or scale. Others are refused before any upload.
+Status check_cuda_runs(const model::HParams& hp) {
+  std::string missing;
+  if (hp.attention == model::AttentionKind::kMla) missing = "multi-head latent attention (MLA)";
+  else if (hp.rope.dim != hp.head_dim) missing = "partial RoPE";
+  else if (hp.rope.layout != model::RopeLayout::kHalf) missing = "interleaved RoPE";
+  else if (hp.rope.yarn) missing = "YaRN RoPE";
+  else if (hp.router.scoring != model::ScoreFn::kSoftmax) missing = "sigmoid routing";
+  else if (hp.router.n_group > 1) missing = "group-limited routing";
+  else if (hp.router.correction_bias) missing = "a router correction bias";
+  else if (hp.router.scale != 1.0f) missing = "routed_scaling_factor";
+  if (missing.empty()) return {};
+  return make_error("--device cuda: " + hp.model_type + " needs " + missing +
+                    ", which the CUDA backend does not run yet; use --device cpu");
+}
 }  // namespace
 
 Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::LoadedModel& model,
                                                            runtime::SessionOptions options,
                                                            int device) {
+  TS_TRY(check_cuda_runs(model.hp()));
   TS_ASSIGN(std::string name, open_device(device));
   const bool all_experts = options.gpu_experts.residency == runtime::GpuResidency::kResident;
   const bool quantize = options.quantize_q8_0;
@@ -1264,6 +1280,7 @@ Result<std::unique_ptr<runtime::Engine>> make_cuda_session(const runtime::Loaded
 Result<std::unique_ptr<runtime::Engine>> make_synthetic_cuda_session(
     const model::HParams& hp, runtime::SessionOptions options, int device,
     SyntheticOptions synthetic) {
+  TS_TRY(check_cuda_runs(hp));
   TS_ASSIGN(std::string name, open_device(device));
   const bool all_experts = options.gpu_experts.residency == runtime::GpuResidency::kResident;
   auto s = std::make_unique<CudaSession>(hp, std::move(options), device);

@@ -21,7 +21,7 @@ Status CudaSession::moe_block(int layer, int n) {
                              .n = n,
                              .n_experts = hp_.n_experts,
                              .top_k = k,
-                             .renormalize = hp_.moe.renormalize,
+                             .renormalize = hp_.router.renormalize,
                              .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
                              .host_flag = to_host ? ids_flag_dev_ : nullptr};
   const bool fused_route = n == 1 && !sampled_routing_ && norm_route_applies(L.router.dtype, d);

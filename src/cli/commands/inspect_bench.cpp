@@ -33,7 +33,19 @@ nlohmann::json describe(const runtime::LoadedModel& m) {
       {"d_expert", hp.d_expert},
       {"d_ff", hp.d_ff},
       {"d_shared", hp.d_shared},
-      {"rope_theta", hp.rope_theta},
+      {"rope_theta", hp.rope.theta},
+      {"rope", {{"dim", hp.rope.dim},
+                {"layout", hp.rope.layout == model::RopeLayout::kInterleaved ? "interleaved" : "half"},
+                {"yarn", hp.rope.yarn},
+                {"attention_factor", hp.rope.attention_factor}}},
+      {"attention", hp.attention == model::AttentionKind::kMla ? "mla" : "gqa"},
+      {"router", {{"scoring", hp.router.scoring == model::ScoreFn::kSigmoid ? "sigmoid" : "softmax"},
+                  {"correction_bias", hp.router.correction_bias},
+                  {"n_group", hp.router.n_group},
+                  {"topk_group", hp.router.topk_group},
+                  {"renormalize", hp.router.renormalize},
+                  {"scale", hp.router.scale}}},
+      {"mtp_layers_skipped", hp.n_nextn_layers},
       {"tie_word_embeddings", hp.tie_word_embeddings},
       {"params_total", c.params_total},
       {"params_active_per_token", c.params_active},
@@ -64,6 +76,22 @@ Status cmd_inspect(const Args& args) {
               hp.head_dim, hp.vocab);
   std::printf("experts    %d, top-%d, d_expert %d, shared %d, dense d_ff %d\n", hp.n_experts,
               hp.top_k, hp.d_expert, hp.d_shared, hp.d_ff);
+  if (hp.attention == model::AttentionKind::kMla)
+    std::printf("attention  MLA: q_lora_rank %d, kv_lora_rank %d, nope %d + rope %d, v %d; "
+                "cache %d floats a position and layer\n",
+                hp.mla.q_lora_rank, hp.mla.kv_lora_rank, hp.mla.nope_dim, hp.mla.rope_dim,
+                hp.mla.v_dim, hp.cache_row());
+  std::printf("rope       theta %g, %d of each head's dims, %s%s\n", double(hp.rope.theta),
+              hp.rope.dim, j["rope"]["layout"].get<std::string>().c_str(),
+              hp.rope.yarn ? ", YaRN" : "");
+  std::printf("router     %s%s, groups %d (best %d), %s, scale %g\n",
+              j["router"]["scoring"].get<std::string>().c_str(),
+              hp.router.correction_bias ? " + correction bias" : "", hp.router.n_group,
+              hp.router.topk_group, hp.router.renormalize ? "renormalised" : "not renormalised",
+              double(hp.router.scale));
+  if (hp.n_nextn_layers > 0)
+    std::printf("skipped    %d multi-token-prediction layer(s) in the checkpoint\n",
+                hp.n_nextn_layers);
   std::printf("params     %.3f M total, %.3f M active per token\n", double(c.params_total) / 1e6,
               double(c.params_active) / 1e6);
   std::printf("bytes      dense %.3f MB, routed experts %.3f MB, per decode token %.3f MB\n",

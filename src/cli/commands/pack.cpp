@@ -31,6 +31,7 @@
 #include "io/gguf.h"
 #include "io/mapped_file.h"
 #include "model/gguf_model.h"
+#include "model/families/family.h"
 #include "model/hparams.h"
 #include "model/weights.h"
 #include "tokenizer/gguf_vocab.h"
@@ -196,7 +197,7 @@ Status cmd_pack(const Args& args) {
   m.dense_quant = dense_quant;
   m.config = std::move(config);
   // Expert layout per MoE layer, and the set of expert tensor names (left out of dense).
-  const model::FamilyNames& names = model::family_names(hp.family);
+  const model::FamilyNames& names = model::family_def(hp.family).names;
   std::set<const void*> expert_data;
   for (int l = 0; l < hp.n_layers; ++l) {
     const auto& experts = w.experts[size_t(l)];
@@ -228,9 +229,8 @@ Status cmd_pack(const Args& args) {
   std::map<const void*, const model::Matrix*> dense_quantizable;
   if (dense_q) {
     for (const model::LayerWeights& L : w.dense.layers)
-      for (const model::Matrix* x : {&L.wq, &L.wk, &L.wv, &L.wo, &L.shared.gate, &L.shared.up,
-                                     &L.shared.down, &L.dense.gate, &L.dense.up, &L.dense.down})
-        if (x->present()) dense_quantizable[x->data] = x;
+      for (const model::Matrix* x : L.matrices())
+        if (x->present() && x != &L.router && x != &L.shared_gate) dense_quantizable[x->data] = x;
     if (w.dense.lm_head.data != w.dense.embed.data)  // a tied head is the embedding
       dense_quantizable[w.dense.lm_head.data] = &w.dense.lm_head;
   }

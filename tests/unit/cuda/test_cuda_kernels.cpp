@@ -443,7 +443,7 @@ TEST_P(CudaAttention, RopeAndAttentionMatchCpu) {
   std::vector<float> kc = randn(size_t(n_ctx * kvd), 4), vc = randn(size_t(n_ctx * kvd), 5);
   // CPU reference: rope, append, attention.
   std::vector<float> qr = q, kr = k, kc_ref = kc, vc_ref = vc, want(size_t(n * qd));
-  const ts::cpu::RopeTable rope{hd, inv};
+  const ts::cpu::RopeTable rope{.head_stride = hd, .dim = hd, .inv_freq = inv};
   for (int t = 0; t < n; ++t) {
     ts::cpu::rope_apply(&qr[size_t(t * qd)], n_heads, rope, pos0 + t);
     ts::cpu::rope_apply(&kr[size_t(t * kvd)], n_kv, rope, pos0 + t);
@@ -512,7 +512,7 @@ TEST(CudaKernels, RopeWithPerHeadNormMatchesCpu) {
                                kn = randn(size_t(hd), 35, 0.5f);
       std::vector<float> qr = q, kr = k, kc_ref(size_t(n_ctx * kvd), 0.0f),
                          vc_ref(size_t(n_ctx * kvd), 0.0f);
-      const ts::cpu::RopeTable rope{hd, inv};
+      const ts::cpu::RopeTable rope{.head_stride = hd, .dim = hd, .inv_freq = inv};
       for (int t = 0; t < n; ++t) {
         for (int h = 0; h < n_heads; ++h) {
           float* x = &qr[size_t(t * qd + h * hd)];
@@ -910,7 +910,7 @@ TEST(CudaKernels, RouteMatchesSelectExperts) {
       std::vector<float> want_w(size_t(n * k));
       for (int t = 0; t < n; ++t)
         ts::model::select_experts(
-            std::span<const float>(&logits[size_t(t * n_experts)], size_t(n_experts)),
+            std::span<const float>(&logits[size_t(t * n_experts)], size_t(n_experts)), {},
             {.renormalize = renorm},
             {.ids = std::span<int>(&want_ids[size_t(t * k)], size_t(k)),
              .weights = std::span<float>(&want_w[size_t(t * k)], size_t(k))});
@@ -1196,7 +1196,7 @@ TEST(CudaKernels, Phase1RanksTheLogitsAsRouteDoes) {
       // And the CPU's selection (select_experts): the same ids.
       std::vector<int> want_ids(static_cast<size_t>(c.k));
       std::vector<float> want_w(static_cast<size_t>(c.k));
-      ts::model::select_experts(logits, {.renormalize = true},
+      ts::model::select_experts(logits, {}, {.renormalize = true},
                                 {.ids = want_ids, .weights = want_w});
       EXPECT_EQ(ids, want_ids);
       EXPECT_LE(max_rel(got->w.get<float>(), want_w), 1e-6);
@@ -1214,7 +1214,7 @@ TEST(CudaKernels, RouteWritesIdsAndFlagToMappedHostMemory) {
     std::vector<float> logits = randn(size_t(n_experts), uint32_t(7 + n_experts), 2.0f);
     std::vector<int> want_ids(static_cast<size_t>(k));
     std::vector<float> want_w(static_cast<size_t>(k));
-    ts::model::select_experts(logits, {.renormalize = true}, {.ids = want_ids, .weights = want_w});
+    ts::model::select_experts(logits, {}, {.renormalize = true}, {.ids = want_ids, .weights = want_w});
     int* host = nullptr;
     ASSERT_EQ(
         cudaHostAlloc(reinterpret_cast<void**>(&host), size_t(k + 1) * 4, cudaHostAllocMapped),
