@@ -180,31 +180,25 @@ Result<WeightBytes> synthetic_weight_bytes(const HParams& hp, DType dtype, DType
                       " is not a multiple of " + std::to_string(dtype_block_elems(down)) +
                       ", the " + std::string(dtype_name(down)) + " block");
   const DType float_t = dtype_is_quantized(dtype) ? DType::kBF16 : dtype;
-  const auto mat = [](DType t, int64_t rows, int64_t cols) {
-    return uint64_t(rows) * dtype_row_bytes(t, cols);
-  };
-  const auto vec = [](int64_t n) { return uint64_t(n) * 4; };
-  const int64_t d = hp.d_model;
   WeightBytes b;
-  b.dense += mat(float_t, hp.vocab, d) + vec(d);  // embedding, final norm
-  if (!hp.tie_word_embeddings || dtype_is_quantized(dtype)) b.dense += mat(dtype, hp.vocab, d);
-  for (int l = 0; l < hp.n_layers; ++l) {
-    b.dense += 2 * vec(d) + mat(dtype, hp.q_dim(), d) + 2 * mat(dtype, hp.kv_dim(), d) +
-               mat(dtype, d, hp.q_dim());
-    if (hp.qk_norm == QkNorm::kPerHead) b.dense += 2 * vec(hp.head_dim);
-    if (hp.qk_norm == QkNorm::kFullProjection) b.dense += vec(hp.q_dim()) + vec(hp.kv_dim());
-    if (!hp.layer_is_moe[size_t(l)]) {
-      b.dense += 2 * mat(dtype, hp.d_ff, d) + mat(dtype, d, hp.d_ff);
+  for (const TensorSpec& t : checkpoint_tensors(hp)) {
+    if (t.shape.size() == 1) {  // norms and biases: F32 vectors
+      b.dense += uint64_t(t.shape[0]) * 4;
       continue;
     }
-    b.dense += mat(float_t, hp.n_experts, d);
-    if (hp.d_shared > 0) {
-      b.dense += 2 * mat(dtype, hp.d_shared, d) + mat(dtype, d, hp.d_shared);
-      if (hp.shared_expert_gate) b.dense += mat(float_t, 1, d);
-    }
-    b.routed +=
-        uint64_t(hp.n_experts) * (2 * mat(dtype, hp.d_expert, d) + mat(down, d, hp.d_expert));
+    const DType dt = t.kind == TensorKind::kEmbedding || t.kind == TensorKind::kRouter ? float_t
+                     : t.role == TensorRole::kExpertDown                               ? down
+                                                                                       : dtype;
+    if (!dtype_row_ok(dt, t.shape[1]))
+      return make_error(t.name + " has rows of " + std::to_string(t.shape[1]) +
+                        ", not a multiple of " + std::to_string(dtype_block_elems(dt)) +
+                        ", the " + std::string(dtype_name(dt)) + " block");
+    const uint64_t bytes = uint64_t(t.shape[0]) * dtype_row_bytes(dt, t.shape[1]);
+    (t.kind == TensorKind::kExpert ? b.routed : b.dense) += bytes;
   }
+  // A tied head is the embedding's bytes, but where the matrices are quantized it is its own.
+  if (hp.tie_word_embeddings && dtype_is_quantized(dtype))
+    b.dense += uint64_t(hp.vocab) * dtype_row_bytes(dtype, hp.d_model);
   return b;
 }
 

@@ -95,13 +95,14 @@ struct WeightCounts {
 };
 WeightCounts count_weights(const HParams& hp, const BoundWeights& w);
 
-// The bytes of the random weights `bench --synthetic` generates on the GPU for hp (the CUDA
-// session's synthesize, which this follows): matrices in `dtype` — the embedding, router and
-// shared-expert gate in BF16 where `dtype` is quantized, the lm head the embedding's where hp
-// ties them and `dtype` is not quantized —, the routed experts' down matrices in `down`, norms
-// as F32 vectors. Dense and routed as count_weights splits them, so a synthetic model's size
-// can be checked against the device before any of it is made. An error, naming the config
-// field, where a matrix's width is not a whole number of `dtype`'s (or `down`'s) blocks.
+// The bytes of the random weights `bench --synthetic` generates on the GPU for hp, from the
+// tensor table: matrices in `dtype` — the embedding, router and shared-expert gate in BF16
+// where `dtype` is quantized, the lm head the embedding's where hp ties them and `dtype` is not
+// quantized —, the routed experts' down matrices in `down`, norms and biases as F32 vectors
+// (the CUDA synthesize makes no q/k/v biases: a bound, a few KB over). Dense and routed as
+// count_weights splits them, so a synthetic model's size can be checked against the device
+// before any of it is made. An error, naming the config field (or the tensor), where a
+// matrix's width is not a whole number of `dtype`'s (or `down`'s) blocks.
 struct WeightBytes {
   uint64_t dense = 0;
   uint64_t routed = 0;

@@ -100,7 +100,17 @@ TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
   EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), la.size() * 4)) << "max rel " << max_rel(lb, la);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GgufFixture, ::testing::ValuesIn(ts_test::fixture_names()));
+// The fixtures of the families whose GGUF architectures the loader maps (qwen3moe, qwen2moe,
+// olmoe, llama); deepseek2, glm4moe and minimax-m2 GGUF files are not mapped yet.
+std::vector<std::string> gguf_fixture_names() {
+  std::vector<std::string> out;
+  for (const std::string& name : ts_test::fixture_names())
+    for (const char* family : {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
+      if (name.rfind(family, 0) == 0) out.push_back(name);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GgufFixture, ::testing::ValuesIn(gguf_fixture_names()));
 
 // Mixtral is stored as arch llama, whose q/k rows the converter permutes: the loader must
 // undo exactly that (a file written without the permutation then gives other logits).
