@@ -16,7 +16,15 @@ trap 'rm -rf "$tmp"' EXIT
 for m in tests/models/*/; do
   ids=$(python3 -c "import json,sys; print(','.join(map(str, json.load(open('$m/ref.json'))['prompt_ids'])))")
   "$bin/turbospark" logits --model "$m" --tokens "$ids" --out "$tmp/cpu.npy"
-  "$bin/turbospark" logits --model "$m" --tokens "$ids" --out "$tmp/cuda.npy" --device cuda
+  # Layer kinds the CUDA backend does not run yet (MLA) are refused by name, exit 2.
+  rc=0
+  "$bin/turbospark" logits --model "$m" --tokens "$ids" --out "$tmp/cuda.npy" --device cuda \
+    2>"$tmp/err" || rc=$?
+  if [[ $rc == 2 ]] && grep -q "does not run yet" "$tmp/err"; then
+    echo "cli $m: refused on CUDA as expected: $(cat "$tmp/err")"
+    continue
+  fi
+  [[ $rc == 0 ]] || { cat "$tmp/err"; exit 1; }
   python3 - "$tmp/cpu.npy" "$tmp/cuda.npy" "$m" <<'PY'
 import sys, numpy as np
 a, b = np.load(sys.argv[1]), np.load(sys.argv[2])
@@ -76,8 +84,7 @@ else:
 PY
 done
 # bench --device cuda --json on the first fixture: the fields a script reads, and their sums.
-models=(tests/models/*/)
-m=${models[0]}
+m=tests/models/qwen3_moe
 "$bin/turbospark" bench --model "$m" --device cuda --contexts 8 --prompts 8 --gen-tokens 4 --json \
   >"$tmp/bench.json"
 python3 - "$tmp/bench.json" <<'PY'

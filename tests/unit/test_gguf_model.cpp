@@ -574,7 +574,7 @@ TEST(GgufFiles, DISABLED_WriteFixtureGgufs) {
   const char* out = std::getenv("TS_GGUF_OUT");
   ASSERT_TRUE(out && *out) << "set TS_GGUF_OUT to a directory";
   fs::create_directories(out);
-  for (const std::string& name : ts_test::fixture_names()) {
+  for (const std::string& name : gguf_fixture_names()) {
     const std::string dir = model_dir(name);
     ts_test::convert_hf_dir(dir, (fs::path(out) / (name + ".gguf")).string());
     ts_test::convert_hf_dir(dir, (fs::path(out) / (name + ".q8_0.gguf")).string(), {.q8_0 = true});

@@ -23,8 +23,11 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
   const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
   const bool is_q = h < a.n_heads, is_kv = h < a.n_kv_heads;
   const int position = *a.pos + t;
+  // Partial RoPE (rot_dim < head_dim) turns pairs (j, j + rot_dim / 2) of the first rot_dim
+  // values; this thread's pair (i, i + half) is then not a rotation pair (rotate_partial).
+  const int rot_half = a.rot_dim > 0 && a.rot_dim < a.head_dim ? a.rot_dim / 2 : half;
   // transformers: freqs = position * inv_freq in float32, then cos/sin.
-  const float freq = float(position) * a.inv_freq[i];
+  const float freq = float(position) * (i < rot_half ? a.inv_freq[i] : 0.0f);
   const float c = float(cos(double(freq))), s = float(sin(double(freq)));
   const bool q_norm = is_q && a.q_norm, k_norm = is_kv && a.k_norm;
   const float qw0 = q_norm ? a.q_norm[i] : 0.0f, qw1 = q_norm ? a.q_norm[i + half] : 0.0f;
@@ -57,17 +60,41 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
     x0 = x0 * inv * w0;
     x1 = x1 * inv * w1;
   };
+  // Partial RoPE: the normed head goes through shared memory, each value meets its partner
+  // there, and values past rot_dim pass unturned (r0 / r1 are then the outputs).
+  __shared__ float head[2][kMaxHeadDim];
+  auto rotate_partial = [&](int which, float x0, float x1, float& r0, float& r1) {
+    if (live) {
+      head[which][i] = x0;
+      head[which][i + half] = x1;
+    }
+    __syncthreads();
+    auto turned = [&](int e, float x) {
+      if (e >= 2 * rot_half) return x;
+      const int j = e < rot_half ? e : e - rot_half;
+      const float f = float(position) * a.inv_freq[j];
+      const float cj = float(cos(double(f))), sj = float(sin(double(f)));
+      return e < rot_half ? x * cj - head[which][e + rot_half] * sj
+                          : x * cj + head[which][e - rot_half] * sj;
+    };
+    r0 = turned(i, x0);
+    r1 = turned(i + half, x1);
+  };
+  const bool partial = rot_half < half;
   if (is_q) {
     if (q_norm) head_norm(q0, q1, qw0, qw1);
+    float r0 = q0 * c - q1 * s, r1 = q1 * c + q0 * s;
+    if (partial) rotate_partial(0, q0, q1, r0, r1);
     if (live) {
-      xh[i] = q0 * c - q1 * s;
-      xh[i + half] = q1 * c + q0 * s;
+      xh[i] = r0;
+      xh[i + half] = r1;
     }
   }
   if (is_kv) {
     if (k_norm) head_norm(k0, k1, kw0, kw1);
+    float r0 = k0 * c - k1 * s, r1 = k1 * c + k0 * s;
+    if (partial) rotate_partial(1, k0, k1, r0, r1);
     if (live) {
-      const float r0 = k0 * c - k1 * s, r1 = k1 * c + k0 * s;
       if (a.k_cache) {
         a.k_cache[dst + i] = r0;
         a.k_cache[dst + i + half] = r1;

@@ -190,7 +190,11 @@ Status CudaSession::begin(int device) {
   const char* env = std::getenv("TURBOSPARK_CUDA_GRAPHS");
   use_graphs_ = !(env && std::string(env) == "0");
   const char* pe = std::getenv("TURBOSPARK_CUDA_PREDICT");
-  predict_ = !(pe && std::string(pe) == "0");
+  // The prediction runs the fused norm + router + top-k: plain softmax routing only.
+  const model::RouterSpec& rs = hp_.router;
+  const bool plain_router = rs.scoring == model::ScoreFn::kSoftmax && !rs.correction_bias &&
+                            rs.n_group == 1 && rs.scale == 1.0f;
+  predict_ = !(pe && std::string(pe) == "0") && plain_router;
   const char* re = std::getenv("TURBOSPARK_CUDA_ROUTE_IN_P1");
   route_in_p1_ = !re ? -1 : std::string(re) == "0" ? 0 : 1;
   // (Probes the device once, here: never during a graph capture.)
@@ -239,6 +243,7 @@ Status CudaSession::upload(const runtime::LoadedModel& model) {
     TS_ASSIGN(D.bv, up.vec(L.bv));
     TS_ASSIGN(D.q_norm, up.vec(L.q_norm));
     TS_ASSIGN(D.k_norm, up.vec(L.k_norm));
+    TS_ASSIGN(D.corr_bias, up.vec(L.router_bias));
     TS_ASSIGN(D.wq, up.matrix(L.wq));
     TS_ASSIGN(D.wk, up.matrix(L.wk));
     TS_ASSIGN(D.wv, up.matrix(L.wv));
@@ -1119,6 +1124,7 @@ Status CudaSession::attention_block(int layer, int n) {
                       .n_heads = hp_.n_heads,
                       .n_kv_heads = hp_.n_kv_heads,
                       .head_dim = hp_.head_dim,
+                      .rot_dim = hp_.rope.dim,
                       .q_norm = per_head ? L.q_norm : nullptr,
                       .k_norm = per_head ? L.k_norm : nullptr,
                       .eps = hp_.rms_eps,
@@ -1235,18 +1241,15 @@ Status check_weights_fit(const std::string& what, uint64_t bytes, bool at_least,
                     " GiB free of " + std::to_string(gib(total_b)) + " GiB");
 }
 
-// The layer kinds the CUDA forward pass runs: GQA with full rotate-half RoPE (no YaRN) and
-// the softmax router without groups, bias or scale. Others are refused before any upload.
+// The layer kinds the CUDA forward pass runs: GQA with rotate-half RoPE on all or the first
+// part of each head (no YaRN), and every RouterSpec. Others are refused before any upload.
 Status check_cuda_runs(const model::HParams& hp) {
   std::string missing;
   if (hp.attention == model::AttentionKind::kMla) missing = "multi-head latent attention (MLA)";
-  else if (hp.rope.dim != hp.head_dim) missing = "partial RoPE";
   else if (hp.rope.layout != model::RopeLayout::kHalf) missing = "interleaved RoPE";
   else if (hp.rope.yarn) missing = "YaRN RoPE";
-  else if (hp.router.scoring != model::ScoreFn::kSoftmax) missing = "sigmoid routing";
-  else if (hp.router.n_group > 1) missing = "group-limited routing";
-  else if (hp.router.correction_bias) missing = "a router correction bias";
-  else if (hp.router.scale != 1.0f) missing = "routed_scaling_factor";
+  else if (hp.n_experts > kMaxExperts) missing = "more than 512 experts";
+  else if (hp.router.n_group > 64) missing = "more than 64 expert groups";
   if (missing.empty()) return {};
   return make_error("--device cuda: " + hp.model_type + " needs " + missing +
                     ", which the CUDA backend does not run yet; use --device cpu");

@@ -104,6 +104,7 @@ struct DevLayer {
   // One expert's bytes: gate at 0, up at up_off, down at down_off (256-byte aligned).
   size_t expert_bytes = 0, up_off = 0, down_off = 0;
   float* router_bias = nullptr;  // bench --routing zipf:S: log-popularity per expert
+  float* corr_bias = nullptr;    // [n_experts] RouterSpec's selection-only correction bias
   // The experts' input (ffn_norm's output) fits F16 (cpu::rmsnorm_fits_f16): Q8_0 / Q4_K
   // experts read in place then run phase 1 on F16.
   bool experts_f16_input = false;

@@ -22,9 +22,17 @@ Status CudaSession::moe_block(int layer, int n) {
                              .n_experts = hp_.n_experts,
                              .top_k = k,
                              .renormalize = hp_.router.renormalize,
+                             .sigmoid = hp_.router.scoring == model::ScoreFn::kSigmoid,
+                             .bias = L.corr_bias,
+                             .n_group = hp_.router.n_group,
+                             .topk_group = hp_.router.topk_group,
+                             .group_max = hp_.router.group_score == model::GroupScore::kMax,
+                             .scale = hp_.router.scale,
                              .host_ids = to_host ? ids_flag_dev_ + 1 : nullptr,
                              .host_flag = to_host ? ids_flag_dev_ : nullptr};
-  const bool fused_route = n == 1 && !sampled_routing_ && norm_route_applies(L.router.dtype, d);
+  // The fused norm + router + top-k (and the top-k in phase 1) rank by plain softmax only.
+  const bool fused_route = n == 1 && !sampled_routing_ && route_args.plain() &&
+                           norm_route_applies(L.router.dtype, d);
   // Decode with the experts resident: the top-k moves into phase 1's blocks, each ranking the
   // logits up to its own slot (MoeArgs::route), so the router's launch ends at its logits.
   // Not where the host reads the ids between the launches (the expert cache, router traces).

@@ -1095,7 +1095,10 @@ void gemv_parts(const DevMatrix* w, float* const* y, int parts, GemvInput in, in
   else launch_gemv<4>(w[0], p, s);
 }
 
+void route_spec(const RouteArgs& a, cudaStream_t s);  // kernels.cu
+
 void route(const RouteArgs& a, cudaStream_t s) {
+  if (!a.plain()) return route_spec(a, s);
   launch_kernel(route_kernel, unsigned((a.n + 3) / 4), 128, 0, s, a);
 }
 

@@ -174,6 +174,89 @@ __global__ void fill_q4k_kernel(uint8_t* dst, int64_t n_blocks, float scale, uin
 }
 
 // logits[t, e] = bias[e] + Gumbel noise from a hash of (seed, position, e): top-k of these is
+// One token's routing by a RouterSpec other than plain softmax, by one thread, in
+// model::select_experts' order of operations: scores (softmax or sigmoid), choice scores
+// (+ bias), groups outside the topk_group best made ineligible, top_k by choice score (ties
+// to the lower id, NaN last), weights = unbiased scores, renormalised (+1e-20 for sigmoid),
+// times scale. Up to kMaxExperts experts in local memory; a MoE layer's few tokens.
+__global__ void route_spec_kernel(RouteArgs a) {
+  pdl_wait();
+  const int t = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (t >= a.n) return;
+  const int n = a.n_experts;
+  const float* lg = a.logits + size_t(t) * n;
+  float p[kMaxExperts], choice[kMaxExperts];
+  bool taken[kMaxExperts];
+  if (a.sigmoid) {
+    for (int e = 0; e < n; ++e) p[e] = 1.0f / (1.0f + expf(-lg[e]));
+  } else {
+    float mx = -INFINITY, sum = 0;
+    for (int e = 0; e < n; ++e) mx = fmaxf(mx, lg[e]);
+    for (int e = 0; e < n; ++e) sum += p[e] = expf(lg[e] - mx);
+    for (int e = 0; e < n; ++e) p[e] /= sum;
+  }
+  for (int e = 0; e < n; ++e) {
+    choice[e] = p[e] + (a.bias ? a.bias[e] : 0.0f);
+    taken[e] = false;
+  }
+  auto above = [](float x, int ix, float y, int iy) {
+    if (isnan(y)) return !isnan(x) || ix < iy;
+    if (isnan(x)) return false;
+    return x > y || (x == y && ix < iy);
+  };
+  if (a.n_group > 1) {
+    const int gs = n / a.n_group;
+    float g_score[64];
+    bool g_taken[64];
+    for (int g = 0; g < a.n_group; ++g) {
+      float first = -INFINITY, second = -INFINITY;
+      for (int e = g * gs; e < (g + 1) * gs; ++e) {
+        const float v = choice[e];
+        if (v > first || isnan(v)) {
+          second = first;
+          first = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      g_score[g] = a.group_max ? first : first + second;
+      g_taken[g] = false;
+    }
+    for (int r = 0; r < a.topk_group; ++r) {
+      int best = -1;
+      for (int g = 0; g < a.n_group; ++g)
+        if (!g_taken[g] && (best < 0 || above(g_score[g], g, g_score[best], best))) best = g;
+      g_taken[best] = true;
+    }
+    for (int g = 0; g < a.n_group; ++g)
+      if (!g_taken[g])
+        for (int e = g * gs; e < (g + 1) * gs; ++e) taken[e] = true;
+  }
+  int* ids = a.ids + size_t(t) * a.top_k;
+  float* w = a.weights + size_t(t) * a.top_k;
+  float sum = 0;
+  for (int r = 0; r < a.top_k; ++r) {
+    int best = -1;
+    for (int e = 0; e < n; ++e)
+      if (!taken[e] && (best < 0 || above(choice[e], e, choice[best], best))) best = e;
+    taken[best] = true;
+    ids[r] = best;
+    w[r] = p[best];
+    sum += p[best];
+    if (a.hist) atomicAdd(a.hist + best, 1ull);
+  }
+  if (a.sigmoid) sum += 1e-20f;
+  for (int r = 0; r < a.top_k; ++r) {
+    if (a.renormalize) w[r] /= sum;
+    if (a.scale != 1.0f) w[r] *= a.scale;
+  }
+  if (a.host_ids) {
+    for (int r = 0; r < a.top_k; ++r) a.host_ids[r] = ids[r];
+    __threadfence_system();
+    *reinterpret_cast<volatile int*>(a.host_flag) = 1;
+  }
+}
+
 // a draw without replacement from softmax(bias), new for every position.
 __global__ void synthetic_route_kernel(float* logits, const float* bias, const int* pos, int n,
                                        int n_experts, uint64_t seed) {
@@ -352,6 +435,10 @@ void fill_uniform(void* dst, DType type, int64_t n, float scale, uint64_t seed, 
 void fill_q4_k_random(void* dst, int64_t n, float scale, uint64_t seed, cudaStream_t s) {
   const int64_t blocks = n / 256;
   launch_kernel(fill_q4k_kernel, grid_for(blocks), 256, 0, s, static_cast<uint8_t*>(dst), blocks, scale, seed);
+}
+
+void route_spec(const RouteArgs& a, cudaStream_t s) {
+  launch_kernel(route_spec_kernel, unsigned((a.n + 31) / 32), 32, 0, s, a);
 }
 
 void synthetic_route(float* logits, const float* bias, const int* pos, int n, int n_experts,

@@ -77,6 +77,8 @@ struct RopeKvArgs {
   const float* inv_freq;  // [head_dim / 2]
   const int* pos;         // device scalar: position of token 0
   int n, n_heads, n_kv_heads, head_dim;
+  int rot_dim = 0;                // RoPE turns the first rot_dim of each head (0: all), pairs
+                                  // (i, i + rot_dim / 2); inv_freq holds rot_dim / 2
   const float* q_norm = nullptr;  // per-head RMSNorm weights [head_dim] applied first, or null
   const float* k_norm = nullptr;
   float eps = 0;
@@ -141,12 +143,22 @@ struct RouteArgs {
   unsigned long long* hist;  // [n_experts] of this layer
   int n, n_experts, top_k;
   bool renormalize;
+  // The rest of model::RouterSpec (sigmoid scores, a selection-only correction bias, groups,
+  // routed_scaling_factor). Only route() reads them (route_spec_kernel, model::select_experts'
+  // rule); the fused decode kernels take plain softmax routing alone (plain()).
+  bool sigmoid = false;
+  const float* bias = nullptr;  // [n_experts] added to the scores for selection only, or null
+  int n_group = 1, topk_group = 1;
+  bool group_max = false;       // a group's score: its best (V2), else its two best summed
+  float scale = 1.0f;
+  bool plain() const { return !sigmoid && !bias && n_group == 1 && scale == 1.0f; }
   // Optional (n == 1 only; the GPU expert cache's decode segments): the ids also written to mapped
   // host memory, then *host_flag = 1 after a system-wide fence, so the host can bind without a
   // device-to-host copy and a stream synchronization.
   int* host_ids = nullptr;
   int* host_flag = nullptr;
 };
+// plain(): one warp a token (route_kernel); else one thread a token (route_spec_kernel).
 void route(const RouteArgs& a, cudaStream_t s);
 constexpr int kMaxExperts = 512;
 

@@ -90,7 +90,7 @@ Status cmd_inspect(const Args& args) {
               hp.router.topk_group, hp.router.renormalize ? "renormalised" : "not renormalised",
               double(hp.router.scale));
   if (hp.n_nextn_layers > 0)
-    std::printf("skipped    %d multi-token-prediction layer(s) in the checkpoint\n",
+    std::printf("mtp        %d multi-token-prediction layer(s) in the config: not loaded\n",
                 hp.n_nextn_layers);
   std::printf("params     %.3f M total, %.3f M active per token\n", double(c.params_total) / 1e6,
               double(c.params_active) / 1e6);

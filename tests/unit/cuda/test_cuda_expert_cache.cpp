@@ -245,7 +245,7 @@ TEST_P(CudaExpertCache, WarmStartFromARouterHistogram) {
   EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4));
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, CudaExpertCache, ::testing::ValuesIn(fixture_names()),
+INSTANTIATE_TEST_SUITE_P(Models, CudaExpertCache, ::testing::ValuesIn(ts_test::cuda_fixture_names()),
                          [](const auto& info) { return info.param; });
 
 // BF16 and Q8_0 experts take the grouped tensor-core kernels in prefill (Q4_K experts the

@@ -384,8 +384,27 @@ TEST_P(CudaFixture, SteeringAndCaptureMatchCpu) {
   EXPECT_EQ(cpu.router_hist().size(), gpu->router_hist().size());
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, CudaFixture, ::testing::ValuesIn(fixture_names()),
+INSTANTIATE_TEST_SUITE_P(Models, CudaFixture, ::testing::ValuesIn(ts_test::cuda_fixture_names()),
                          [](const auto& info) { return info.param; });
+
+// The families whose layer kinds the CUDA backend does not run yet are refused before any
+// device work (so this runs without a GPU too), naming the layer kind.
+TEST(CudaErrors, LayerKindsItDoesNotRunAreRefusedByName) {
+  ts::ThreadPool pool(1);
+  int refused = 0;
+  for (const std::string& name : fixture_names()) {
+    if (ts_test::cuda_runs_fixture(name)) continue;
+    auto m = ts::runtime::LoadedModel::load((data_dir() / "models" / name).string());
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    auto e = ts::runtime::make_engine(*m.value(), pool, {}, {ts::runtime::DeviceKind::kCuda, 0});
+    ASSERT_FALSE(e.ok()) << name;
+    const std::string& msg = e.error().message;
+    EXPECT_NE(msg.find("does not run yet"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("latent attention"), std::string::npos) << msg;
+    ++refused;
+  }
+  EXPECT_GE(refused, 3);  // deepseek_v2, deepseek_v2_yarn, deepseek_v3
+}
 
 TEST(CudaErrors, BadDeviceIndexIsAClearError) {
   auto m = ts::runtime::LoadedModel::load((data_dir() / "models" / "olmoe").string());
