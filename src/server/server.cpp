@@ -12,6 +12,7 @@
 
 #include "server/api.h"
 #include "server/engine.h"
+#include "server/json_depth.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
@@ -30,10 +31,27 @@ void send_error(const httplib::Request& req, httplib::Response& res, const ApiEr
   send_json(res, e.status, is_anthropic(req) ? anthropic_error_body(e) : openai_error_body(e));
 }
 
+// A request body as JSON: too deep a nesting is refused before nlohmann sees it (its parser
+// and every walker after it recurse per level, json_depth.h).
+Parsed<json> parse_body(const httplib::Request& req) {
+  if (std::optional<size_t> at = json_too_deep_at(req.body))
+    return ApiError{.message = "the request body nests arrays and objects deeper than " +
+                               std::to_string(kMaxJsonDepth) + " levels (at byte " +
+                               std::to_string(*at) + ")",
+                    .code = "json_too_deep"};
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded()) return ApiError{.message = "the request body is not valid JSON"};
+  return body;
+}
+
 // The body of /tokenize or /detokenize, which must be a JSON object; otherwise the 400 is sent.
 std::optional<json> object_body(const httplib::Request& req, httplib::Response& res) {
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_object()) return body;
+  Parsed<json> body = parse_body(req);
+  if (auto* e = std::get_if<ApiError>(&body)) {
+    send_error(req, res, *e);
+    return std::nullopt;
+  }
+  if (std::get<json>(body).is_object()) return std::move(std::get<json>(body));
   send_error(req, res, {.message = "the request body must be a JSON object"});
   return std::nullopt;
 }
@@ -218,7 +236,9 @@ void Server::Impl::setup() {
   // Anthropic's token count: the prompt a Messages request with this body would prefill.
   http.Post(
       "/v1/messages/count_tokens", [this](const httplib::Request& req, httplib::Response& res) {
-        json body = json::parse(req.body, nullptr, false);
+        Parsed<json> parsed_body = parse_body(req);
+        if (auto* e = std::get_if<ApiError>(&parsed_body)) return send_error(req, res, *e);
+        json& body = std::get<json>(parsed_body);
         if (body.is_object() && !body.contains("max_tokens")) body["max_tokens"] = 1;  // not asked
         Parsed<GenRequest> parsed = parse_messages_request(body, tmpl, opt.model_id);
         if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(req, res, *e);
@@ -271,9 +291,9 @@ Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
 }
 
 void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib::Response& res) {
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded())
-    return send_error(req, res, {.message = "the request body is not valid JSON"});
+  Parsed<json> parsed_body = parse_body(req);
+  if (auto* e = std::get_if<ApiError>(&parsed_body)) return send_error(req, res, *e);
+  const json& body = std::get<json>(parsed_body);
   Parsed<GenRequest> parsed = api == Api::kChat ? parse_chat_request(body, tmpl, opt.model_id)
                               : api == Api::kCompletion
                                   ? parse_completion_request(body, opt.model_id)
