@@ -1,7 +1,10 @@
 #include "server/server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <ctime>
 #include <deque>
@@ -11,6 +14,7 @@
 #include <random>
 
 #include "server/api.h"
+#include "server/connections.h"
 #include "server/engine.h"
 #include "server/json_depth.h"
 #include "tokenizer/chat_template.h"
@@ -64,6 +68,12 @@ bool same_secret(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+bool iequals(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(uint8_t(x)) == std::tolower(uint8_t(y));
+         });
+}
+
 const char* route_label(const std::string& path) {
   for (const char* r :
        {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health",
@@ -84,6 +94,31 @@ struct StreamChannel {
   std::optional<Result<runtime::Generation>> result;  // set once, after the last piece
 };
 
+// cpp-httplib's server with its connection handling replaced (connections.h): an accepted
+// socket goes to Connections, which reads each request whole and hands it back to
+// process_request, the library's own parser and router.
+class HttpServer final : public httplib::Server {
+ public:
+  std::unique_ptr<Connections> connections;
+  // Runs one request read whole; false when the connection must close afterwards.
+  bool serve(httplib::Stream& stream, bool close_connection) {
+    bool closed = false;
+    const bool ok = process_request(stream, close_connection, closed, nullptr);
+    return ok && !closed;
+  }
+  int listening_socket() const { return svr_sock_; }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    connections->add(sock);
+    return true;
+  }
+};
+
+// Connects queued before accept() takes them; httplib's own is 5 (CPPHTTPLIB_LISTEN_BACKLOG,
+// compiled into Debian's libcpp-httplib), which put bursts of 32-64 connects into SYN cookies.
+constexpr int kListenBacklog = 512;
+
 }  // namespace
 
 struct Server::Impl {
@@ -91,7 +126,7 @@ struct Server::Impl {
   Engine& engine;
   const tokenizer::Tokenizer& tok;
   const tokenizer::ChatTemplate& tmpl;
-  httplib::Server http;
+  HttpServer http;
   int64_t started = std::time(nullptr);
 
   void setup();
@@ -100,10 +135,26 @@ struct Server::Impl {
 };
 
 void Server::Impl::setup() {
-  const int threads = opt.http_threads;
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
-  http.set_payload_max_length(opt.max_body_bytes);
-  http.set_keep_alive_max_count(1000);
+  // The accept loop's queue only hands sockets to `connections`, whose workers run requests.
+  http.new_task_queue = [] { return new httplib::ThreadPool(2); };
+  http.connections = std::make_unique<Connections>(
+      ConnectionOptions{.max_body_bytes = opt.max_body_bytes,
+                        .request_timeout_s = opt.request_timeout_s,
+                        .workers = opt.http_threads},
+      [this](httplib::Stream& stream, bool close) { return http.serve(stream, close); },
+      [](const std::string& path, const Refusal& r) {
+        const ApiError e{.status = r.status, .message = r.message, .code = r.code};
+        return dump_json(path.rfind("/v1/messages", 0) == 0 ? anthropic_error_body(e)
+                                                            : openai_error_body(e));
+      });
+  http.set_payload_max_length(opt.max_body_bytes);  // (connections.h enforces it first)
+  http.set_keep_alive_max_count(1000);              // (only named in the Keep-Alive header now)
+  // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, with which a second server binds
+  // the same port and the kernel splits the connections between the two.
+  http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
 
   http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (opt.api_key.empty() || req.path == "/health")
@@ -400,50 +451,59 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
                                                             .stops = r.stops});
   const bool anthropic = api == Api::kMessages;
   res.set_header("Cache-Control", "no-cache");
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, channel, job, writer, prompt_tokens, anthropic](size_t, httplib::DataSink& sink) {
-        auto send = [&](const std::string& frame) {
-          if (frame.empty()) return true;
-          if (!sink.write(frame.data(), frame.size())) {
-            job->cancelled = true;  // the client went away
-            return false;
-          }
-          engine.metrics().add_stream_bytes(frame.size());
-          return true;
-        };
-        if (!send(writer->begin(prompt_tokens))) return false;
-        for (;;) {
-          std::deque<StreamChannel::Piece> batch;
-          bool finished;
-          {
-            std::unique_lock lock(channel->mu);
-            channel->cv.wait(lock, [&] { return !channel->pieces.empty() || channel->result; });
-            batch.swap(channel->pieces);
-            finished = channel->result.has_value();
-          }
-          for (const StreamChannel::Piece& piece : batch)
-            if (!send(writer->text(piece.text, piece.logprobs))) return false;
-          if (finished) break;
-        }
-        Result<runtime::Generation>& gen = *channel->result;
-        if (!gen.ok()) {
-          // Headers are gone already: the failure is reported in the stream.
-          ApiError e{.status = 500,
-                     .message = "generation failed: " + gen.error().message,
-                     .type = "server_error"};
-          if (!send(anthropic ? "event: error\ndata: " + dump_json(anthropic_error_body(e)) + "\n\n"
-                              : "data: " + dump_json(openai_error_body(e)) + "\n\n"))
-            return false;
-        } else if (!send(writer->end(*gen))) {
-          return false;
-        }
-        sink.done();
-        return true;
-      },
-      [job](bool success) {
-        if (!success) job->cancelled = true;
-      });
+  auto provider = [this, channel, job, writer, prompt_tokens, anthropic](size_t,
+                                                                         httplib::DataSink& sink) {
+    auto send = [&](const std::string& frame) {
+      if (frame.empty()) return true;
+      if (!sink.write(frame.data(), frame.size())) {
+        job->cancelled = true;  // the client went away
+        return false;
+      }
+      engine.metrics().add_stream_bytes(frame.size());
+      return true;
+    };
+    if (!send(writer->begin(prompt_tokens))) return false;
+    for (;;) {
+      std::deque<StreamChannel::Piece> batch;
+      bool finished;
+      {
+        std::unique_lock lock(channel->mu);
+        channel->cv.wait(lock, [&] { return !channel->pieces.empty() || channel->result; });
+        batch.swap(channel->pieces);
+        finished = channel->result.has_value();
+      }
+      for (const StreamChannel::Piece& piece : batch)
+        if (!send(writer->text(piece.text, piece.logprobs))) return false;
+      if (finished) break;
+    }
+    Result<runtime::Generation>& gen = *channel->result;
+    if (!gen.ok()) {
+      // Headers are gone already: the failure is reported in the stream.
+      ApiError e{.status = 500,
+                 .message = "generation failed: " + gen.error().message,
+                 .type = "server_error"};
+      if (!send(anthropic ? "event: error\ndata: " + dump_json(anthropic_error_body(e)) + "\n\n"
+                          : "data: " + dump_json(openai_error_body(e)) + "\n\n"))
+        return false;
+    } else if (!send(writer->end(*gen))) {
+      return false;
+    }
+    sink.done();
+    return true;
+  };
+  auto release = [job](bool success) {
+    if (!success) job->cancelled = true;
+  };
+  if (req.version == "HTTP/1.0") {
+    // HTTP/1.0 has no chunked encoding: the stream ends where the connection does.
+    // (httplib names "Connection: close" itself unless the client asked to keep it alive.)
+    if (iequals(req.get_header_value("Connection"), "keep-alive"))
+      res.set_header("Connection", "close");
+    close_current_connection_after_response();
+    res.set_content_provider("text/event-stream", std::move(provider), std::move(release));
+  } else {
+    res.set_chunked_content_provider("text/event-stream", std::move(provider), std::move(release));
+  }
 }
 
 Server::Server(ServerOptions options, Engine& engine, const tokenizer::Tokenizer& tok,
@@ -455,7 +515,7 @@ Server::Server(ServerOptions options, Engine& engine, const tokenizer::Tokenizer
 Server::~Server() = default;
 
 Status Server::run(const std::function<void(int)>& on_listening) {
-  httplib::Server& http = impl_->http;
+  HttpServer& http = impl_->http;
   const ServerOptions& opt = impl_->opt;
   int port = opt.port;
   if (port == 0) {
@@ -463,13 +523,20 @@ Status Server::run(const std::function<void(int)>& on_listening) {
     if (port < 0) return make_error("cannot bind " + opt.host + " to a free port");
   } else if (!http.bind_to_port(opt.host, port)) {
     return make_error("cannot bind " + opt.host + ":" + std::to_string(port) +
-                      " (in use, or not an address of this machine)");
+                      " (in use - by another server? - or not an address of this machine)");
   }
+  if (::listen(http.listening_socket(), kListenBacklog) != 0)
+    return make_error("cannot set the listen backlog of " + opt.host + ":" + std::to_string(port));
   on_listening(port);
-  if (!http.listen_after_bind()) return make_error("the HTTP server stopped with an error");
+  const bool ok = http.listen_after_bind();
+  http.connections->stop();
+  if (!ok) return make_error("the HTTP server stopped with an error");
   return {};
 }
 
-void Server::stop() { impl_->http.stop(); }
+void Server::stop() {
+  impl_->http.stop();
+  impl_->http.connections->stop();
+}
 
 }  // namespace ts::server

@@ -29,7 +29,8 @@ struct ServerOptions {
   std::string api_key;  // empty = no key needed
   std::string model_id;
   size_t max_body_bytes = 8 << 20;
-  int http_threads = 80;  // enough for every queued request plus idle keep-alive connections
+  int request_timeout_s = 30;  // a request's first byte to its last (slow clients: 408)
+  int http_threads = 80;       // workers: enough for every queued request plus a few for /health
 };
 
 class Server {

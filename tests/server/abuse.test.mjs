@@ -88,7 +88,7 @@ async function healthy(s = main) {
   assert.equal(r.json.object, 'chat.completion');
 }
 
-before(async () => { main = await startServer(['--max-body-bytes', String(MAX_BODY)]); });
+before(async () => { main = await startServer(['--max-body-bytes', String(MAX_BODY), '--request-timeout-s', '3']); });
 after(async () => { await stopServer(main); });
 
 test('deeply nested JSON in any field is a 400 naming the limit, not a crash', async () => {
@@ -115,5 +115,125 @@ test('deeply nested JSON in any field is a 400 naming the limit, not a crash', a
   const ok = await post(main.base, '/detokenize', `{"tokens": ${deep(127)}}`);
   assert.equal(ok.status, 400);
   assert.match(ok.json.error.message, /'tokens\[0\]'/);
+  await healthy();
+});
+
+test('--max-body-bytes holds for chunked and compressed bodies', async () => {
+  // Chunked: counted as it is decoded; 2 MiB at a 1 MiB limit is refused, a small one served.
+  const chunk = 'x'.repeat(64 << 10);
+  const pieces = ['POST /detokenize HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n'];
+  for (let i = 0; i < 32; i++) pieces.push(`${chunk.length.toString(16)}\r\n${chunk}\r\n`);
+  pieces.push('0\r\n\r\n');
+  let r = await raw(main.port, pieces);
+  assert.equal(statusOf(r), 413, r.slice(0, 300));
+  assert.match(r, /larger than 1048576 bytes \(--max-body-bytes\)/);
+  r = await raw(main.port, 'POST /detokenize HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n' +
+    'Connection: close\r\n\r\n5\r\n{"tok\r\n9;ext=1\r\nens":[1]}\r\n0\r\n\r\n');
+  assert.equal(statusOf(r), 200, r);
+  assert.match(r, /"content"/);
+  // A declared length over the limit is refused before the body is sent.
+  r = await raw(main.port, `POST /detokenize HTTP/1.1\r\nHost: localhost\r\nContent-Length: ${MAX_BODY + 1}\r\n\r\n`, { ms: 2000 });
+  assert.equal(statusOf(r), 413, r);
+  // gzip would expand past any limit after it is checked: refused whatever its size.
+  const { gzipSync } = await import('node:zlib');
+  const res = await fetch(main.base + '/detokenize', {
+    method: 'POST', headers: { 'content-type': 'application/json', 'content-encoding': 'gzip' },
+    body: gzipSync(JSON.stringify({ tokens: [1] })),
+  });
+  assert.equal(res.status, 415);
+  assert.match((await res.json()).error.message, /Content-Encoding 'gzip' is not accepted/);
+  await healthy();
+});
+
+test('header count and size are bounded before the API key is checked', async () => {
+  const keyed = await startServer(['--api-key', 's3cret']);
+  try {
+    const many = 'GET /v1/models HTTP/1.1\r\nHost: localhost\r\n' +
+      Array.from({ length: 1000 }, (_, i) => `X-H${i}: v\r\n`).join('') + '\r\n';
+    let r = await raw(keyed.port, many);
+    assert.equal(statusOf(r), 431, r.slice(0, 300));
+    assert.match(r, /more than 100 header fields/);
+    const long = `GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: ${'a'.repeat(70000)}\r\n\r\n`;
+    r = await raw(keyed.port, long);
+    assert.equal(statusOf(r), 431, r.slice(0, 300));
+    assert.match(r, /longer than 65536 bytes/);
+    // (Under the limits, the key decides.)
+    r = await raw(keyed.port, 'GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n');
+    assert.equal(statusOf(r), 401);
+  } finally {
+    await stopServer(keyed);
+  }
+});
+
+test('slow clients: /health answers while 200 connections trickle headers; each is cut off with a 408', async () => {
+  const socks = [];
+  for (let i = 0; i < 200; i++) {
+    const s = net.connect(main.port, '127.0.0.1');
+    s.on('error', () => {});
+    s.write('GET /health HTTP/1.1\r\n');
+    socks.push(s);
+  }
+  let stop = false;
+  const trickle = (async () => {
+    for (let i = 0; !stop; i++) {
+      for (const s of socks) if (!s.destroyed) s.write(`X-${i}: a\r\n`);
+      await new Promise((r) => setTimeout(r, 200));
+    }
+  })();
+  try {
+    await new Promise((r) => setTimeout(r, 500));
+    const t0 = Date.now();
+    await healthy();
+    assert.ok(Date.now() - t0 < 2000, `healthy took ${Date.now() - t0} ms`);
+    // Each trickling request is cut off at --request-timeout-s 3 with a 408.
+    const late = await raw(main.port, ['POST /detokenize HTTP/1.1\r\n', 'Host: localhost\r\n', 'X-A: 1\r\n',
+      'X-B: 1\r\n', 'X-C: 1\r\n', 'X-D: 1\r\n', 'X-E: 1\r\n', 'X-F: 1\r\n', 'X-G: 1\r\n'], { ms: 8000, pauseMs: 600 });
+    assert.equal(statusOf(late), 408, late);
+    assert.match(late, /within 3 s \(--request-timeout-s\)/);
+  } finally {
+    stop = true;
+    await trickle;
+    for (const s of socks) s.destroy();
+  }
+});
+
+test('listen backlog 512, and a second server on the same port fails (no SO_REUSEPORT)', async () => {
+  const { execFileSync } = await import('node:child_process');
+  const ss = execFileSync('ss', ['-Hltn', `sport = :${main.port}`], { encoding: 'utf8' });
+  // For a listening socket, ss shows the backlog as Send-Q.
+  assert.equal(Number(ss.trim().split(/\s+/)[2]), 512, ss);
+  const second = spawn(BIN, ['serve', '--model', MODEL_DIR, '--port', String(main.port), '--no-warmup'],
+    { stdio: ['ignore', 'ignore', 'pipe'] });
+  let log = '';
+  second.stderr.on('data', (d) => { log += d; });
+  const code = await new Promise((r) => second.on('exit', r));
+  assert.equal(code, 2, log);
+  assert.match(log, new RegExp(`cannot bind 127\\.0\\.0\\.1:${main.port}`));
+  await healthy();
+});
+
+test('HTTP framing: HTTP/1.0 streams without chunks, pipelining, conflicting Content-Length', async () => {
+  const body = JSON.stringify({ ...HELLO, stream: true });
+  let r = await raw(main.port, `POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n` +
+    `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`, { ms: 10000 });
+  assert.equal(statusOf(r), 200, r);
+  const [head, rest] = [r.slice(0, r.indexOf('\r\n\r\n')), r.slice(r.indexOf('\r\n\r\n') + 4)];
+  assert.doesNotMatch(head, /transfer-encoding/i);
+  assert.match(head, /^Connection: close$/mi);
+  assert.ok(rest.startsWith('data: {'), rest.slice(0, 100));
+  assert.ok(rest.endsWith('data: [DONE]\n\n'), rest.slice(-100));
+  // Two requests in one write: two responses, in order.
+  const one = JSON.stringify({ tokens: [1] });
+  r = await raw(main.port, `POST /detokenize HTTP/1.1\r\nHost: localhost\r\nContent-Length: ${one.length}\r\n\r\n${one}` +
+    'GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n');
+  assert.equal((r.match(/HTTP\/1\.1 200 OK\r\n/g) ?? []).length, 2, r);
+  assert.ok(r.indexOf('"content"') < r.indexOf('"status":"ok"'), r);
+  r = await raw(main.port, 'POST /detokenize HTTP/1.1\r\nHost: localhost\r\nContent-Length: 13\r\n' +
+    `Content-Length: 14\r\n\r\n${one}`);
+  assert.equal(statusOf(r), 400, r);
+  assert.match(r, /conflicting Content-Length headers \(13 and 14\)/);
+  r = await raw(main.port, 'POST /detokenize HTTP/1.1\r\nHost: localhost\r\nContent-Length: 14\r\n' +
+    `Transfer-Encoding: chunked\r\n\r\n${one}`);
+  assert.equal(statusOf(r), 400, r);
   await healthy();
 });
