@@ -393,7 +393,16 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
         e.message = st.error().message;
         return send_error(req, res, e);
       }
+      // A client that leaves while its reply is generated stops the job at the next token
+      // (a stream notices at its next write; this reply is written only at the end).
+      while (result.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready)
+        if (!one->cancelled && current_client_gone()) one->cancelled = true;
       Result<runtime::Generation> gen = result.get();
+      if (one->cancelled) {
+        res.status = 499;  // (nginx's "client closed request": counted, never sent)
+        close_current_connection_after_response();
+        return;
+      }
       if (!gen.ok())
         return send_error(req, res,
                           {.status = 500,

@@ -212,6 +212,21 @@ test('listen backlog 512, and a second server on the same port fails (no SO_REUS
   await healthy();
 });
 
+test('a non-streaming request stops generating when its client disconnects', async () => {
+  const before = await (await fetch(main.base + '/metrics')).text();
+  const count = (text) => Number(text.match(/^turbospark_generations_cancelled_total (\S+)$/m)[1]);
+  const body = JSON.stringify({ prompt: 'once upon a time', max_tokens: 1000, temperature: 0 });
+  await raw(main.port, `POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n` +
+    `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`, { ms: 150 });
+  let cancelled = 0;
+  for (let i = 0; i < 40 && cancelled === 0; i++) {
+    await new Promise((r) => setTimeout(r, 100));
+    cancelled = count(await (await fetch(main.base + '/metrics')).text()) - count(before);
+  }
+  assert.equal(cancelled, 1);
+  await healthy();
+});
+
 test('HTTP framing: HTTP/1.0 streams without chunks, pipelining, conflicting Content-Length', async () => {
   const body = JSON.stringify({ ...HELLO, stream: true });
   let r = await raw(main.port, `POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n` +
