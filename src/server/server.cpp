@@ -128,6 +128,7 @@ struct Server::Impl {
   const tokenizer::ChatTemplate& tmpl;
   HttpServer http;
   int64_t started = std::time(nullptr);
+  size_t max_token_bytes = 1;  // of the vocabulary's longest token
 
   void setup();
   void handle_generate(Api api, const httplib::Request& req, httplib::Response& res);
@@ -135,6 +136,8 @@ struct Server::Impl {
 };
 
 void Server::Impl::setup() {
+  for (int id = 0; id < tok.vocab_size(); ++id)
+    max_token_bytes = std::max(max_token_bytes, tok.token_bytes(id).size());
   // The accept loop's queue only hands sockets to `connections`, whose workers run requests.
   http.new_task_queue = [] { return new httplib::ThreadPool(2); };
   http.connections = std::make_unique<Connections>(
@@ -309,6 +312,16 @@ void Server::Impl::setup() {
 
 Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
   const std::string param = api == Api::kCompletion ? "prompt" : "messages";
+  // No token is longer than max_token_bytes, so a longer text is more than n_ctx tokens:
+  // refused before the tokenizer spends seconds on it.
+  const size_t max_prompt_bytes = size_t(engine.n_ctx()) * max_token_bytes;
+  if (r.prompt_ids.empty() && r.prompt_text.size() > max_prompt_bytes)
+    return ApiError{.message = "the prompt is " + std::to_string(r.prompt_text.size()) +
+                               " bytes: more than the context's " + std::to_string(engine.n_ctx()) +
+                               " tokens (--n-ctx) of at most " + std::to_string(max_token_bytes) +
+                               " bytes each can hold",
+                    .param = param,
+                    .code = "context_length_exceeded"};
   std::vector<int> ids = r.prompt_ids;
   if (ids.empty()) ids = tok.encode(r.prompt_text, r.add_special);
   for (int id : ids)

@@ -252,3 +252,14 @@ test('HTTP framing: HTTP/1.0 streams without chunks, pipelining, conflicting Con
   assert.equal(statusOf(r), 400, r);
   await healthy();
 });
+
+test('a prompt longer than the context can hold is refused before it is tokenized', async () => {
+  const r = await post(main.base, '/v1/completions', { prompt: 'once upon a time '.repeat(50000), max_tokens: 1 });
+  assert.equal(r.status, 400, r.text.slice(0, 300));
+  assert.equal(r.json.error.code, 'context_length_exceeded');
+  assert.match(r.json.error.message, /^the prompt is 850000 bytes: more than the context's 1024 tokens \(--n-ctx\)/);
+  const chat = await post(main.base, '/v1/chat/completions', { messages: [{ role: 'user', content: 'x'.repeat(900000) }] });
+  assert.equal(chat.status, 400);
+  assert.match(chat.json.error.message, /bytes: more than the context's 1024 tokens/);
+  await healthy();
+});
