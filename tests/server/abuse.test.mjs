@@ -263,3 +263,21 @@ test('a prompt longer than the context can hold is refused before it is tokenize
   assert.match(chat.json.error.message, /bytes: more than the context's 1024 tokens/);
   await healthy();
 });
+
+test('tool_choice "required" or naming a function is refused, not ignored', async () => {
+  const tools = [{ type: 'function', function: { name: 'f', parameters: { type: 'object' } } }];
+  for (const tool_choice of ['required', { type: 'function', function: { name: 'f' } }]) {
+    const r = await post(main.base, '/v1/chat/completions', { ...HELLO, tools, tool_choice });
+    assert.equal(r.status, 400, r.text);
+    assert.equal(r.json.error.param, 'tool_choice');
+    assert.match(r.json.error.message, /not supported yet/);
+  }
+  for (const tool_choice of [{ type: 'any' }, { type: 'tool', name: 'f' }]) {
+    const r = await post(main.base, '/v1/messages', {
+      max_tokens: 2, messages: [{ role: 'user', content: 'hi' }], tools: [{ name: 'f', input_schema: { type: 'object' } }], tool_choice,
+    });
+    assert.equal(r.status, 400, r.text);
+    assert.match(r.json.error.message, /not supported yet/);
+  }
+  assert.equal((await post(main.base, '/v1/chat/completions', { ...HELLO, tools, tool_choice: 'auto' })).status, 200);
+});
