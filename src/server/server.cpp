@@ -74,6 +74,25 @@ bool iequals(std::string_view a, std::string_view b) {
          });
 }
 
+// The token of "Authorization: Bearer TOKEN"; the scheme is case-insensitive (RFC 7235).
+std::optional<std::string> bearer_token(const std::string& header) {
+  if (header.size() < 7 || !iequals(std::string_view(header).substr(0, 6), "bearer") ||
+      header[6] != ' ')
+    return std::nullopt;
+  const size_t start = header.find_first_not_of(' ', 7);
+  return start == std::string::npos ? std::string() : header.substr(start);
+}
+
+bool is_loopback_name(std::string_view host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+// "name:port", "[v6]:port" or "name" -> the name ("[::1]:8080" -> "::1").
+std::string_view host_name(std::string_view host) {
+  if (!host.empty() && host.front() == '[') return host.substr(1, host.find(']') - 1);
+  return host.substr(0, host.find(':'));
+}
+
 const char* route_label(const std::string& path) {
   for (const char* r :
        {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health",
@@ -160,13 +179,56 @@ void Server::Impl::setup() {
   });
 
   http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    // A keyless server on loopback trusts whoever reaches it; a web page reaches it too, by
+    // DNS rebinding (its own name resolved to 127.0.0.1): only loopback names pass as Host.
+    if (opt.api_key.empty() && is_loopback_name(opt.host) && req.has_header("Host")) {
+      const std::string host = req.get_header_value("Host");
+      const std::string_view name = host_name(host);
+      if (!is_loopback_name(name) && name != opt.host) {
+        send_error(req, res,
+                   {.status = 403,
+                    .message = "Host '" + std::string(name) +
+                               "' is not a loopback name of this server (a keyless server on " +
+                               opt.host + " answers only localhost, 127.0.0.1 and [::1])",
+                    .code = "host_not_allowed"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    // A browser names the page's origin; cross-site requests (even the "simple" POSTs that
+    // need no preflight) are refused unless --cors-origin allows that origin.
+    if (req.has_header("Origin")) {
+      const std::string origin = req.get_header_value("Origin");
+      const bool allowed = std::find(opt.cors_origins.begin(), opt.cors_origins.end(), origin) !=
+                               opt.cors_origins.end() ||
+                           std::find(opt.cors_origins.begin(), opt.cors_origins.end(), "*") !=
+                               opt.cors_origins.end();
+      if (!allowed) {
+        send_error(req, res,
+                   {.status = 403,
+                    .message = "requests from the web origin '" + origin +
+                               "' are refused (--cors-origin allows an origin)",
+                    .code = "origin_not_allowed"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      res.set_header("Access-Control-Allow-Origin", origin);
+      res.set_header("Vary", "Origin");
+      if (req.method == "OPTIONS") {  // the preflight
+        res.status = 204;
+        res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+        res.set_header("Access-Control-Allow-Headers",
+                       req.has_header("Access-Control-Request-Headers")
+                           ? req.get_header_value("Access-Control-Request-Headers")
+                           : "Authorization, Content-Type, x-api-key, anthropic-version");
+        res.set_header("Access-Control-Max-Age", "600");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     if (opt.api_key.empty() || req.path == "/health")
       return httplib::Server::HandlerResponse::Unhandled;
-    const std::string bearer = req.get_header_value("Authorization");
-    const bool ok =
-        (bearer.rfind("Bearer ", 0) == 0 && same_secret(bearer.substr(7), opt.api_key)) ||
-        (req.has_header("x-api-key") &&
-         same_secret(req.get_header_value("x-api-key"), opt.api_key));
+    const std::optional<std::string> bearer = bearer_token(req.get_header_value("Authorization"));
+    const bool ok = (bearer && same_secret(*bearer, opt.api_key)) ||
+                    (req.has_header("x-api-key") &&
+                     same_secret(req.get_header_value("x-api-key"), opt.api_key));
     if (ok) return httplib::Server::HandlerResponse::Unhandled;
     send_error(
         req, res,
@@ -404,6 +466,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
       if (Status st = engine.submit(one); !st.ok()) {
         ApiError e = busy;
         e.message = st.error().message;
+        res.set_header("Retry-After", "1");
         return send_error(req, res, e);
       }
       // A client that leaves while its reply is generated stops the job at the next token
@@ -464,6 +527,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   if (Status st = engine.submit(job); !st.ok()) {
     ApiError e = busy;
     e.message = st.error().message;
+    res.set_header("Retry-After", "1");
     return send_error(req, res, e);
   }
   std::shared_ptr<SseWriter> writer = make_sse_writer(api, {.info = info,

@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 
@@ -27,6 +28,9 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8080;      // 0 = any free port
   std::string api_key;  // empty = no key needed
+  // Web origins whose requests are served (with CORS headers); "*" any. Requests with another
+  // Origin header get 403.
+  std::vector<std::string> cors_origins;
   std::string model_id;
   size_t max_body_bytes = 8 << 20;
   int request_timeout_s = 30;  // a request's first byte to its last (slow clients: 408)

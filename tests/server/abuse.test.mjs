@@ -160,6 +160,11 @@ test('header count and size are bounded before the API key is checked', async ()
     // (Under the limits, the key decides.)
     r = await raw(keyed.port, 'GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n');
     assert.equal(statusOf(r), 401);
+    // RFC 7235: the scheme is case-insensitive.
+    for (const scheme of ['Bearer', 'bearer', 'BEARER']) {
+      const m = await fetch(keyed.base + '/v1/models', { headers: { authorization: `${scheme} s3cret` } });
+      assert.equal(m.status, 200, scheme);
+    }
   } finally {
     await stopServer(keyed);
   }
@@ -280,4 +285,46 @@ test('tool_choice "required" or naming a function is refused, not ignored', asyn
     assert.match(r.json.error.message, /not supported yet/);
   }
   assert.equal((await post(main.base, '/v1/chat/completions', { ...HELLO, tools, tool_choice: 'auto' })).status, 200);
+});
+
+test('a keyless loopback server: Host names checked (DNS rebinding), cross-site origins refused', async () => {
+  let r = await raw(main.port, 'GET /v1/models HTTP/1.1\r\nHost: evil.example:8080\r\nConnection: close\r\n\r\n');
+  assert.equal(statusOf(r), 403, r);
+  assert.match(r, /Host 'evil\.example' is not a loopback name/);
+  for (const host of [`localhost:${main.port}`, `127.0.0.1:${main.port}`, `[::1]:${main.port}`]) {
+    r = await raw(main.port, `GET /v1/models HTTP/1.1\r\nHost: ${host}\r\nConnection: close\r\n\r\n`);
+    assert.equal(statusOf(r), 200, host);
+  }
+  // A page elsewhere POSTing text/plain needs no preflight: the Origin header refuses it.
+  const x = await post(main.base, '/v1/chat/completions', HELLO, { 'content-type': 'text/plain', origin: 'https://evil.example' });
+  assert.equal(x.status, 403);
+  assert.match(x.json.error.message, /--cors-origin/);
+  const cors = await startServer(['--cors-origin', 'https://ui.example']);
+  try {
+    const pre = await fetch(cors.base + '/v1/chat/completions', {
+      method: 'OPTIONS',
+      headers: { origin: 'https://ui.example', 'access-control-request-method': 'POST', 'access-control-request-headers': 'content-type' },
+    });
+    assert.equal(pre.status, 204);
+    assert.equal(pre.headers.get('access-control-allow-origin'), 'https://ui.example');
+    const ok = await post(cors.base, '/v1/chat/completions', HELLO, { origin: 'https://ui.example' });
+    assert.equal(ok.status, 200);
+    assert.equal(ok.headers.get('access-control-allow-origin'), 'https://ui.example');
+    assert.equal((await post(cors.base, '/v1/chat/completions', HELLO, { origin: 'https://other.example' })).status, 403);
+  } finally {
+    await stopServer(cors);
+  }
+});
+
+test('503 queue_full carries Retry-After', async () => {
+  const s = await startServer(['--max-queue', '1']);
+  try {
+    const burst = await Promise.all(Array.from({ length: 6 }, () =>
+      post(s.base, '/v1/completions', { prompt: 'once upon a time', max_tokens: 300 })));
+    const busy = burst.filter((b) => b.status === 503);
+    assert.ok(busy.length >= 1, `codes ${burst.map((b) => b.status)}`);
+    for (const b of busy) assert.equal(b.headers.get('retry-after'), '1');
+  } finally {
+    await stopServer(s);
+  }
 });
