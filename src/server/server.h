@@ -1,7 +1,9 @@
-// The HTTP front of `turbospark serve` (cpp-httplib): routes, API-key check, body limit,
-// JSON errors, SSE streaming. Requests are validated and tokenized on the HTTP threads, then
-// queued to the Engine; a streaming response is written as the engine produces text, and a
-// failed write (the client went away) cancels the generation at the next token.
+// The HTTP front of `turbospark serve` (cpp-httplib's parser and router over connections.h,
+// which reads each request whole within its limits): routes, API-key, Host and Origin checks,
+// JSON errors, SSE streaming. Requests are validated and tokenized on the worker threads,
+// then queued to the Engine; a streaming response is written as the engine produces text,
+// and a client that went away (a failed write; for a non-streaming request, its closed
+// connection) cancels the generation at the next token.
 //
 // Routes: POST /v1/chat/completions, /v1/completions, /v1/messages; GET /v1/models,
 // /v1/models/{id}, /health (never needs the key), /metrics.
