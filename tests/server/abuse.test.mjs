@@ -131,6 +131,21 @@ test('--max-body-bytes holds for chunked and compressed bodies', async () => {
     'Connection: close\r\n\r\n5\r\n{"tok\r\n9;ext=1\r\nens":[1]}\r\n0\r\n\r\n');
   assert.equal(statusOf(r), 200, r);
   assert.match(r, /"content"/);
+  // Malformed framing: a 400 / 501 naming it, never a guess at where the body ends.
+  for (const [te, body, status, message] of [
+    ['chunked', 'zz\r\nab\r\n0\r\n\r\n', 400, /chunk size is not a hexadecimal number/],
+    ['chunked', '2\r\nabX\r\n0\r\n\r\n', 400, /chunk data is not followed by CRLF/],
+    ['gzip, chunked', '', 501, /Transfer-Encoding 'gzip, chunked' is not supported/],
+  ]) {
+    r = await raw(main.port, `POST /detokenize HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: ${te}\r\n\r\n${body}`);
+    assert.equal(statusOf(r), status, r);
+    assert.match(r, message);
+  }
+  // Expect: 100-continue (curl sends it for large bodies): the 100 once the head passed.
+  const one = JSON.stringify({ tokens: [1] });
+  r = await raw(main.port, [`POST /detokenize HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\n` +
+    `Content-Length: ${one.length}\r\nConnection: close\r\n\r\n`, one], { pauseMs: 300 });
+  assert.match(r, /^HTTP\/1\.1 100 Continue\r\n\r\nHTTP\/1\.1 200 OK\r\n/, r);
   // A declared length over the limit is refused before the body is sent.
   r = await raw(main.port, `POST /detokenize HTTP/1.1\r\nHost: localhost\r\nContent-Length: ${MAX_BODY + 1}\r\n\r\n`, { ms: 2000 });
   assert.equal(statusOf(r), 413, r);
