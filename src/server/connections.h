@@ -51,8 +51,9 @@ struct Refusal {
 // What the worker asks of the owner (Server): run one request read whole, writing the
 // response to `stream`; returns false when the connection must close afterwards.
 using ServeRequest = std::function<bool(httplib::Stream& stream, bool close_connection)>;
-// The JSON body of a refusal (OpenAI or Anthropic shape by path).
-using RefusalBody = std::function<std::string(const std::string& path, const Refusal&)>;
+// The JSON body of a refusal (OpenAI or Anthropic shape by the request target; empty when
+// the request line was not read); called once per refusal, on the reader thread.
+using RefusalBody = std::function<std::string(const std::string& target, const Refusal&)>;
 
 class Connections {
  public:

@@ -164,7 +164,10 @@ void Server::Impl::setup() {
                         .request_timeout_s = opt.request_timeout_s,
                         .workers = opt.http_threads},
       [this](httplib::Stream& stream, bool close) { return http.serve(stream, close); },
-      [](const std::string& path, const Refusal& r) {
+      [this](const std::string& target, const Refusal& r) {
+        // (httplib's logger never sees these requests: counted here.)
+        const std::string path = target.substr(0, target.find('?'));
+        engine.metrics().count_response(route_label(path), r.status);
         const ApiError e{.status = r.status, .message = r.message, .code = r.code};
         return dump_json(path.rfind("/v1/messages", 0) == 0 ? anthropic_error_body(e)
                                                             : openai_error_body(e));

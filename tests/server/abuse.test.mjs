@@ -172,6 +172,9 @@ test('header count and size are bounded before the API key is checked', async ()
     r = await raw(keyed.port, long);
     assert.equal(statusOf(r), 431, r.slice(0, 300));
     assert.match(r, /longer than 65536 bytes/);
+    // Refused by the connection layer, and still counted.
+    const metrics = await (await fetch(keyed.base + '/metrics', { headers: { authorization: 'Bearer s3cret' } })).text();
+    assert.match(metrics, /^turbospark_http_responses_total\{route="\/v1\/models",status="431"\} 2$/m);
     // (Under the limits, the key decides.)
     r = await raw(keyed.port, 'GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n');
     assert.equal(statusOf(r), 401);
