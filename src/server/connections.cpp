@@ -5,6 +5,7 @@
 #include <httplib.h>
 #include <netdb.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -535,6 +536,13 @@ Connections::Connections(ConnectionOptions options, ServeRequest serve, RefusalB
                      .serve = std::move(serve),
                      .refusal_body = std::move(refusal_body)}) {
   Impl& m = *impl_;
+  // Under the open-file limit, with room for the model's files, the listener and the pipe:
+  // at the limit accept() fails with EMFILE, and httplib's loop retries it every millisecond
+  // while connects pile up unanswered.
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY)
+    m.opt.max_connections =
+        int(std::clamp<int64_t>(int64_t(files.rlim_cur) - 64, 16, m.opt.max_connections));
   if (::pipe2(m.wake, O_NONBLOCK | O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
   m.reader = std::thread([&m] { m.read_loop(); });
   for (int i = 0; i < m.opt.workers; ++i) m.workers.emplace_back([&m] { m.work_loop(); });

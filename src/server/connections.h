@@ -37,7 +37,8 @@ struct ConnectionOptions {
   size_t max_body_bytes = 8 << 20;
   int request_timeout_s = 30;
   int idle_timeout_s = 5;
-  int max_connections = 1024;  // open at once; later ones are closed at accept
+  // Open at once (at most the open-file limit less 64); later ones get a 503 at accept.
+  int max_connections = 1024;
   int workers = 80;            // threads running whole requests
   int write_timeout_s = 30;    // one write's wait for the client to take bytes
 };

@@ -334,6 +334,38 @@ test('a keyless loopback server: Host names checked (DNS rebinding), cross-site 
   }
 });
 
+test('connections over the open-file limit get a 503 with Retry-After, then service resumes', async () => {
+  // A soft limit of 128 files: at most 64 connections (the limit less 64 for the model's files).
+  const proc = spawn('bash', ['-c', `ulimit -n 128 && exec "$0" "$@"`, BIN, 'serve', '--model', MODEL_DIR,
+    '--port', '0', '--no-warmup'], { env: { ...process.env, TURBOSPARK_API_KEY: '' }, stdio: ['ignore', 'ignore', 'pipe'] });
+  let log = '';
+  const port = await new Promise((resolve, reject) => {
+    proc.stderr.on('data', (d) => { log += d; const m = log.match(/:(\d+) \(n_ctx/); if (m) resolve(Number(m[1])); });
+    proc.on('exit', (code) => reject(new Error(`serve exited with ${code}: ${log}`)));
+  });
+  const s = { proc, port, base: `http://127.0.0.1:${port}` };
+  const socks = [];
+  try {
+    for (let i = 0; i < 100; i++) {
+      const sock = net.connect(port, '127.0.0.1');
+      sock.on('error', () => {});
+      sock.data = '';
+      sock.on('data', (d) => { sock.data += d; });
+      socks.push(sock);
+    }
+    await new Promise((r) => setTimeout(r, 1000));
+    const busy = socks.filter((k) => k.data.startsWith('HTTP/1.1 503'));
+    assert.ok(busy.length >= 30, `${busy.length} of 100 got a 503`);
+    for (const k of busy) assert.match(k.data, /^Retry-After: 1\r$/m);
+    for (const k of socks) k.destroy();
+    await new Promise((r) => setTimeout(r, 300));
+    await healthy(s);
+  } finally {
+    for (const k of socks) k.destroy();
+    await stopServer(s);
+  }
+});
+
 test('503 queue_full carries Retry-After', async () => {
   const s = await startServer(['--max-queue', '1']);
   try {
