@@ -304,7 +304,22 @@ Parsed<GenRequest> parse_chat_request(const json& body, const tokenizer::ChatTem
     if (!t->empty()) tools = *t;
   }
   // tool_choice "none": the tools stay out of the prompt and replies are not parsed for calls.
-  if (const json* choice = f.get("tool_choice"); choice && *choice == "none") tools = nullptr;
+  // "required" and a named function would need the reply constrained to a call (issue 56):
+  // refused rather than served as "auto".
+  if (const json* choice = f.get("tool_choice")) {
+    if (*choice == "none")
+      tools = nullptr;
+    else if (*choice == "required" || choice->is_object())
+      return bad("tool_choice",
+                 std::string("'tool_choice' ") +
+                     (choice->is_object() ? "naming a function" : "\"required\"") +
+                     " is not supported yet (the reply is not constrained to a "
+                     "tool call): send \"auto\", where the model chooses, or \"none\"");
+    else if (*choice != "auto")
+      return bad("tool_choice",
+                 "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                 "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+  }
   r.parse_tools = !tools.is_null();
   json kwargs = nullptr;
   if (const json* k = f.get("chat_template_kwargs")) {
@@ -482,8 +497,16 @@ Parsed<GenRequest> parse_messages_request(const json& body, const tokenizer::Cha
     }
     if (tools.empty()) tools = nullptr;
   }
-  if (const json* choice = f.get("tool_choice"); choice && string_field(*choice, "type") == "none")
-    tools = nullptr;
+  if (const json* choice = f.get("tool_choice")) {
+    const std::string type = string_field(*choice, "type");
+    if (type == "none") tools = nullptr;
+    // "any" and a named tool would need the reply constrained to a call (issue 56).
+    if (type == "any" || type == "tool")
+      return bad("tool_choice",
+                 "'tool_choice' {\"type\": \"" + type +
+                     "\"} is not supported yet (the reply is not constrained to a "
+                     "tool call): send {\"type\": \"auto\"} or {\"type\": \"none\"}");
+  }
   r.parse_tools = !tools.is_null();
   auto text = render(tmpl, messages, tools, nullptr);
   if (auto* e = std::get_if<ApiError>(&text)) return *e;

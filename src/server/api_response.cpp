@@ -1,6 +1,6 @@
 // Generation results -> OpenAI / Anthropic response JSON and SSE frames.
 #include "server/api.h"
-
+#include "server/json_depth.h"
 #include "tokenizer/utf8.h"
 
 namespace ts::server {
@@ -38,6 +38,9 @@ json tool_call_json(const ToolCall& c, const std::string& id) {
 }
 
 json parse_object(const std::string& text) {
+  // (Arguments come from output_parser, already depth-checked; checked again as they are
+  // parsed again.)
+  if (json_too_deep_at(text)) return json::object();
   json j = json::parse(text, nullptr, false);
   return j.is_object() ? j : json::object();
 }

@@ -3,10 +3,19 @@
 #include <nlohmann/json.hpp>
 #include <span>
 
+#include "server/json_depth.h"
+
 namespace ts::server {
 namespace {
 
 using json = nlohmann::json;
+
+// The model's text as JSON; discarded when invalid or nested too deep (json_depth.h: a reply
+// steered by the prompt or logit_bias can be "[[[[...").
+json parse_model_json(std::string_view text) {
+  if (json_too_deep_at(text)) return json(json::value_t::discarded);
+  return json::parse(text, nullptr, false);
+}
 
 constexpr std::string_view kThinkOpen = "<think>";
 constexpr std::string_view kThinkClose = "</think>";
@@ -30,7 +39,7 @@ std::string_view trim(std::string_view s) {
 std::optional<std::string> arguments_text(const json& args) {
   if (args.is_object()) return args.dump();
   if (args.is_string()) {
-    json inner = json::parse(args.get<std::string>(), nullptr, false);
+    json inner = parse_model_json(args.get<std::string>());
     if (!inner.is_discarded() && inner.is_object()) return inner.dump();
   }
   return std::nullopt;
@@ -52,7 +61,7 @@ size_t partial_marker_suffix(std::string_view text,
 }  // namespace
 
 std::optional<ToolCall> parse_qwen_tool_call(std::string_view body) {
-  json j = json::parse(trim(body), nullptr, false);
+  json j = parse_model_json(trim(body));
   if (j.is_discarded() || !j.is_object() || !j.contains("name") || !j["name"].is_string())
     return std::nullopt;
   ToolCall call{.name = j["name"].get<std::string>(), .arguments = "{}"};
@@ -94,7 +103,7 @@ std::optional<std::vector<ToolCall>> parse_deepseek_tool_calls(std::string_view 
       name = left;
       args = trim(right);
     }
-    json j = json::parse(args, nullptr, false);
+    json j = parse_model_json(args);
     if (name.empty() || j.is_discarded()) return std::nullopt;
     std::optional<std::string> text = arguments_text(j);
     if (!text) return std::nullopt;

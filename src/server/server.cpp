@@ -1,7 +1,10 @@
 #include "server/server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <ctime>
 #include <deque>
@@ -11,7 +14,9 @@
 #include <random>
 
 #include "server/api.h"
+#include "server/connections.h"
 #include "server/engine.h"
+#include "server/json_depth.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
@@ -30,10 +35,27 @@ void send_error(const httplib::Request& req, httplib::Response& res, const ApiEr
   send_json(res, e.status, is_anthropic(req) ? anthropic_error_body(e) : openai_error_body(e));
 }
 
+// A request body as JSON: too deep a nesting is refused before nlohmann sees it (its parser
+// and every walker after it recurse per level, json_depth.h).
+Parsed<json> parse_body(const httplib::Request& req) {
+  if (std::optional<size_t> at = json_too_deep_at(req.body))
+    return ApiError{.message = "the request body nests arrays and objects deeper than " +
+                               std::to_string(kMaxJsonDepth) + " levels (at byte " +
+                               std::to_string(*at) + ")",
+                    .code = "json_too_deep"};
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded()) return ApiError{.message = "the request body is not valid JSON"};
+  return body;
+}
+
 // The body of /tokenize or /detokenize, which must be a JSON object; otherwise the 400 is sent.
 std::optional<json> object_body(const httplib::Request& req, httplib::Response& res) {
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_object()) return body;
+  Parsed<json> body = parse_body(req);
+  if (auto* e = std::get_if<ApiError>(&body)) {
+    send_error(req, res, *e);
+    return std::nullopt;
+  }
+  if (std::get<json>(body).is_object()) return std::move(std::get<json>(body));
   send_error(req, res, {.message = "the request body must be a JSON object"});
   return std::nullopt;
 }
@@ -44,6 +66,31 @@ bool same_secret(const std::string& a, const std::string& b) {
   unsigned char diff = 0;
   for (size_t i = 0; i < a.size(); ++i) diff |= uint8_t(a[i]) ^ uint8_t(b[i]);
   return diff == 0;
+}
+
+bool iequals(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(uint8_t(x)) == std::tolower(uint8_t(y));
+         });
+}
+
+// The token of "Authorization: Bearer TOKEN"; the scheme is case-insensitive (RFC 7235).
+std::optional<std::string> bearer_token(const std::string& header) {
+  if (header.size() < 7 || !iequals(std::string_view(header).substr(0, 6), "bearer") ||
+      header[6] != ' ')
+    return std::nullopt;
+  const size_t start = header.find_first_not_of(' ', 7);
+  return start == std::string::npos ? std::string() : header.substr(start);
+}
+
+bool is_loopback_name(std::string_view host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+// "name:port", "[v6]:port" or "name" -> the name ("[::1]:8080" -> "::1").
+std::string_view host_name(std::string_view host) {
+  if (!host.empty() && host.front() == '[') return host.substr(1, host.find(']') - 1);
+  return host.substr(0, host.find(':'));
 }
 
 const char* route_label(const std::string& path) {
@@ -66,6 +113,31 @@ struct StreamChannel {
   std::optional<Result<runtime::Generation>> result;  // set once, after the last piece
 };
 
+// cpp-httplib's server with its connection handling replaced (connections.h): an accepted
+// socket goes to Connections, which reads each request whole and hands it back to
+// process_request, the library's own parser and router.
+class HttpServer final : public httplib::Server {
+ public:
+  std::unique_ptr<Connections> connections;
+  // Runs one request read whole; false when the connection must close afterwards.
+  bool serve(httplib::Stream& stream, bool close_connection) {
+    bool closed = false;
+    const bool ok = process_request(stream, close_connection, closed, nullptr);
+    return ok && !closed;
+  }
+  int listening_socket() const { return svr_sock_; }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    connections->add(sock);
+    return true;
+  }
+};
+
+// Connects queued before accept() takes them; httplib's own is 5 (CPPHTTPLIB_LISTEN_BACKLOG,
+// compiled into Debian's libcpp-httplib), which put bursts of 32-64 connects into SYN cookies.
+constexpr int kListenBacklog = 512;
+
 }  // namespace
 
 struct Server::Impl {
@@ -73,8 +145,9 @@ struct Server::Impl {
   Engine& engine;
   const tokenizer::Tokenizer& tok;
   const tokenizer::ChatTemplate& tmpl;
-  httplib::Server http;
+  HttpServer http;
   int64_t started = std::time(nullptr);
+  size_t max_token_bytes = 1;  // of the vocabulary's longest token
 
   void setup();
   void handle_generate(Api api, const httplib::Request& req, httplib::Response& res);
@@ -82,19 +155,83 @@ struct Server::Impl {
 };
 
 void Server::Impl::setup() {
-  const int threads = opt.http_threads;
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
-  http.set_payload_max_length(opt.max_body_bytes);
-  http.set_keep_alive_max_count(1000);
+  for (int id = 0; id < tok.vocab_size(); ++id)
+    max_token_bytes = std::max(max_token_bytes, tok.token_bytes(id).size());
+  // The accept loop's queue only hands sockets to `connections`, whose workers run requests.
+  http.new_task_queue = [] { return new httplib::ThreadPool(2); };
+  http.connections = std::make_unique<Connections>(
+      ConnectionOptions{.max_body_bytes = opt.max_body_bytes,
+                        .request_timeout_s = opt.request_timeout_s,
+                        .workers = opt.http_threads},
+      [this](httplib::Stream& stream, bool close) { return http.serve(stream, close); },
+      [this](const std::string& target, const Refusal& r) {
+        // (httplib's logger never sees these requests: counted here.)
+        const std::string path = target.substr(0, target.find('?'));
+        engine.metrics().count_response(route_label(path), r.status);
+        const ApiError e{.status = r.status, .message = r.message, .code = r.code};
+        return dump_json(path.rfind("/v1/messages", 0) == 0 ? anthropic_error_body(e)
+                                                            : openai_error_body(e));
+      });
+  http.set_payload_max_length(opt.max_body_bytes);  // (connections.h enforces it first)
+  http.set_keep_alive_max_count(1000);              // (only named in the Keep-Alive header now)
+  // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, with which a second server binds
+  // the same port and the kernel splits the connections between the two.
+  http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
 
   http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    // A keyless server on loopback trusts whoever reaches it; a web page reaches it too, by
+    // DNS rebinding (its own name resolved to 127.0.0.1): only loopback names pass as Host.
+    if (opt.api_key.empty() && is_loopback_name(opt.host) && req.has_header("Host")) {
+      const std::string host = req.get_header_value("Host");
+      const std::string_view name = host_name(host);
+      if (!is_loopback_name(name) && name != opt.host) {
+        send_error(req, res,
+                   {.status = 403,
+                    .message = "Host '" + std::string(name) +
+                               "' is not a loopback name of this server (a keyless server on " +
+                               opt.host + " answers only localhost, 127.0.0.1 and [::1])",
+                    .code = "host_not_allowed"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    // A browser names the page's origin; cross-site requests (even the "simple" POSTs that
+    // need no preflight) are refused unless --cors-origin allows that origin.
+    if (req.has_header("Origin")) {
+      const std::string origin = req.get_header_value("Origin");
+      const bool allowed = std::find(opt.cors_origins.begin(), opt.cors_origins.end(), origin) !=
+                               opt.cors_origins.end() ||
+                           std::find(opt.cors_origins.begin(), opt.cors_origins.end(), "*") !=
+                               opt.cors_origins.end();
+      if (!allowed) {
+        send_error(req, res,
+                   {.status = 403,
+                    .message = "requests from the web origin '" + origin +
+                               "' are refused (--cors-origin allows an origin)",
+                    .code = "origin_not_allowed"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      res.set_header("Access-Control-Allow-Origin", origin);
+      res.set_header("Vary", "Origin");
+      if (req.method == "OPTIONS") {  // the preflight
+        res.status = 204;
+        res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+        res.set_header("Access-Control-Allow-Headers",
+                       req.has_header("Access-Control-Request-Headers")
+                           ? req.get_header_value("Access-Control-Request-Headers")
+                           : "Authorization, Content-Type, x-api-key, anthropic-version");
+        res.set_header("Access-Control-Max-Age", "600");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     if (opt.api_key.empty() || req.path == "/health")
       return httplib::Server::HandlerResponse::Unhandled;
-    const std::string bearer = req.get_header_value("Authorization");
-    const bool ok =
-        (bearer.rfind("Bearer ", 0) == 0 && same_secret(bearer.substr(7), opt.api_key)) ||
-        (req.has_header("x-api-key") &&
-         same_secret(req.get_header_value("x-api-key"), opt.api_key));
+    const std::optional<std::string> bearer = bearer_token(req.get_header_value("Authorization"));
+    const bool ok = (bearer && same_secret(*bearer, opt.api_key)) ||
+                    (req.has_header("x-api-key") &&
+                     same_secret(req.get_header_value("x-api-key"), opt.api_key));
     if (ok) return httplib::Server::HandlerResponse::Unhandled;
     send_error(
         req, res,
@@ -218,7 +355,9 @@ void Server::Impl::setup() {
   // Anthropic's token count: the prompt a Messages request with this body would prefill.
   http.Post(
       "/v1/messages/count_tokens", [this](const httplib::Request& req, httplib::Response& res) {
-        json body = json::parse(req.body, nullptr, false);
+        Parsed<json> parsed_body = parse_body(req);
+        if (auto* e = std::get_if<ApiError>(&parsed_body)) return send_error(req, res, *e);
+        json& body = std::get<json>(parsed_body);
         if (body.is_object() && !body.contains("max_tokens")) body["max_tokens"] = 1;  // not asked
         Parsed<GenRequest> parsed = parse_messages_request(body, tmpl, opt.model_id);
         if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(req, res, *e);
@@ -238,6 +377,16 @@ void Server::Impl::setup() {
 
 Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
   const std::string param = api == Api::kCompletion ? "prompt" : "messages";
+  // No token is longer than max_token_bytes, so a longer text is more than n_ctx tokens:
+  // refused before the tokenizer spends seconds on it.
+  const size_t max_prompt_bytes = size_t(engine.n_ctx()) * max_token_bytes;
+  if (r.prompt_ids.empty() && r.prompt_text.size() > max_prompt_bytes)
+    return ApiError{.message = "the prompt is " + std::to_string(r.prompt_text.size()) +
+                               " bytes: more than the context's " + std::to_string(engine.n_ctx()) +
+                               " tokens (--n-ctx) of at most " + std::to_string(max_token_bytes) +
+                               " bytes each can hold",
+                    .param = param,
+                    .code = "context_length_exceeded"};
   std::vector<int> ids = r.prompt_ids;
   if (ids.empty()) ids = tok.encode(r.prompt_text, r.add_special);
   for (int id : ids)
@@ -271,9 +420,9 @@ Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
 }
 
 void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib::Response& res) {
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded())
-    return send_error(req, res, {.message = "the request body is not valid JSON"});
+  Parsed<json> parsed_body = parse_body(req);
+  if (auto* e = std::get_if<ApiError>(&parsed_body)) return send_error(req, res, *e);
+  const json& body = std::get<json>(parsed_body);
   Parsed<GenRequest> parsed = api == Api::kChat ? parse_chat_request(body, tmpl, opt.model_id)
                               : api == Api::kCompletion
                                   ? parse_completion_request(body, opt.model_id)
@@ -320,9 +469,19 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
       if (Status st = engine.submit(one); !st.ok()) {
         ApiError e = busy;
         e.message = st.error().message;
+        res.set_header("Retry-After", "1");
         return send_error(req, res, e);
       }
+      // A client that leaves while its reply is generated stops the job at the next token
+      // (a stream notices at its next write; this reply is written only at the end).
+      while (result.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready)
+        if (!one->cancelled && current_client_gone()) one->cancelled = true;
       Result<runtime::Generation> gen = result.get();
+      if (one->cancelled) {
+        res.status = 499;  // (nginx's "client closed request": counted, never sent)
+        close_current_connection_after_response();
+        return;
+      }
       if (!gen.ok())
         return send_error(req, res,
                           {.status = 500,
@@ -371,6 +530,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   if (Status st = engine.submit(job); !st.ok()) {
     ApiError e = busy;
     e.message = st.error().message;
+    res.set_header("Retry-After", "1");
     return send_error(req, res, e);
   }
   std::shared_ptr<SseWriter> writer = make_sse_writer(api, {.info = info,
@@ -380,50 +540,59 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
                                                             .stops = r.stops});
   const bool anthropic = api == Api::kMessages;
   res.set_header("Cache-Control", "no-cache");
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, channel, job, writer, prompt_tokens, anthropic](size_t, httplib::DataSink& sink) {
-        auto send = [&](const std::string& frame) {
-          if (frame.empty()) return true;
-          if (!sink.write(frame.data(), frame.size())) {
-            job->cancelled = true;  // the client went away
-            return false;
-          }
-          engine.metrics().add_stream_bytes(frame.size());
-          return true;
-        };
-        if (!send(writer->begin(prompt_tokens))) return false;
-        for (;;) {
-          std::deque<StreamChannel::Piece> batch;
-          bool finished;
-          {
-            std::unique_lock lock(channel->mu);
-            channel->cv.wait(lock, [&] { return !channel->pieces.empty() || channel->result; });
-            batch.swap(channel->pieces);
-            finished = channel->result.has_value();
-          }
-          for (const StreamChannel::Piece& piece : batch)
-            if (!send(writer->text(piece.text, piece.logprobs))) return false;
-          if (finished) break;
-        }
-        Result<runtime::Generation>& gen = *channel->result;
-        if (!gen.ok()) {
-          // Headers are gone already: the failure is reported in the stream.
-          ApiError e{.status = 500,
-                     .message = "generation failed: " + gen.error().message,
-                     .type = "server_error"};
-          if (!send(anthropic ? "event: error\ndata: " + dump_json(anthropic_error_body(e)) + "\n\n"
-                              : "data: " + dump_json(openai_error_body(e)) + "\n\n"))
-            return false;
-        } else if (!send(writer->end(*gen))) {
-          return false;
-        }
-        sink.done();
-        return true;
-      },
-      [job](bool success) {
-        if (!success) job->cancelled = true;
-      });
+  auto provider = [this, channel, job, writer, prompt_tokens, anthropic](size_t,
+                                                                         httplib::DataSink& sink) {
+    auto send = [&](const std::string& frame) {
+      if (frame.empty()) return true;
+      if (!sink.write(frame.data(), frame.size())) {
+        job->cancelled = true;  // the client went away
+        return false;
+      }
+      engine.metrics().add_stream_bytes(frame.size());
+      return true;
+    };
+    if (!send(writer->begin(prompt_tokens))) return false;
+    for (;;) {
+      std::deque<StreamChannel::Piece> batch;
+      bool finished;
+      {
+        std::unique_lock lock(channel->mu);
+        channel->cv.wait(lock, [&] { return !channel->pieces.empty() || channel->result; });
+        batch.swap(channel->pieces);
+        finished = channel->result.has_value();
+      }
+      for (const StreamChannel::Piece& piece : batch)
+        if (!send(writer->text(piece.text, piece.logprobs))) return false;
+      if (finished) break;
+    }
+    Result<runtime::Generation>& gen = *channel->result;
+    if (!gen.ok()) {
+      // Headers are gone already: the failure is reported in the stream.
+      ApiError e{.status = 500,
+                 .message = "generation failed: " + gen.error().message,
+                 .type = "server_error"};
+      if (!send(anthropic ? "event: error\ndata: " + dump_json(anthropic_error_body(e)) + "\n\n"
+                          : "data: " + dump_json(openai_error_body(e)) + "\n\n"))
+        return false;
+    } else if (!send(writer->end(*gen))) {
+      return false;
+    }
+    sink.done();
+    return true;
+  };
+  auto release = [job](bool success) {
+    if (!success) job->cancelled = true;
+  };
+  if (req.version == "HTTP/1.0") {
+    // HTTP/1.0 has no chunked encoding: the stream ends where the connection does.
+    // (httplib names "Connection: close" itself unless the client asked to keep it alive.)
+    if (iequals(req.get_header_value("Connection"), "keep-alive"))
+      res.set_header("Connection", "close");
+    close_current_connection_after_response();
+    res.set_content_provider("text/event-stream", std::move(provider), std::move(release));
+  } else {
+    res.set_chunked_content_provider("text/event-stream", std::move(provider), std::move(release));
+  }
 }
 
 Server::Server(ServerOptions options, Engine& engine, const tokenizer::Tokenizer& tok,
@@ -435,7 +604,7 @@ Server::Server(ServerOptions options, Engine& engine, const tokenizer::Tokenizer
 Server::~Server() = default;
 
 Status Server::run(const std::function<void(int)>& on_listening) {
-  httplib::Server& http = impl_->http;
+  HttpServer& http = impl_->http;
   const ServerOptions& opt = impl_->opt;
   int port = opt.port;
   if (port == 0) {
@@ -443,13 +612,20 @@ Status Server::run(const std::function<void(int)>& on_listening) {
     if (port < 0) return make_error("cannot bind " + opt.host + " to a free port");
   } else if (!http.bind_to_port(opt.host, port)) {
     return make_error("cannot bind " + opt.host + ":" + std::to_string(port) +
-                      " (in use, or not an address of this machine)");
+                      " (in use - by another server? - or not an address of this machine)");
   }
+  if (::listen(http.listening_socket(), kListenBacklog) != 0)
+    return make_error("cannot set the listen backlog of " + opt.host + ":" + std::to_string(port));
   on_listening(port);
-  if (!http.listen_after_bind()) return make_error("the HTTP server stopped with an error");
+  const bool ok = http.listen_after_bind();
+  http.connections->stop();
+  if (!ok) return make_error("the HTTP server stopped with an error");
   return {};
 }
 
-void Server::stop() { impl_->http.stop(); }
+void Server::stop() {
+  impl_->http.stop();
+  impl_->http.connections->stop();
+}
 
 }  // namespace ts::server

@@ -272,9 +272,8 @@ Interpreter::Flow Interpreter::exec_node(const Node& node, const FramePtr& frame
         const Node* body_node = &node;
         auto caller = std::make_shared<Callable>();
         caller->name = "caller";
-        FramePtr def_frame = frame;
-        caller->fn = [this, body_node, def_frame](Interpreter&, CallArgs& a) {
-          return call_macro(*body_node, def_frame, a);
+        caller->fn = [this, body_node, def_frame = keep_scope(frame)](Interpreter&, CallArgs& a) {
+          return call_macro(*body_node, def_frame.lock(), a);
         };
         const Expr& call = *node.expr;
         Value callee = eval(*call.object, frame);
@@ -381,14 +380,20 @@ Value Interpreter::make_macro(const Node& node, const FramePtr& frame) {
   auto m = std::make_shared<Callable>();
   m->name = node.name;
   const Node* np = &node;
-  FramePtr def_frame = frame;
-  m->fn = [this, np, def_frame](Interpreter&, CallArgs& a) {
-    return call_macro(*np, def_frame, a);
+  m->fn = [this, np, def_frame = keep_scope(frame)](Interpreter&, CallArgs& a) {
+    return call_macro(*np, def_frame.lock(), a);
   };
   return Value(Value::FuncPtr(m));
 }
 
+std::weak_ptr<Frame> Interpreter::keep_scope(const FramePtr& frame) {
+  if (closures_.empty() || closures_.back() != frame) closures_.push_back(frame);
+  return frame;
+}
+
 Value Interpreter::call_macro(const Node& node, const FramePtr& def_frame, CallArgs& args) {
+  // (def_frame is never null: closures_ keeps it while the interpreter lives, and the header's
+  // precondition keeps every macro Value within that.)
   const std::string label =
       node.kind == Node::Kind::kMacro ? "macro '" + node.name + "'" : "caller";
   if (args.positional.size() > node.params.size())

@@ -48,6 +48,10 @@ class Interpreter {
   Flow exec_for(const Node& node, const FramePtr& frame, std::string& out);
   void assign(const Target& target, Value value, const FramePtr& frame);
   Value make_macro(const Node& node, const FramePtr& frame);
+  // The scope a macro or caller closes over, kept alive by closures_ and held by the macro
+  // only weakly: the scope holds the macro, so a shared_ptr back would be a cycle, leaked
+  // with everything the scope holds at the end of every render.
+  std::weak_ptr<Frame> keep_scope(const FramePtr& frame);
   Value call_macro(const Node& node, const FramePtr& def_frame, CallArgs& args);
   Value apply_filters(const std::vector<FilterCall>& filters, Value v, const FramePtr& frame);
 
@@ -59,7 +63,8 @@ class Interpreter {
 
   const Template& tmpl_;
   FramePtr globals_;
-  int depth_ = 0;  // macro recursion depth
+  std::vector<FramePtr> closures_;  // scopes closed over by macros (keep_scope)
+  int depth_ = 0;                   // macro recursion depth
 };
 
 // Raises the Undefined's error ("'x' is undefined") if v is Undefined.

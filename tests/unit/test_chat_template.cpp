@@ -19,6 +19,9 @@
 
 #include "test_data.h"
 #include "tokenizer/chat_template.h"
+#include "tokenizer/jinja_builtins.h"
+#include "tokenizer/jinja_eval.h"
+#include "tokenizer/jinja_parser.h"
 
 namespace {
 
@@ -290,6 +293,28 @@ TEST(JinjaInterpreter, Macros) {
       render(
           "{% macro m() %}{{ q }}{% endmacro %}{% set q = 1 %}{{ m() }}{% set q = 2 %}{{ m() }}"),
       "12");
+}
+
+TEST(JinjaInterpreter, MacroScopesAreFreedAfterTheRender) {
+  // A macro (and a call block's caller) closes over the scope it is defined in, which holds
+  // the macro: with shared_ptr both ways, every render that defined one leaked its scopes and
+  // all they held (LeakSanitizer, issue 56) - a server renders a template per request.
+  namespace jinja = ts::tokenizer::jinja;
+  std::weak_ptr<jinja::ListData> xs_data;
+  {
+    const std::unique_ptr<jinja::Template> tmpl = jinja::parse(
+        "{% macro m() %}{{ xs|length }}{% endmacro %}{{ m() }}"
+        "{% macro w() %}[{{ caller() }}]{% endmacro %}"
+        "{% for i in range(2) %}{% call w() %}{{ m() }}{{ i }}{% endcall %}{% endfor %}");
+    jinja::Value xs = jinja::Value::list({jinja::Value(1), jinja::Value(2), jinja::Value(3)});
+    xs_data = xs.as_list();
+    jinja::Value globals = jinja::Value::dict();
+    jinja::add_builtin_globals(*globals.as_dict());
+    globals.as_dict()->set(jinja::Value("xs"), xs);
+    jinja::Interpreter interp(*tmpl, globals);
+    EXPECT_EQ(interp.render(), "3[30][31]");
+  }
+  EXPECT_TRUE(xs_data.expired()) << "the render's scopes (holding xs) outlived it";
 }
 
 TEST(JinjaInterpreter, Filters) {

@@ -118,11 +118,14 @@ __m512 pair_scales(const uint8_t* blk) {
   return _mm512_cvtph_ps(_mm512_castsi512_si256(h));
 }
 
-// Lanes 0-7 d[0], 8-15 d[1].
+// Lanes 0-7 d[0], 8-15 d[1]. The two floats are one 8-byte load, but d is only 4-byte
+// aligned (t * n_blocks + b is odd when n_blocks is): memcpy, not a load through a double* (UBSan
+// reported that misaligned load; the compiler emits the same vmovq).
 __m512 pair_act_scales(const float* d) {
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(
-      idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d)))));
+  double pair;
+  std::memcpy(&pair, d, sizeof pair);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_set_sd(pair))));
 }
 
 // -128 * (sum of each lane's 4 activation bytes).

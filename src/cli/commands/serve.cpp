@@ -52,6 +52,9 @@ Status cmd_serve(const Args& args) {
   TS_ASSIGN(int64_t n_ctx, args.integer_or("n-ctx", 4096, 16, 1 << 24));
   TS_ASSIGN(int64_t max_body, args.integer_or("max-body-bytes", 8 << 20, 1024, int64_t(1) << 32));
   opt.max_body_bytes = size_t(max_body);
+  TS_ASSIGN(int64_t request_timeout, args.integer_or("request-timeout-s", 30, 1, 3600));
+  opt.request_timeout_s = int(request_timeout);
+  opt.cors_origins = args.all("cors-origin");
   opt.model_id = args.str_or("model-name", default_model_id(flags.dir));
   // Queued streams hold an HTTP thread each while they wait; a few more serve /health,
   // /metrics and idle keep-alive connections.
