@@ -196,6 +196,31 @@ TEST(GgufModel, MlaKvBIsJoinedBackFromTheConvertersSplit) {
       << m->note;
 }
 
+// The new families' experts stream from the file's offsets like the others': every
+// residency gives the resident file's bytes.
+TEST(GgufModel, NewFamiliesStreamTheirExpertsFromTheFile) {
+  for (const char* name : {"deepseek_v3", "glm4_moe", "minimax_m2"}) {
+    const std::string dir = model_dir(name);
+    TempDir tmp;
+    const std::string gguf = tmp.file("m.gguf");
+    ts_test::convert_hf_dir(dir, gguf);
+    auto base = load(gguf);
+    ASSERT_TRUE(base) << name;
+    const std::vector<int> prompt = prompt_of(dir);
+    const std::vector<float> want = prefill(*base, prompt);
+    for (int slots : {1, 3}) {
+      ts::runtime::LoadOptions opt;
+      opt.residency = ts::experts::Residency::kStreamed;
+      opt.streamed.slots_per_layer = slots;
+      auto m = load(gguf, opt);
+      ASSERT_TRUE(m) << name;
+      const std::vector<float> got = prefill(*m, prompt);
+      EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4))
+          << name << " streamed, slots " << slots;
+    }
+  }
+}
+
 // With --outtype q8_0 the converter quantizes attn_k_b (rows of qk_nope = 32) and, rows of
 // kv_lora_rank = 48 not being whole blocks, writes attn_v_b as F16: the halves are widened
 // and joined; the logits stay near the F32 file's.
