@@ -149,6 +149,9 @@ struct ConvertOptions {
   bool iq4_xs_experts = false;       // ... or as IQ4_XS
   bool permute_qk = true;            // llama arch: convert_hf_to_gguf's q/k row permutation
   bool legacy_expert_names = false;  // blk.N.ffn_gate.E.weight instead of stacked *_exps
+  bool legacy_mla = false;           // deepseek2 as converted before the attn_k_b / attn_v_b
+                                     // split: attn_kv_b whole, no *_mla keys, head sizes in
+                                     // key_length / value_length, head_count_kv = heads
   bool write_weights_norm = true;    // expert_weights_norm where the config differs from
                                      // llama.cpp's default for the architecture
   std::string tokenizer_dir;         // a directory whose tokenizer.json to embed ("" = the model's)
@@ -479,6 +482,15 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
     if (has("norm_topk_prob") && c["norm_topk_prob"].get<bool>())
       boolean("expert_weights_norm", true);
     u32("rope.dimension_count", uint32_t(rope_dim));
+    if (opt.legacy_mla) {
+      u32("attention.head_count_kv", c["num_key_value_heads"]);
+      u32("attention.key_length", uint32_t(nope + rope_dim));
+      u32("attention.value_length", c["v_head_dim"]);
+      for (const char* k : {"attention.key_length_mla", "attention.value_length_mla"}) {
+        kv.erase(arch + "." + k);
+        order.erase(std::remove(order.begin(), order.end(), arch + "." + k), order.end());
+      }
+    }
     if (rope_has("mscale_all_dim"))
       f32("rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"].get<double>());
   } else if (glm) {  // glm.py:151-183
@@ -589,6 +601,10 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
       const size_t d2 = rest.find('.', ex.size());
       const int e = std::stoi(rest.substr(ex.size(), d2 - ex.size()));
       experts[{bid, rest.substr(d2 + 1)}][e] = &v;
+      continue;
+    }
+    if (rest == "self_attn.kv_b_proj.weight" && opt.legacy_mla) {
+      write(b + "attn_kv_b.weight", v.shape, f32_bytes(v), false);
       continue;
     }
     if (rest == "self_attn.kv_b_proj.weight") {

@@ -194,6 +194,19 @@ TEST(GgufModel, MlaKvBIsJoinedBackFromTheConvertersSplit) {
   EXPECT_NE(m->note.find("joined attn_k_b + attn_v_b into kv_b_proj for 3 block(s)"),
             std::string::npos)
       << m->note;
+  // Files from before the split hold attn_kv_b whole and the head sizes in key_length /
+  // value_length: the same model.
+  ts_test::convert_hf_dir(dir, tmp.file("legacy.gguf"), {.legacy_mla = true});
+  auto lg = ts::io::read_gguf(tmp.file("legacy.gguf"));
+  ASSERT_TRUE(lg.ok());
+  ASSERT_TRUE(lg->tensor("blk.0.attn_kv_b.weight"));
+  EXPECT_EQ(lg->tensor("blk.0.attn_k_b.weight"), nullptr);
+  EXPECT_EQ(meta_int(*lg, "deepseek2.attention.key_length"), 48);
+  auto legacy = load(tmp.file("legacy.gguf")), split = load(gguf);
+  ASSERT_TRUE(legacy && split);
+  const std::vector<int> prompt = prompt_of(dir);
+  const std::vector<float> ll = prefill(*legacy, prompt), ls = prefill(*split, prompt);
+  EXPECT_EQ(0, std::memcmp(ll.data(), ls.data(), ll.size() * 4));
 }
 
 // The new families' experts stream from the file's offsets like the others': every
