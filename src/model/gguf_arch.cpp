@@ -190,8 +190,7 @@ Status olmoe_config(const ArchInput& in, json& cfg) {
 Status deepseek2_config(const ArchInput& in, json& cfg) {
   const Meta& m = in.m;
   TS_ASSIGN(std::optional<ScoreFn> gating, read_gating(m));
-  const ScoreFn scoring =
-      gating.value_or(in.t.probs_b ? ScoreFn::kSigmoid : ScoreFn::kSoftmax);
+  const ScoreFn scoring = gating.value_or(in.t.probs_b ? ScoreFn::kSigmoid : ScoreFn::kSoftmax);
   const bool v3 = scoring == ScoreFn::kSigmoid;
   cfg["model_type"] = v3 ? "deepseek_v3" : "deepseek_v2";
 
@@ -258,8 +257,7 @@ Status deepseek2_config(const ArchInput& in, json& cfg) {
     cfg["routed_scaling_factor"] = scale && *scale != 0 ? *scale : 1.0;
   }
   TS_ASSIGN(std::optional<double> log_mul, m.opt_number("rope.scaling.yarn_log_multiplier"));
-  if (log_mul && cfg.contains("rope_parameters") &&
-      cfg["rope_parameters"]["rope_type"] == "yarn") {
+  if (log_mul && cfg.contains("rope_parameters") && cfg["rope_parameters"]["rope_type"] == "yarn") {
     // gguf-py stored 0.1 * mscale_all_dim as an f32. Read as the 7-digit decimal it stands
     // for and divided in double, it gives back the config's value (0.707 -> 0.0707f ->
     // "0.0707" -> 0.707), so the softmax scale is the checkpoint's to the bit; llama.cpp's
@@ -299,9 +297,9 @@ Status glm4moe_config(const ArchInput& in, json& cfg) {
   TS_ASSIGN(std::optional<int64_t> shared, m.opt_integer("expert_shared_count"));
   const int64_t n_shared = shared.value_or(0);
   if (n_shared * in.t.d_expert != in.t.d_shared)
-    return m.err(m.k("expert_shared_count"),
-                 "= " + std::to_string(n_shared) + " but ffn_gate_shexp has " +
-                     std::to_string(in.t.d_shared) + " rows");
+    return m.err(m.k("expert_shared_count"), "= " + std::to_string(n_shared) +
+                                                 " but ffn_gate_shexp has " +
+                                                 std::to_string(in.t.d_shared) + " rows");
   cfg["n_shared_experts"] = n_shared;
   TS_ASSIGN(std::optional<int64_t> lead, m.opt_integer("leading_dense_block_count"));
   TS_TRY(check_dense_lead(in, lead.value_or(0)));
@@ -344,7 +342,8 @@ constexpr GgufArch kArchs[] = {
     {"deepseek2", Family::kDeepseekV3, "ffn_norm.weight", false, true, false, deepseek2_config},
     // GLM4_MOE has no FFN_NORM: post_attention_layernorm maps to ATTN_POST_NORM
     // (gguf-py constants.py MODEL_TENSORS[GLM4_MOE]; glm4-moe.cpp:72).
-    {"glm4moe", Family::kGlm4Moe, "post_attention_norm.weight", false, false, false, glm4moe_config},
+    {"glm4moe", Family::kGlm4Moe, "post_attention_norm.weight", false, false, false,
+     glm4moe_config},
     {"minimax-m2", Family::kMinimaxM2, "ffn_norm.weight", false, false, false, minimax_m2_config},
 };
 

@@ -49,9 +49,9 @@ struct TensorFacts {
   int64_t d_ff = 0;      // rows of a dense layer's ffn_gate
   int64_t q_lora = 0;    // rows of attn_q_a (MLA's q LoRA); 0 when the file has none
   bool has_output = false;
-  bool qkv_bias = false;  // attn_q.bias
-  bool probs_b = false;   // exp_probs_b.bias (a router correction bias)
-  bool q_norm = false;    // attn_q_norm.weight
+  bool qkv_bias = false;         // attn_q.bias
+  bool probs_b = false;          // exp_probs_b.bias (a router correction bias)
+  bool q_norm = false;           // attn_q_norm.weight
   std::vector<bool> has_router;  // [n_layers]: ffn_gate_inp present
 };
 

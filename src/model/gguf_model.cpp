@@ -15,9 +15,9 @@
 #include "core/thread_pool.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
+#include "model/families/family.h"
 #include "model/ggml_dequant.h"
 #include "model/gguf_arch.h"
-#include "model/families/family.h"
 #include "model/hparams.h"
 #include "model/weights.h"
 
@@ -106,7 +106,16 @@ using gguf::TensorFacts;
 
 // What a tensor tells about the model (TensorFacts), by its GGUF name.
 enum class Fact : uint8_t {
-  kNone, kEmbed, kOutput, kDenseGate, kSharedGate, kRouter, kQBias, kProbsB, kQNorm, kQa
+  kNone,
+  kEmbed,
+  kOutput,
+  kDenseGate,
+  kSharedGate,
+  kRouter,
+  kQBias,
+  kProbsB,
+  kQNorm,
+  kQa
 };
 
 // What a GGUF tensor name means: a Hub name, or a stacked / per-expert projection, or one
@@ -151,7 +160,8 @@ std::optional<Mapped> map_name(const std::string& name, const GgufArch& arch,
   const std::string a = p + "self_attn.";
   const std::string moe = p + fam.moe_block + ".";
   const std::string shared = moe + fam.shared + ".";
-  if (rest == arch.ffn_norm) return Mapped{.hub = p + "post_attention_layernorm.weight", .layer = layer};
+  if (rest == arch.ffn_norm)
+    return Mapped{.hub = p + "post_attention_layernorm.weight", .layer = layer};
   struct Entry {
     const char* gguf;
     std::string hub;
@@ -274,8 +284,12 @@ Result<Owned> join_kv_b(const KvbPart& k, const KvbPart& v, const std::string& h
                   size_t(vd * kv_lora) * es);
     }
     Owned o{std::move(out), {}};
-    o.views.push_back({.name = hub, .dtype = k.dtype, .shape = shape, .data = o.bytes.get(),
-                       .n_bytes = n, .file = path});
+    o.views.push_back({.name = hub,
+                       .dtype = k.dtype,
+                       .shape = shape,
+                       .data = o.bytes.get(),
+                       .n_bytes = n,
+                       .file = path});
     return o;
   }
   const std::vector<float> kf = rows_to_f32(k.dtype, k.data, n_heads * kv_lora, nope);
@@ -298,8 +312,12 @@ Result<Owned> join_kv_b(const KvbPart& k, const KvbPart& v, const std::string& h
       std::memcpy(out.get() + size_t(r) * rb, f.data() + r * kv_lora, rb);
   }
   Owned o{std::move(out), {}};
-  o.views.push_back({.name = hub, .dtype = dt, .shape = shape, .data = o.bytes.get(),
-                     .n_bytes = n, .file = path});
+  o.views.push_back({.name = hub,
+                     .dtype = dt,
+                     .shape = shape,
+                     .data = o.bytes.get(),
+                     .n_bytes = n,
+                     .file = path});
   return o;
 }
 
@@ -356,8 +374,9 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
   auto read_expert_count = [&]() -> Result<int64_t> {
     TS_ASSIGN(std::optional<int64_t> n, m.opt_integer("expert_count"));
     if (!n || *n == 0)
-      return m.err(m.k("expert_count"), "is missing or 0: a dense model (turbospark runs "
-                                        "Mixture-of-Experts models)");
+      return m.err(m.k("expert_count"),
+                   "is missing or 0: a dense model (turbospark runs "
+                   "Mixture-of-Experts models)");
     return *n;
   };
   if (arch->names_dense_models) TS_TRY(read_expert_count());
@@ -403,9 +422,8 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
   const int64_t n_layers = block_count - nextn.value_or(0);
   if (n_layers <= 0)
     return m.err(m.k("nextn_predict_layers"), "= " + std::to_string(*nextn) +
-                                                  " leaves no blocks of " +
-                                                  m.k("block_count") + " = " +
-                                                  std::to_string(block_count));
+                                                  " leaves no blocks of " + m.k("block_count") +
+                                                  " = " + std::to_string(block_count));
 
   // Tensors under their Hub names.
   auto set = std::make_unique<io::TensorSet>();
@@ -503,18 +521,38 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
       std::vector<int64_t> shape = d.size() == 2 ? std::vector<int64_t>{d[1], d[0]} : d;
       const std::string& hub = mp->hub;
       switch (mp->fact) {
-        case Fact::kEmbed: facts.vocab = shape[0]; break;
-        case Fact::kOutput: facts.has_output = true; break;
-        case Fact::kDenseGate: facts.d_ff = shape[0]; break;
-        case Fact::kSharedGate: facts.d_shared = shape[0]; break;
-        case Fact::kRouter: facts.has_router[size_t(mp->layer)] = true; break;
-        case Fact::kQBias: facts.qkv_bias = true; break;
-        case Fact::kProbsB: facts.probs_b = true; break;
-        case Fact::kQNorm: facts.q_norm = true; break;
-        case Fact::kQa: facts.q_lora = shape[0]; break;
-        case Fact::kNone: break;
+        case Fact::kEmbed:
+          facts.vocab = shape[0];
+          break;
+        case Fact::kOutput:
+          facts.has_output = true;
+          break;
+        case Fact::kDenseGate:
+          facts.d_ff = shape[0];
+          break;
+        case Fact::kSharedGate:
+          facts.d_shared = shape[0];
+          break;
+        case Fact::kRouter:
+          facts.has_router[size_t(mp->layer)] = true;
+          break;
+        case Fact::kQBias:
+          facts.qkv_bias = true;
+          break;
+        case Fact::kProbsB:
+          facts.probs_b = true;
+          break;
+        case Fact::kQNorm:
+          facts.q_norm = true;
+          break;
+        case Fact::kQa:
+          facts.q_lora = shape[0];
+          break;
+        case Fact::kNone:
+          break;
       }
-      if (mp->expert >= 0 && t.name.find("ffn_gate.") != std::string::npos) facts.d_expert = shape[0];
+      if (mp->expert >= 0 && t.name.find("ffn_gate.") != std::string::npos)
+        facts.d_expert = shape[0];
       if (hub.ends_with("shared_expert_gate.weight") && d.size() == 1) shape = {1, d[0]};
       if (mp->qk) {
         // convert_hf_to_gguf (LlamaModel.permute) stores head h's rows as
@@ -552,10 +590,10 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
       return make_error(path + ": tensor '" + blk + (pair.first.data ? "attn_v_b" : "attn_k_b") +
                         ".weight' is missing (its other half is there)");
     bool requantized = false;
-    TS_ASSIGN(Owned o, join_kv_b(pair.first, pair.second,
-                                 "model.layers." + std::to_string(layer) +
-                                     ".self_attn.kv_b_proj.weight",
-                                 path, n_heads, &requantized));
+    TS_ASSIGN(Owned o,
+              join_kv_b(pair.first, pair.second,
+                        "model.layers." + std::to_string(layer) + ".self_attn.kv_b_proj.weight",
+                        path, n_heads, &requantized));
     requantized_kv_b += requantized;
     owned.push_back(std::move(o));
   }
@@ -575,9 +613,8 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
   cfg["num_experts_per_tok"] = top_k;
   // The key the families with such blocks (glm4_moe, deepseek) read; `inspect` names them.
   if (nextn.value_or(0) > 0) cfg["num_nextn_predict_layers"] = *nextn;
-  TS_TRY(arch->config({.m = m, .t = facts, .n_layers = n_layers, .n_heads = n_heads,
-                       .d_model = d_model},
-                      cfg));
+  TS_TRY(arch->config(
+      {.m = m, .t = facts, .n_layers = n_layers, .n_heads = n_heads, .d_model = d_model}, cfg));
 
   for (size_t si = 0; si < shards.size(); ++si)
     TS_TRY(set->add_mapped(std::move(shards[si].file), std::move(shard_views[si])));
@@ -591,8 +628,8 @@ Result<GgufModel> open_gguf_model(const std::string& path) {
                     std::to_string((converted_bytes + 500000) / 1000000) + " MB in memory)");
   }
   if (!kv_b.empty())
-    notes.push_back("joined attn_k_b + attn_v_b into kv_b_proj for " +
-                    std::to_string(kv_b.size()) + " block(s)" +
+    notes.push_back("joined attn_k_b + attn_v_b into kv_b_proj for " + std::to_string(kv_b.size()) +
+                    " block(s)" +
                     (requantized_kv_b ? " (" + std::to_string(requantized_kv_b) +
                                             " widened from quantized halves)"
                                       : std::string()));

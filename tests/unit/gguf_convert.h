@@ -408,7 +408,7 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
   json rope = c.contains("rope_parameters") && c["rope_parameters"].is_object()
                   ? c["rope_parameters"]
               : c.contains("rope_scaling") && c["rope_scaling"].is_object() ? c["rope_scaling"]
-                                                                             : json::object();
+                                                                            : json::object();
   if (!rope.contains("rope_theta") && has("rope_theta")) rope["rope_theta"] = c["rope_theta"];
   if (!rope.contains("rope_type") && rope.contains("type")) rope["rope_type"] = rope["type"];
   if (!rope.contains("partial_rotary_factor") && has("partial_rotary_factor"))
@@ -435,13 +435,14 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
     u32("rope.scaling.original_context_length", rope["original_max_position_embeddings"]);
     if (rope_has("extrapolation_factor"))
       f32("rope.scaling.yarn_ext_factor", rope["extrapolation_factor"]);
-    if (rope_has("attention_factor")) f32("rope.scaling.yarn_attn_factor", rope["attention_factor"]);
+    if (rope_has("attention_factor"))
+      f32("rope.scaling.yarn_attn_factor", rope["attention_factor"]);
     if (rope_has("beta_fast")) f32("rope.scaling.yarn_beta_fast", rope["beta_fast"]);
     if (rope_has("beta_slow")) f32("rope.scaling.yarn_beta_slow", rope["beta_slow"]);
   }
   if (rope_has("rope_theta")) f32("rope.freq_base", rope["rope_theta"]);
-  f32("attention.layer_norm_rms_epsilon", has("rms_norm_eps") ? c["rms_norm_eps"].get<double>()
-                                                               : 1e-6);
+  f32("attention.layer_norm_rms_epsilon",
+      has("rms_norm_eps") ? c["rms_norm_eps"].get<double>() : 1e-6);
   for (const char* k : {"num_local_experts", "num_experts", "n_routed_experts"})
     if (has(k)) {
       u32("expert_count", c[k]);
@@ -474,8 +475,8 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
     u32("attention.value_length", uint32_t(kv_lora));
     u32("attention.key_length_mla", uint32_t(nope + rope_dim));
     u32("attention.value_length_mla", c["v_head_dim"]);
-    u32("expert_feed_forward_length", has("moe_intermediate_size") ? c["moe_intermediate_size"]
-                                                                    : c["intermediate_size"]);
+    u32("expert_feed_forward_length",
+        has("moe_intermediate_size") ? c["moe_intermediate_size"] : c["intermediate_size"]);
     if (has("n_routed_experts")) u32("expert_count", c["n_routed_experts"]);
     u32("expert_shared_count", has("n_shared_experts") ? c["n_shared_experts"].get<int>() : 0);
     if (has("routed_scaling_factor")) f32("expert_weights_scale", c["routed_scaling_factor"]);
@@ -494,17 +495,16 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
     if (rope_has("mscale_all_dim"))
       f32("rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"].get<double>());
   } else if (glm) {  // glm.py:151-183
-    const int hd = has("head_dim") ? c["head_dim"].get<int>()
-                                   : c["hidden_size"].get<int>() / c["num_attention_heads"].get<int>();
+    const int hd = has("head_dim")
+                       ? c["head_dim"].get<int>()
+                       : c["hidden_size"].get<int>() / c["num_attention_heads"].get<int>();
     const double partial =
         rope_has("partial_rotary_factor") ? rope["partial_rotary_factor"].get<double>() : 0.5;
     u32("rope.dimension_count", uint32_t(int(hd * partial)));
     if (has("n_routed_experts")) u32("expert_count", c["n_routed_experts"]);
-    if (has("moe_intermediate_size"))
-      u32("expert_feed_forward_length", c["moe_intermediate_size"]);
+    if (has("moe_intermediate_size")) u32("expert_feed_forward_length", c["moe_intermediate_size"]);
     if (has("n_shared_experts")) u32("expert_shared_count", c["n_shared_experts"]);
-    if (has("first_k_dense_replace"))
-      u32("leading_dense_block_count", c["first_k_dense_replace"]);
+    if (has("first_k_dense_replace")) u32("leading_dense_block_count", c["first_k_dense_replace"]);
     u32("expert_gating_func", 2);
     if (has("routed_scaling_factor")) f32("expert_weights_scale", c["routed_scaling_factor"]);
     if (has("norm_topk_prob")) boolean("expert_weights_norm", c["norm_topk_prob"].get<bool>());
@@ -514,8 +514,7 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
     u32("rope.dimension_count", c["rotary_dim"]);
   }
 
-  for (const auto& [k, v] : opt.set_u32)
-    put_kv(k, [k, v](GgufWriter& w) { w.u32(k, v); });
+  for (const auto& [k, v] : opt.set_u32) put_kv(k, [k, v](GgufWriter& w) { w.u32(k, v); });
   for (const std::string& k : opt.drop_keys) {
     kv.erase(k);
     order.erase(std::remove(order.begin(), order.end(), k), order.end());
@@ -631,8 +630,8 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
     }
     auto it = kRest.find(rest);
     if (it == kRest.end()) fail("can not map tensor " + name);
-    const bool keep_f32 = it->second.find("_norm") != std::string::npos ||
-                          it->second == "ffn_gate_inp.weight";
+    const bool keep_f32 =
+        it->second.find("_norm") != std::string::npos || it->second == "ffn_gate_inp.weight";
     write(b + it->second, v.shape, f32_bytes(v), keep_f32);
   }
   const std::map<std::string, std::string> kExp = {

@@ -132,9 +132,10 @@ TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
   ASSERT_EQ(ref->data.size(), lb.size());
   const size_t V = size_t(hb.vocab);
   for (size_t t = 0; t * V < lb.size(); ++t)
-    EXPECT_LE(max_rel(std::vector<float>(lb.begin() + t * V, lb.begin() + (t + 1) * V),
-                      std::vector<float>(ref->data.begin() + t * V, ref->data.begin() + (t + 1) * V)),
-              1e-4)
+    EXPECT_LE(
+        max_rel(std::vector<float>(lb.begin() + t * V, lb.begin() + (t + 1) * V),
+                std::vector<float>(ref->data.begin() + t * V, ref->data.begin() + (t + 1) * V)),
+        1e-4)
         << "position " << t;
 }
 
@@ -334,23 +335,32 @@ TEST(GgufModel, NewArchitectureErrorsNameTheKeyOrTensor) {
     std::string needle;
   };
   const std::vector<Case> cases = {
-      {"deepseek_v2", {.drop_tensor = "blk.1.attn_v_b.weight"},
+      {"deepseek_v2",
+       {.drop_tensor = "blk.1.attn_v_b.weight"},
        "tensor 'blk.1.attn_v_b.weight' is missing (its other half is there)"},
-      {"deepseek_v2", {.set_u32 = {{"deepseek2.expert_gating_func", 4}}},
+      {"deepseek_v2",
+       {.set_u32 = {{"deepseek2.expert_gating_func", 4}}},
        "metadata 'deepseek2.expert_gating_func' = 4 is not supported (1 softmax, 2 sigmoid)"},
-      {"deepseek_v3", {.set_u32 = {{"deepseek2.expert_gating_func", 1}}},
+      {"deepseek_v3",
+       {.set_u32 = {{"deepseek2.expert_gating_func", 1}}},
        "metadata 'deepseek2.expert_weights_norm' is true with softmax gating"},
-      {"deepseek_v2", {.drop_keys = {"deepseek2.attention.kv_lora_rank"}},
+      {"deepseek_v2",
+       {.drop_keys = {"deepseek2.attention.kv_lora_rank"}},
        "metadata 'deepseek2.attention.kv_lora_rank' is missing"},
-      {"deepseek_v3", {.set_u32 = {{"deepseek2.attention.q_lora_rank", 32}}},
+      {"deepseek_v3",
+       {.set_u32 = {{"deepseek2.attention.q_lora_rank", 32}}},
        "metadata 'deepseek2.attention.q_lora_rank' = 32 but blk.*.attn_q_a.weight has 64 rows"},
-      {"deepseek_v2", {.set_u32 = {{"deepseek2.expert_shared_count", 1}}},
+      {"deepseek_v2",
+       {.set_u32 = {{"deepseek2.expert_shared_count", 1}}},
        "metadata 'deepseek2.expert_shared_count' = 1 but ffn_gate_shexp has 80 rows"},
-      {"glm4_moe", {.set_u32 = {{"glm4moe.leading_dense_block_count", 2}}},
+      {"glm4_moe",
+       {.set_u32 = {{"glm4moe.leading_dense_block_count", 2}}},
        "metadata 'glm4moe.leading_dense_block_count' = 2 but block 1 has ffn_gate_inp.weight"},
-      {"glm4_moe", {.set_u32 = {{"glm4moe.expert_gating_func", 1}}},
+      {"glm4_moe",
+       {.set_u32 = {{"glm4moe.expert_gating_func", 1}}},
        "metadata 'glm4moe.expert_gating_func' = 1 (softmax); glm4moe routes by sigmoid"},
-      {"minimax_m2", {.set_u32 = {{"minimax-m2.expert_gating_func", 1}}},
+      {"minimax_m2",
+       {.set_u32 = {{"minimax-m2.expert_gating_func", 1}}},
        "metadata 'minimax-m2.expert_gating_func' = 1 (softmax); minimax-m2 routes by sigmoid"},
   };
   int i = 0;
