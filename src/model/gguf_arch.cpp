@@ -120,8 +120,7 @@ Status sigmoid_router_keys(const ArchInput& in, json& cfg) {
 
 Status mixtral_config(const ArchInput& in, json& cfg) {
   cfg["model_type"] = "mixtral";
-  TS_ASSIGN(GqaShape s, read_gqa(in, false, cfg));
-  (void)s;
+  TS_TRY(read_gqa(in, false, cfg));
   TS_ASSIGN(cfg["num_local_experts"], in.m.integer("expert_count"));
   TS_TRY(require_router_everywhere(in));
   cfg["intermediate_size"] = in.t.d_expert;  // Mixtral always renormalises, whatever the key says
@@ -132,8 +131,7 @@ Status mixtral_config(const ArchInput& in, json& cfg) {
 // expert_weights_norm, else llama.cpp's default for the architecture (qwen3moe renormalises,
 // qwen2moe does not).
 Status qwen_config(const ArchInput& in, json& cfg, bool norm_default) {
-  TS_ASSIGN(GqaShape s, read_gqa(in, false, cfg));
-  (void)s;
+  TS_TRY(read_gqa(in, false, cfg));
   TS_ASSIGN(cfg["num_experts"], in.m.integer("expert_count"));
   cfg["moe_intermediate_size"] = in.t.d_expert;
   cfg["mlp_only_layers"] = dense_layers_of(in);
@@ -160,8 +158,7 @@ Status qwen2moe_config(const ArchInput& in, json& cfg) {
 
 Status olmoe_config(const ArchInput& in, json& cfg) {
   cfg["model_type"] = "olmoe";
-  TS_ASSIGN(GqaShape s, read_gqa(in, false, cfg));
-  (void)s;
+  TS_TRY(read_gqa(in, false, cfg));
   TS_ASSIGN(cfg["num_experts"], in.m.integer("expert_count"));
   TS_TRY(require_router_everywhere(in));
   cfg["intermediate_size"] = in.t.d_expert;
@@ -202,8 +199,7 @@ Status deepseek2_config(const ArchInput& in, json& cfg) {
                      " but blk.*.attn_q_a.weight has " + std::to_string(in.t.q_lora) + " rows");
   TS_ASSIGN(int64_t rope, m.integer("rope.dimension_count"));
   TS_ASSIGN(std::optional<int64_t> k_mla, m.opt_integer("attention.key_length_mla"));
-  TS_ASSIGN(std::optional<int64_t> v_mla, m.opt_integer("attention.value_length_mla"));
-  const bool legacy = !k_mla;
+  const bool legacy = !k_mla;  // a file from before the k_b / v_b split
   const std::string k_key = legacy ? "attention.key_length" : "attention.key_length_mla";
   const std::string v_key = legacy ? "attention.value_length" : "attention.value_length_mla";
   TS_ASSIGN(int64_t qk, m.integer(k_key));
@@ -211,7 +207,6 @@ Status deepseek2_config(const ArchInput& in, json& cfg) {
   if (qk <= rope)
     return m.err(m.k(k_key), "= " + std::to_string(qk) + " leaves no non-rotary dims beside " +
                                  m.k("rope.dimension_count") + " = " + std::to_string(rope));
-  (void)v_mla;
   cfg["kv_lora_rank"] = kv_lora;
   cfg["q_lora_rank"] = in.t.q_lora > 0 ? json(in.t.q_lora) : json(nullptr);
   cfg["qk_nope_head_dim"] = qk - rope;
