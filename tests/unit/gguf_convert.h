@@ -358,10 +358,12 @@ inline void add_tokenizer(GgufWriter& w, const std::filesystem::path& dir, const
 // conversion/deepseek.py DeepseekV2Model, conversion/glm.py Glm4MoeModel,
 // conversion/minimax.py MiniMaxM2Model over conversion/base.py TextModel), from config.json
 // as those classes read it — present keys only, so a key the config lacks is absent here
-// too. gguf-py overwrites a key written twice in place (gguf_writer.py add_key_value), so
-// keys are staged and written once, in first-written order. Tensors as with `--outtype f32`
-// (or `--outtype q8_0`: rows that are not whole 32-blocks fall back to F16, as
-// gguf.quants.quantize's QuantError does; norms, 1-D tensors and routers stay F32).
+// too. (The converter reads AutoConfig.from_pretrained(dir).to_dict() (base.py:1238), which
+// for these transformers-5 fixtures holds the same keys as the file: it was written from it.)
+// gguf-py overwrites a key written twice in place (gguf_writer.py add_key_value), so keys are
+// staged and written once, in first-written order. Tensors as with `--outtype f32` (or `--outtype
+// q8_0`: rows that are not whole 32-blocks fall back to F16, as gguf.quants.quantize's QuantError
+// does; norms, 1-D tensors and routers stay F32).
 inline bool converted_by_own_class(ts::model::Family f) {
   using ts::model::Family;
   return f == Family::kDeepseekV2 || f == Family::kDeepseekV3 || f == Family::kGlm4Moe ||
