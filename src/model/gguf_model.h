@@ -2,14 +2,18 @@
 // rest of the engine loads from a Hugging Face directory: a config.json equivalent and the
 // tensors under their Hub names, each a view into the mapped file.
 //
-// Architectures (general.architecture -> family): qwen3moe -> qwen3_moe, qwen2moe ->
-// qwen2_moe, olmoe -> olmoe, llama with {arch}.expert_count > 0 -> mixtral. Hyper-parameters
-// come from the {arch}.* keys; sizes the tensors fix (vocab, expert / shared / dense hidden
-// sizes, which layers have a router) from the tensors' shapes. Stacked expert tensors
+// Architectures (general.architecture -> family; model/gguf_arch.h holds the table): qwen3moe,
+// qwen2moe, olmoe, llama with {arch}.expert_count > 0 (Mixtral), deepseek2 (DeepSeek-V2 or
+// V3 / Kimi-K2 by expert_gating_func), glm4moe, minimax-m2. Hyper-parameters come from the
+// {arch}.* keys; sizes the tensors fix (vocab, expert / shared / dense hidden sizes, which
+// layers have a router, q LoRA rank) from the tensors' shapes. Stacked expert tensors
 // (blk.N.ffn_{gate,up,down}_exps, ggml dims [in, out, n_expert]) become one [out, in] view
 // per expert; the older per-expert names (blk.N.ffn_gate.E.weight) are read too. llama.cpp's
 // converter permutes the rows of a llama-arch attn_q / attn_k for its interleaved RoPE; those
 // two are un-permuted into owned copies (a row permutation, so quantized rows move whole).
+// It splits MLA's kv_b_proj into attn_k_b (each head's k rows transposed) and attn_v_b; the
+// two are joined back into an owned kv_b_proj. Blocks past block_count - nextn_predict_layers
+// (multi-token prediction) are skipped and named in the note.
 //
 // Tensor types: F32, F16, BF16, Q8_0 and Q4_K are read in place (the GGUF block layouts the
 // kernels read as they are). Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K and Q6_K (K-quant

@@ -1,6 +1,7 @@
 // Test helper: writes GGUF files the way llama.cpp's convert_hf_to_gguf.py lays them out
 // (metadata key names and value types, tensor names, ggml dim order, stacked experts, the
-// llama-arch q/k row permutation, F32 norms / routers / biases, the tokenizer's tokens,
+// llama-arch q/k row permutation, MLA's kv_b_proj split into attn_k_b (transposed) and
+// attn_v_b, F32 norms / routers / biases, the tokenizer's tokens,
 // token types, merges or scores), from a Hugging Face fixture directory. The layout facts
 // come from llama.cpp's converter and gguf-py (constants.py, gguf_writer.py), written out
 // here independently of the reader under test (src/model/gguf_model.cpp).
@@ -148,12 +149,21 @@ struct ConvertOptions {
   bool iq4_xs_experts = false;       // ... or as IQ4_XS
   bool permute_qk = true;            // llama arch: convert_hf_to_gguf's q/k row permutation
   bool legacy_expert_names = false;  // blk.N.ffn_gate.E.weight instead of stacked *_exps
+  bool legacy_mla = false;           // deepseek2 as converted before the attn_k_b / attn_v_b
+                                     // split: attn_kv_b whole, no *_mla keys, head sizes in
+                                     // key_length / value_length, head_count_kv = heads
   bool write_weights_norm = true;    // expert_weights_norm where the config differs from
                                      // llama.cpp's default for the architecture
   std::string tokenizer_dir;         // a directory whose tokenizer.json to embed ("" = the model's)
   std::string pre = "qwen2";         // tokenizer.ggml.pre for byte-level BPE tokenizers
   std::function<void(GgufWriter&)> extra;  // more keys / tensors, before writing
   int split = 0;                           // > 1: write OUT as gguf-split shards, OUT the prefix
+  bool no_mtp = false;                     // --no-mtp: block_count without the NextN blocks
+  std::string drop_tensor;                 // a GGUF tensor name to leave out (for error tests)
+  // Own-class converters (deepseek2, glm4moe, minimax-m2): metadata keys to set or replace,
+  // and keys to leave out, after the converter's own (for error tests).
+  std::vector<std::pair<std::string, uint32_t>> set_u32;
+  std::vector<std::string> drop_keys;
 };
 
 namespace gguf_detail {
@@ -344,6 +354,313 @@ inline void add_tokenizer(GgufWriter& w, const std::filesystem::path& dir, const
 
 }  // namespace gguf_detail
 
+// The families llama.cpp converts with its own classes (llama.cpp de3ff81,
+// conversion/deepseek.py DeepseekV2Model, conversion/glm.py Glm4MoeModel,
+// conversion/minimax.py MiniMaxM2Model over conversion/base.py TextModel), from config.json
+// as those classes read it — present keys only, so a key the config lacks is absent here
+// too. (The converter reads AutoConfig.from_pretrained(dir).to_dict() (base.py:1238), which
+// for these transformers-5 fixtures holds the same keys as the file: it was written from it.)
+// gguf-py overwrites a key written twice in place (gguf_writer.py add_key_value), so keys are
+// staged and written once, in first-written order. Tensors as with `--outtype f32` (or `--outtype
+// q8_0`: rows that are not whole 32-blocks fall back to F16, as gguf.quants.quantize's QuantError
+// does; norms, 1-D tensors and routers stay F32).
+inline bool converted_by_own_class(ts::model::Family f) {
+  using ts::model::Family;
+  return f == Family::kDeepseekV2 || f == Family::kDeepseekV3 || f == Family::kGlm4Moe ||
+         f == Family::kMinimaxM2;
+}
+
+inline void convert_own_class(const std::string& dir, const std::string& out,
+                              const ConvertOptions& opt) {
+  using namespace gguf_detail;
+  using json = nlohmann::json;
+  auto fail = [&](const std::string& what) { throw std::runtime_error(dir + ": " + what); };
+  const json c = read_json(std::filesystem::path(dir) / "config.json");
+  auto setr = ts::io::TensorSet::open_dir(dir);
+  if (!setr.ok()) fail(setr.error().message);
+  const ts::io::TensorSet& set = *setr.value();
+  auto has = [&](const char* k) { return c.contains(k) && !c[k].is_null(); };
+  const std::string mt = c["model_type"].get<std::string>();
+  const bool ds = mt == "deepseek_v2" || mt == "deepseek_v3" || mt == "kimi_k2";
+  const bool glm = mt == "glm4_moe";
+  const std::string arch = ds ? "deepseek2" : glm ? "glm4moe" : "minimax-m2";
+  const int n_layers = c["num_hidden_layers"].get<int>();
+
+  // Staged metadata: key -> writer, first-written order.
+  std::vector<std::string> order;
+  std::map<std::string, std::function<void(GgufWriter&)>> kv;
+  auto put_kv = [&](const std::string& k, std::function<void(GgufWriter&)> f) {
+    if (!kv.count(k)) order.push_back(k);
+    kv[k] = std::move(f);
+  };
+  auto u32 = [&](const std::string& k, uint32_t v) {
+    put_kv(arch + "." + k, [=, key = arch + "." + k](GgufWriter& w) { w.u32(key, v); });
+  };
+  auto f32 = [&](const std::string& k, double v) {
+    put_kv(arch + "." + k, [=, key = arch + "." + k](GgufWriter& w) { w.f32(key, float(v)); });
+  };
+  auto boolean = [&](const std::string& k, bool v) {
+    put_kv(arch + "." + k, [=, key = arch + "." + k](GgufWriter& w) { w.boolean(key, v); });
+  };
+  auto str = [&](const std::string& k, const std::string& v) {
+    put_kv(arch + "." + k, [=, key = arch + "." + k](GgufWriter& w) { w.str(key, v); });
+  };
+
+  // base.py:1317-1335: rope_parameters (or rope_scaling) with the top-level keys mirrored.
+  json rope = c.contains("rope_parameters") && c["rope_parameters"].is_object()
+                  ? c["rope_parameters"]
+              : c.contains("rope_scaling") && c["rope_scaling"].is_object() ? c["rope_scaling"]
+                                                                            : json::object();
+  if (!rope.contains("rope_theta") && has("rope_theta")) rope["rope_theta"] = c["rope_theta"];
+  if (!rope.contains("rope_type") && rope.contains("type")) rope["rope_type"] = rope["type"];
+  if (!rope.contains("partial_rotary_factor") && has("partial_rotary_factor"))
+    rope["partial_rotary_factor"] = c["partial_rotary_factor"];
+  auto rope_has = [&](const char* k) { return rope.contains(k) && !rope[k].is_null(); };
+
+  // TextModel.set_gguf_parameters (base.py:1399-1503); DeepSeek first sets
+  // num_key_value_heads = 1 and a default rms_norm_eps (deepseek.py:319-330).
+  const int nextn = glm && has("num_nextn_predict_layers") && !opt.no_mtp
+                        ? c["num_nextn_predict_layers"].get<int>()
+                        : 0;
+  u32("block_count", uint32_t(n_layers + nextn));
+  if (has("max_position_embeddings")) u32("context_length", c["max_position_embeddings"]);
+  u32("embedding_length", c["hidden_size"]);
+  if (has("intermediate_size")) u32("feed_forward_length", c["intermediate_size"]);
+  u32("attention.head_count", c["num_attention_heads"]);
+  if (ds)
+    u32("attention.head_count_kv", 1);
+  else if (has("num_key_value_heads"))
+    u32("attention.head_count_kv", c["num_key_value_heads"]);
+  if (rope_has("rope_type") && rope["rope_type"] == "yarn" && rope_has("factor")) {
+    str("rope.scaling.type", "yarn");
+    f32("rope.scaling.factor", rope["factor"]);
+    u32("rope.scaling.original_context_length", rope["original_max_position_embeddings"]);
+    if (rope_has("extrapolation_factor"))
+      f32("rope.scaling.yarn_ext_factor", rope["extrapolation_factor"]);
+    if (rope_has("attention_factor"))
+      f32("rope.scaling.yarn_attn_factor", rope["attention_factor"]);
+    if (rope_has("beta_fast")) f32("rope.scaling.yarn_beta_fast", rope["beta_fast"]);
+    if (rope_has("beta_slow")) f32("rope.scaling.yarn_beta_slow", rope["beta_slow"]);
+  }
+  if (rope_has("rope_theta")) f32("rope.freq_base", rope["rope_theta"]);
+  f32("attention.layer_norm_rms_epsilon",
+      has("rms_norm_eps") ? c["rms_norm_eps"].get<double>() : 1e-6);
+  for (const char* k : {"num_local_experts", "num_experts", "n_routed_experts"})
+    if (has(k)) {
+      u32("expert_count", c[k]);
+      break;
+    }
+  if (has("num_experts_per_tok")) u32("expert_used_count", c["num_experts_per_tok"]);
+  if (has("n_group")) u32("expert_group_count", c["n_group"]);
+  if (has("topk_group")) u32("expert_group_used_count", c["topk_group"]);
+  if (has("scoring_func")) {
+    const std::string f = c["scoring_func"];
+    if (f != "sigmoid" && f != "softmax") fail("scoring_func " + f);
+    u32("expert_gating_func", f == "sigmoid" ? 2 : 1);
+  }
+  if (has("head_dim")) {
+    u32("attention.key_length", c["head_dim"]);
+    u32("attention.value_length", c["head_dim"]);
+  }
+  put_kv("general.file_type", [](GgufWriter& w) { w.u32("general.file_type", 0); });
+
+  if (ds) {  // deepseek.py:331-386
+    u32("leading_dense_block_count", has("first_k_dense_replace")
+                                         ? c["first_k_dense_replace"].get<int>()
+                                         : (has("n_routed_experts") ? 0 : n_layers));
+    const int kv_lora = has("kv_lora_rank") ? c["kv_lora_rank"].get<int>() : 512;
+    u32("vocab_size", c["vocab_size"]);
+    if (has("q_lora_rank")) u32("attention.q_lora_rank", c["q_lora_rank"]);
+    const int rope_dim = c["qk_rope_head_dim"], nope = c["qk_nope_head_dim"];
+    u32("attention.kv_lora_rank", uint32_t(kv_lora));
+    u32("attention.key_length", uint32_t(kv_lora + rope_dim));
+    u32("attention.value_length", uint32_t(kv_lora));
+    u32("attention.key_length_mla", uint32_t(nope + rope_dim));
+    u32("attention.value_length_mla", c["v_head_dim"]);
+    u32("expert_feed_forward_length",
+        has("moe_intermediate_size") ? c["moe_intermediate_size"] : c["intermediate_size"]);
+    if (has("n_routed_experts")) u32("expert_count", c["n_routed_experts"]);
+    u32("expert_shared_count", has("n_shared_experts") ? c["n_shared_experts"].get<int>() : 0);
+    if (has("routed_scaling_factor")) f32("expert_weights_scale", c["routed_scaling_factor"]);
+    if (has("norm_topk_prob") && c["norm_topk_prob"].get<bool>())
+      boolean("expert_weights_norm", true);
+    u32("rope.dimension_count", uint32_t(rope_dim));
+    if (opt.legacy_mla) {
+      u32("attention.head_count_kv", c["num_key_value_heads"]);
+      u32("attention.key_length", uint32_t(nope + rope_dim));
+      u32("attention.value_length", c["v_head_dim"]);
+      for (const char* k : {"attention.key_length_mla", "attention.value_length_mla"}) {
+        kv.erase(arch + "." + k);
+        order.erase(std::remove(order.begin(), order.end(), arch + "." + k), order.end());
+      }
+    }
+    if (rope_has("mscale_all_dim"))
+      f32("rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"].get<double>());
+  } else if (glm) {  // glm.py:151-183
+    const int hd = has("head_dim")
+                       ? c["head_dim"].get<int>()
+                       : c["hidden_size"].get<int>() / c["num_attention_heads"].get<int>();
+    const double partial =
+        rope_has("partial_rotary_factor") ? rope["partial_rotary_factor"].get<double>() : 0.5;
+    u32("rope.dimension_count", uint32_t(int(hd * partial)));
+    if (has("n_routed_experts")) u32("expert_count", c["n_routed_experts"]);
+    if (has("moe_intermediate_size")) u32("expert_feed_forward_length", c["moe_intermediate_size"]);
+    if (has("n_shared_experts")) u32("expert_shared_count", c["n_shared_experts"]);
+    if (has("first_k_dense_replace")) u32("leading_dense_block_count", c["first_k_dense_replace"]);
+    u32("expert_gating_func", 2);
+    if (has("routed_scaling_factor")) f32("expert_weights_scale", c["routed_scaling_factor"]);
+    if (has("norm_topk_prob")) boolean("expert_weights_norm", c["norm_topk_prob"].get<bool>());
+    if (nextn > 0) u32("nextn_predict_layers", uint32_t(nextn));
+  } else {  // minimax.py:128-132
+    u32("expert_feed_forward_length", c["intermediate_size"]);
+    u32("rope.dimension_count", c["rotary_dim"]);
+  }
+
+  for (const auto& [k, v] : opt.set_u32) put_kv(k, [k, v](GgufWriter& w) { w.u32(k, v); });
+  for (const std::string& k : opt.drop_keys) {
+    kv.erase(k);
+    order.erase(std::remove(order.begin(), order.end(), k), order.end());
+  }
+  GgufWriter w;
+  w.str("general.architecture", arch);
+  w.str("general.name", "fixture");
+  for (const std::string& k : order) kv[k](w);
+
+  // Tensors: HF name -> GGUF name (tensor_mapping.py / constants.py for the arch).
+  auto write = [&](const std::string& name, std::vector<int64_t> shape, std::string f32_bytes_,
+                   bool keep_f32) {
+    if (name == opt.drop_tensor) return;
+    std::vector<uint64_t> ne(shape.rbegin(), shape.rend());
+    const int64_t cols = shape.back(), rows = int64_t(f32_bytes_.size() / 4) / cols;
+    if (!opt.q8_0 || keep_f32 || shape.size() < 2) {
+      w.tensor(name, ne, 0, std::move(f32_bytes_));
+    } else if (cols % 32 == 0) {
+      w.tensor(name, ne, 8, q8_0_bytes(f32_bytes_, rows, cols));
+    } else {  // QuantError -> F16 (base.py:1128-1131)
+      std::string h(size_t(rows * cols) * 2, '\0');
+      const float* x = reinterpret_cast<const float*>(f32_bytes_.data());
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        const uint16_t v = ts::f32_to_f16(x[i]);
+        std::memcpy(h.data() + i * 2, &v, 2);
+      }
+      w.tensor(name, ne, 1, std::move(h));
+    }
+  };
+  const char* moe = mt == "minimax_m2" ? "block_sparse_moe" : "mlp";
+  const std::map<std::string, std::string> kRest = {
+      {"input_layernorm.weight", "attn_norm.weight"},
+      {"post_attention_layernorm.weight", glm ? "post_attention_norm.weight" : "ffn_norm.weight"},
+      {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},
+      {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.q_proj.bias", "attn_q.bias"},
+      {"self_attn.k_proj.bias", "attn_k.bias"},
+      {"self_attn.v_proj.bias", "attn_v.bias"},
+      {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"self_attn.q_norm.weight", "attn_q_norm.weight"},
+      {"self_attn.k_norm.weight", "attn_k_norm.weight"},
+      {"self_attn.q_a_proj.weight", "attn_q_a.weight"},
+      {"self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"},
+      {"self_attn.q_b_proj.weight", "attn_q_b.weight"},
+      {"self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"},
+      {"self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},
+      {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"mlp.down_proj.weight", "ffn_down.weight"},
+      {std::string(moe) + ".gate.weight", "ffn_gate_inp.weight"},
+      {"mlp.gate.e_score_correction_bias", "exp_probs_b.bias"},
+      {"block_sparse_moe.e_score_correction_bias", "exp_probs_b.bias"},
+      {"mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"},
+      {"mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"},
+      {"mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight"},
+  };
+  // Routed experts, stacked per layer and projection: torch.stack of [out, in] -> {in, out, E}.
+  std::map<std::pair<int, std::string>, std::map<int, const ts::io::TensorView*>> experts;
+  for (const auto& [name, v] : set.tensors()) {
+    if (name == "model.embed_tokens.weight") {
+      write("token_embd.weight", v.shape, f32_bytes(v), false);
+      continue;
+    }
+    if (name == "model.norm.weight") {
+      write("output_norm.weight", v.shape, f32_bytes(v), true);
+      continue;
+    }
+    if (name == "lm_head.weight") {
+      if (!(ds && c.value("tie_word_embeddings", false)))
+        write("output.weight", v.shape, f32_bytes(v), false);
+      continue;
+    }
+    const std::string pre = "model.layers.";
+    if (name.rfind(pre, 0) != 0) fail("can not map tensor " + name);
+    const size_t dot = name.find('.', pre.size());
+    const int bid = std::stoi(name.substr(pre.size(), dot - pre.size()));
+    const std::string rest = name.substr(dot + 1);
+    if (ds && bid >= n_layers) continue;  // deepseek.py:397-401 skip_mtp
+    const std::string b = "blk." + std::to_string(bid) + ".";
+    const std::string ex = std::string(moe) + ".experts.";
+    if (rest.rfind(ex, 0) == 0) {
+      const size_t d2 = rest.find('.', ex.size());
+      const int e = std::stoi(rest.substr(ex.size(), d2 - ex.size()));
+      experts[{bid, rest.substr(d2 + 1)}][e] = &v;
+      continue;
+    }
+    if (rest == "self_attn.kv_b_proj.weight" && opt.legacy_mla) {
+      write(b + "attn_kv_b.weight", v.shape, f32_bytes(v), false);
+      continue;
+    }
+    if (rest == "self_attn.kv_b_proj.weight") {
+      // deepseek.py:433-449: view [n_head_kv, nope + v, kv_lora], split, k part transposed.
+      const int64_t heads = c["num_key_value_heads"], nope = c["qk_nope_head_dim"],
+                    vd = c["v_head_dim"], kv_lora = v.shape[1];
+      if (v.shape[0] != heads * (nope + vd)) fail("kv_b_proj rows");
+      const std::string all = f32_bytes(v);
+      const float* x = reinterpret_cast<const float*>(all.data());
+      std::vector<float> kb(size_t(heads * kv_lora * nope)), vb(size_t(heads * vd * kv_lora));
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t i = 0; i < nope; ++i)
+          for (int64_t j = 0; j < kv_lora; ++j)
+            kb[size_t((h * kv_lora + j) * nope + i)] = x[(h * (nope + vd) + i) * kv_lora + j];
+        for (int64_t i = 0; i < vd; ++i)
+          for (int64_t j = 0; j < kv_lora; ++j)
+            vb[size_t((h * vd + i) * kv_lora + j)] = x[(h * (nope + vd) + nope + i) * kv_lora + j];
+      }
+      write(b + "attn_k_b.weight", {heads, kv_lora, nope},
+            std::string(reinterpret_cast<const char*>(kb.data()), kb.size() * 4), false);
+      write(b + "attn_v_b.weight", {heads, vd, kv_lora},
+            std::string(reinterpret_cast<const char*>(vb.data()), vb.size() * 4), false);
+      continue;
+    }
+    auto it = kRest.find(rest);
+    if (it == kRest.end()) fail("can not map tensor " + name);
+    const bool keep_f32 =
+        it->second.find("_norm") != std::string::npos || it->second == "ffn_gate_inp.weight";
+    write(b + it->second, v.shape, f32_bytes(v), keep_f32);
+  }
+  const std::map<std::string, std::string> kExp = {
+      {"gate_proj.weight", "ffn_gate_exps.weight"}, {"up_proj.weight", "ffn_up_exps.weight"},
+      {"down_proj.weight", "ffn_down_exps.weight"}, {"w1.weight", "ffn_gate_exps.weight"},
+      {"w3.weight", "ffn_up_exps.weight"},          {"w2.weight", "ffn_down_exps.weight"}};
+  for (const auto& [key, per_expert] : experts) {
+    std::string bytes;
+    std::vector<int64_t> shape;
+    for (const auto& [e, v] : per_expert) {
+      if (e != int(shape.empty() ? 0 : bytes.size() / 4 / (shape[0] * shape[1])))
+        fail("expert " + std::to_string(e) + " out of order");
+      shape = v->shape;
+      bytes += f32_bytes(*v);
+    }
+    write("blk." + std::to_string(key.first) + "." + kExp.at(key.second),
+          {int64_t(per_expert.size()), shape[0], shape[1]}, std::move(bytes), false);
+  }
+  const std::filesystem::path tok = opt.tokenizer_dir.empty() ? dir : opt.tokenizer_dir;
+  if (std::filesystem::exists(tok / "tokenizer.json")) add_tokenizer(w, tok, opt.pre);
+  if (opt.extra) opt.extra(w);
+  if (opt.split > 1)
+    w.write_split(out, opt.split);
+  else
+    w.write(out);
+}
+
 // Converts the fixture directory `dir` (config.json + safetensors, F32/F16/BF16) into `out`.
 // Throws std::runtime_error on anything it does not handle.
 inline void convert_hf_dir(const std::string& dir, const std::string& out,
@@ -354,6 +671,7 @@ inline void convert_hf_dir(const std::string& dir, const std::string& out,
   auto hpr = ts::model::load_hparams(dir);
   if (!hpr.ok()) fail(hpr.error().message);
   const ts::model::HParams hp = hpr.value();
+  if (converted_by_own_class(hp.family)) return convert_own_class(dir, out, opt);
   auto setr = ts::io::TensorSet::open_dir(dir);
   if (!setr.ok()) fail(setr.error().message);
   const ts::io::TensorSet& set = *setr.value();

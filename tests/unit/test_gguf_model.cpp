@@ -18,6 +18,7 @@
 #include "gguf_convert.h"
 #include "io/gguf.h"
 #include "io/npy.h"
+#include "model/gguf_model.h"
 #include "runtime/model.h"
 #include "runtime/session.h"
 #include "test_data.h"
@@ -63,6 +64,12 @@ double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
   return num / den;
 }
 
+// An integer metadata value of a file the test wrote (-1 when absent or not an integer).
+int64_t meta_int(const ts::io::GgufFile& g, const std::string& key) {
+  auto v = g.integer(key);
+  return v.ok() && v.value() ? *v.value() : -1;
+}
+
 class GgufFixture : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
@@ -86,11 +93,32 @@ TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
   EXPECT_EQ(ha.d_expert, hb.d_expert);
   EXPECT_EQ(ha.d_ff, hb.d_ff);
   EXPECT_EQ(ha.d_shared, hb.d_shared);
+  EXPECT_EQ(ha.shared_expert_gate, hb.shared_expert_gate);
   EXPECT_EQ(ha.qkv_bias, hb.qkv_bias);
   EXPECT_EQ(ha.qk_norm, hb.qk_norm);
+  EXPECT_EQ(ha.attention, hb.attention);
+  EXPECT_EQ(ha.mla.q_lora_rank, hb.mla.q_lora_rank);
+  EXPECT_EQ(ha.mla.kv_lora_rank, hb.mla.kv_lora_rank);
+  EXPECT_EQ(ha.mla.nope_dim, hb.mla.nope_dim);
+  EXPECT_EQ(ha.mla.rope_dim, hb.mla.rope_dim);
+  EXPECT_EQ(ha.mla.v_dim, hb.mla.v_dim);
+  EXPECT_EQ(ha.attn_scale, hb.attn_scale);
+  EXPECT_EQ(ha.router.scoring, hb.router.scoring);
+  EXPECT_EQ(ha.router.correction_bias, hb.router.correction_bias);
+  EXPECT_EQ(ha.router.n_group, hb.router.n_group);
+  EXPECT_EQ(ha.router.topk_group, hb.router.topk_group);
+  EXPECT_EQ(ha.router.group_score, hb.router.group_score);
   EXPECT_EQ(ha.router.renormalize, hb.router.renormalize);
+  EXPECT_EQ(ha.router.scale, hb.router.scale);
   EXPECT_EQ(ha.rms_eps, hb.rms_eps);
   EXPECT_EQ(ha.rope.theta, hb.rope.theta);
+  EXPECT_EQ(ha.rope.dim, hb.rope.dim);
+  EXPECT_EQ(ha.rope.layout, hb.rope.layout);
+  EXPECT_EQ(ha.rope.yarn, hb.rope.yarn);
+  EXPECT_EQ(ha.rope.factor, hb.rope.factor);
+  EXPECT_EQ(ha.rope.mscale_all_dim, hb.rope.mscale_all_dim);
+  EXPECT_EQ(ha.rope.attention_factor, hb.rope.attention_factor);
+  EXPECT_EQ(ha.rope.inv_freq, hb.rope.inv_freq);
   EXPECT_EQ(ha.max_positions, hb.max_positions);
   EXPECT_EQ(ha.tie_word_embeddings, hb.tie_word_embeddings);
   EXPECT_EQ(ha.layer_is_moe, hb.layer_is_moe);
@@ -98,17 +126,23 @@ TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
   const std::vector<float> la = prefill(*a, prompt), lb = prefill(*b, prompt);
   ASSERT_EQ(la.size(), lb.size());
   EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), la.size() * 4)) << "max rel " << max_rel(lb, la);
+  // And against transformers' logits, row by row, as test_models.cpp checks the directory.
+  const auto ref = ts::io::read_npy_f32(dir + "/logits.npy");
+  ASSERT_TRUE(ref.ok());
+  ASSERT_EQ(ref->data.size(), lb.size());
+  const size_t V = size_t(hb.vocab);
+  for (size_t t = 0; t * V < lb.size(); ++t)
+    EXPECT_LE(
+        max_rel(std::vector<float>(lb.begin() + t * V, lb.begin() + (t + 1) * V),
+                std::vector<float>(ref->data.begin() + t * V, ref->data.begin() + (t + 1) * V)),
+        1e-4)
+        << "position " << t;
 }
 
-// The fixtures of the families whose GGUF architectures the loader maps (qwen3moe, qwen2moe,
-// olmoe, llama); deepseek2, glm4moe and minimax-m2 GGUF files are not mapped yet.
-std::vector<std::string> gguf_fixture_names() {
-  std::vector<std::string> out;
-  for (const std::string& name : ts_test::fixture_names())
-    for (const char* family : {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
-      if (name.rfind(family, 0) == 0) out.push_back(name);
-  return out;
-}
+// Every fixture: the families whose GGUF architectures the loader maps are all of them
+// (llama = mixtral, qwen2moe, qwen3moe, olmoe, deepseek2 = deepseek_v2 / v3, glm4moe,
+// minimax-m2).
+std::vector<std::string> gguf_fixture_names() { return ts_test::fixture_names(); }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GgufFixture, ::testing::ValuesIn(gguf_fixture_names()));
 
@@ -129,6 +163,215 @@ TEST(GgufModel, LlamaQkPermutationIsUndone) {
   EXPECT_EQ(0, std::memcmp(lr.data(), lp.data(), lr.size() * 4));
   EXPECT_EQ(0, std::memcmp(lr.data(), ll.data(), lr.size() * 4)) << "per-expert tensor names";
   EXPECT_GT(max_rel(lraw, lr), 1e-3) << "an unpermuted file must not give the same logits";
+}
+
+// deepseek2 files hold MLA's kv_b_proj split as llama.cpp's converter writes it
+// (attn_k_b {nope, kv_lora, heads}, each head's k rows transposed; attn_v_b {kv_lora, v, heads});
+// the loader joins them back into the checkpoint's bytes.
+TEST(GgufModel, MlaKvBIsJoinedBackFromTheConvertersSplit) {
+  const std::string dir = model_dir("deepseek_v2");
+  TempDir tmp;
+  const std::string gguf = tmp.file("ds.gguf");
+  ts_test::convert_hf_dir(dir, gguf);
+  auto g = ts::io::read_gguf(gguf);
+  ASSERT_TRUE(g.ok());
+  ASSERT_TRUE(g->tensor("blk.0.attn_k_b.weight") && g->tensor("blk.0.attn_v_b.weight"));
+  EXPECT_EQ(g->tensor("blk.0.attn_k_b.weight")->dims, (std::vector<int64_t>{32, 48, 6}));
+  EXPECT_EQ(g->tensor("blk.0.attn_v_b.weight")->dims, (std::vector<int64_t>{48, 24, 6}));
+  EXPECT_EQ(g->tensor("blk.0.attn_kv_b.weight"), nullptr);
+  EXPECT_EQ(meta_int(*g, "deepseek2.attention.head_count_kv"), 1);
+  auto m = ts::model::open_gguf_model(gguf);
+  ASSERT_TRUE(m.ok()) << m.error().message;
+  auto hf = ts::io::TensorSet::open_dir(dir);
+  ASSERT_TRUE(hf.ok());
+  for (int l = 0; l < 3; ++l) {
+    const std::string name = "model.layers." + std::to_string(l) + ".self_attn.kv_b_proj.weight";
+    const ts::io::TensorView *a = (*hf)->find(name), *b = m->tensors->find(name);
+    ASSERT_TRUE(a && b) << name;
+    EXPECT_EQ(a->shape, b->shape);
+    ASSERT_EQ(a->n_bytes, b->n_bytes);
+    EXPECT_EQ(0, std::memcmp(a->data, b->data, a->n_bytes)) << name;
+  }
+  EXPECT_NE(m->note.find("joined attn_k_b + attn_v_b into kv_b_proj for 3 block(s)"),
+            std::string::npos)
+      << m->note;
+  // Files from before the split hold attn_kv_b whole and the head sizes in key_length /
+  // value_length: the same model.
+  ts_test::convert_hf_dir(dir, tmp.file("legacy.gguf"), {.legacy_mla = true});
+  auto lg = ts::io::read_gguf(tmp.file("legacy.gguf"));
+  ASSERT_TRUE(lg.ok());
+  ASSERT_TRUE(lg->tensor("blk.0.attn_kv_b.weight"));
+  EXPECT_EQ(lg->tensor("blk.0.attn_k_b.weight"), nullptr);
+  EXPECT_EQ(meta_int(*lg, "deepseek2.attention.key_length"), 48);
+  auto legacy = load(tmp.file("legacy.gguf")), split = load(gguf);
+  ASSERT_TRUE(legacy && split);
+  const std::vector<int> prompt = prompt_of(dir);
+  const std::vector<float> ll = prefill(*legacy, prompt), ls = prefill(*split, prompt);
+  EXPECT_EQ(0, std::memcmp(ll.data(), ls.data(), ll.size() * 4));
+}
+
+// The new families' experts stream from the file's offsets like the others': every
+// residency gives the resident file's bytes.
+TEST(GgufModel, NewFamiliesStreamTheirExpertsFromTheFile) {
+  for (const char* name : {"deepseek_v3", "glm4_moe", "minimax_m2"}) {
+    const std::string dir = model_dir(name);
+    TempDir tmp;
+    const std::string gguf = tmp.file("m.gguf");
+    ts_test::convert_hf_dir(dir, gguf);
+    auto base = load(gguf);
+    ASSERT_TRUE(base) << name;
+    const std::vector<int> prompt = prompt_of(dir);
+    const std::vector<float> want = prefill(*base, prompt);
+    for (int slots : {1, 3}) {
+      ts::runtime::LoadOptions opt;
+      opt.residency = ts::experts::Residency::kStreamed;
+      opt.streamed.slots_per_layer = slots;
+      auto m = load(gguf, opt);
+      ASSERT_TRUE(m) << name;
+      const std::vector<float> got = prefill(*m, prompt);
+      EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4))
+          << name << " streamed, slots " << slots;
+    }
+  }
+}
+
+// With --outtype q8_0 the converter quantizes attn_k_b (rows of qk_nope = 32) and, rows of
+// kv_lora_rank = 48 not being whole blocks, writes attn_v_b as F16: the halves are widened
+// and joined; the logits stay near the F32 file's.
+TEST(GgufModel, QuantizedMlaHalvesAreWidenedAndJoined) {
+  const std::string dir = model_dir("deepseek_v3");
+  TempDir tmp;
+  ts_test::convert_hf_dir(dir, tmp.file("f32.gguf"));
+  ts_test::convert_hf_dir(dir, tmp.file("q8.gguf"), {.q8_0 = true});
+  auto g = ts::io::read_gguf(tmp.file("q8.gguf"));
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->tensor("blk.0.attn_k_b.weight")->ggml_type, ts::io::kGgmlQ8_0);
+  EXPECT_EQ(g->tensor("blk.0.attn_v_b.weight")->ggml_type, ts::io::kGgmlF16);
+  auto f = load(tmp.file("f32.gguf")), q = load(tmp.file("q8.gguf"));
+  ASSERT_TRUE(f && q);
+  EXPECT_NE(q->load_note().find("(4 widened from quantized halves)"), std::string::npos)
+      << q->load_note();
+  const std::vector<int> prompt = prompt_of(dir);
+  const double err = max_rel(prefill(*q, prompt), prefill(*f, prompt));
+  EXPECT_LT(err, 0.05);
+  EXPECT_GT(err, 0.0);
+}
+
+// deepseek2 carries V2 and V3: expert_gating_func says which (1 softmax = V2, 2 sigmoid =
+// V3); without it, exp_probs_b biases mean V3 (the fixture's config has no scoring_func).
+TEST(GgufModel, DeepseekRouterFollowsTheGatingKeyOrTheBias) {
+  const std::string dir = model_dir("deepseek_v3");
+  TempDir tmp;
+  auto gating = [](uint32_t v) {
+    return std::vector<std::pair<std::string, uint32_t>>{{"deepseek2.expert_gating_func", v}};
+  };
+  ts_test::convert_hf_dir(dir, tmp.file("none.gguf"));
+  ts_test::convert_hf_dir(dir, tmp.file("sigmoid.gguf"), {.set_u32 = gating(2)});
+  // (V2 never renormalises, so the softmax file goes without expert_weights_norm.)
+  ts_test::convert_hf_dir(dir, tmp.file("softmax.gguf"),
+                          {.set_u32 = gating(1), .drop_keys = {"deepseek2.expert_weights_norm"}});
+  auto none = load(tmp.file("none.gguf")), sig = load(tmp.file("sigmoid.gguf")),
+       soft = load(tmp.file("softmax.gguf"));
+  ASSERT_TRUE(none && sig && soft);
+  EXPECT_EQ(none->hp().family, ts::model::Family::kDeepseekV3);
+  EXPECT_EQ(soft->hp().family, ts::model::Family::kDeepseekV2);
+  EXPECT_EQ(soft->hp().router.scoring, ts::model::ScoreFn::kSoftmax);
+  const std::vector<int> prompt = prompt_of(dir);
+  const std::vector<float> ln = prefill(*none, prompt), ls = prefill(*sig, prompt),
+                           lsoft = prefill(*soft, prompt);
+  EXPECT_EQ(0, std::memcmp(ln.data(), ls.data(), ln.size() * 4));
+  EXPECT_GT(max_rel(lsoft, ln), 1e-3) << "softmax routing must give other logits";
+  // A V2 file said to be sigmoid-routed lacks V3's correction biases: named.
+  ts_test::convert_hf_dir(model_dir("deepseek_v2"), tmp.file("v2sig.gguf"), {.set_u32 = gating(2)});
+  auto bad = LoadedModel::load(tmp.file("v2sig.gguf"));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("e_score_correction_bias"), std::string::npos)
+      << bad.error().message;
+}
+
+// glm4moe counts its NextN (multi-token-prediction) blocks in block_count; their tensors are
+// skipped and named, and a file converted with --no-mtp loads the same.
+TEST(GgufModel, NextnBlocksAreSkippedAndNamed) {
+  const std::string dir = model_dir("glm4_moe");
+  TempDir tmp;
+  auto mtp = [](ts_test::GgufWriter& w) {
+    w.tensor("blk.3.nextn.eh_proj.weight", {192, 96}, 0, std::string(192 * 96 * 4, '\1'));
+    w.tensor("blk.3.attn_norm.weight", {96}, 0, std::string(96 * 4, '\1'));
+  };
+  ts_test::convert_hf_dir(dir, tmp.file("mtp.gguf"), {.extra = mtp});
+  ts_test::convert_hf_dir(dir, tmp.file("no_mtp.gguf"), {.no_mtp = true});
+  auto g = ts::io::read_gguf(tmp.file("mtp.gguf"));
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(meta_int(*g, "glm4moe.block_count"), 4);
+  EXPECT_EQ(meta_int(*g, "glm4moe.nextn_predict_layers"), 1);
+  auto a = load(tmp.file("mtp.gguf")), b = load(tmp.file("no_mtp.gguf"));
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->hp().n_layers, 3);
+  EXPECT_EQ(a->hp().n_nextn_layers, 1);
+  EXPECT_NE(a->load_note().find("skipped 2 tensor(s) of the multi-token-prediction block(s) "
+                                "blk.3 (glm4moe.nextn_predict_layers = 1)"),
+            std::string::npos)
+      << a->load_note();
+  const std::vector<int> prompt = prompt_of(dir);
+  const std::vector<float> la = prefill(*a, prompt), lb = prefill(*b, prompt);
+  EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), la.size() * 4));
+  ts_test::convert_hf_dir(dir, tmp.file("past.gguf"), {.extra = [](ts_test::GgufWriter& w) {
+                            w.tensor("blk.4.attn_norm.weight", {96}, 0, std::string(96 * 4, 0));
+                          }});
+  auto past = LoadedModel::load(tmp.file("past.gguf"));
+  ASSERT_FALSE(past.ok());
+  EXPECT_NE(past.error().message.find("'blk.4.attn_norm.weight' names a block past "
+                                      "glm4moe.block_count = 4"),
+            std::string::npos)
+      << past.error().message;
+}
+
+// Bad deepseek2 / glm4moe / minimax-m2 files: the error names the key or tensor.
+TEST(GgufModel, NewArchitectureErrorsNameTheKeyOrTensor) {
+  TempDir tmp;
+  struct Case {
+    const char* fixture;
+    ts_test::ConvertOptions opt;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"deepseek_v2",
+       {.drop_tensor = "blk.1.attn_v_b.weight"},
+       "tensor 'blk.1.attn_v_b.weight' is missing (its other half is there)"},
+      {"deepseek_v2",
+       {.set_u32 = {{"deepseek2.expert_gating_func", 4}}},
+       "metadata 'deepseek2.expert_gating_func' = 4 is not supported (1 softmax, 2 sigmoid)"},
+      {"deepseek_v3",
+       {.set_u32 = {{"deepseek2.expert_gating_func", 1}}},
+       "metadata 'deepseek2.expert_weights_norm' is true with softmax gating"},
+      {"deepseek_v2",
+       {.drop_keys = {"deepseek2.attention.kv_lora_rank"}},
+       "metadata 'deepseek2.attention.kv_lora_rank' is missing"},
+      {"deepseek_v3",
+       {.set_u32 = {{"deepseek2.attention.q_lora_rank", 32}}},
+       "metadata 'deepseek2.attention.q_lora_rank' = 32 but blk.*.attn_q_a.weight has 64 rows"},
+      {"deepseek_v2",
+       {.set_u32 = {{"deepseek2.expert_shared_count", 1}}},
+       "metadata 'deepseek2.expert_shared_count' = 1 but ffn_gate_shexp has 80 rows"},
+      {"glm4_moe",
+       {.set_u32 = {{"glm4moe.leading_dense_block_count", 2}}},
+       "metadata 'glm4moe.leading_dense_block_count' = 2 but block 1 has ffn_gate_inp.weight"},
+      {"glm4_moe",
+       {.set_u32 = {{"glm4moe.expert_gating_func", 1}}},
+       "metadata 'glm4moe.expert_gating_func' = 1 (softmax); glm4moe routes by sigmoid"},
+      {"minimax_m2",
+       {.set_u32 = {{"minimax-m2.expert_gating_func", 1}}},
+       "metadata 'minimax-m2.expert_gating_func' = 1 (softmax); minimax-m2 routes by sigmoid"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    const std::string path = tmp.file(std::string(c.fixture) + std::to_string(i++) + ".gguf");
+    ts_test::convert_hf_dir(model_dir(c.fixture), path, c.opt);
+    auto m = LoadedModel::load(path);
+    ASSERT_FALSE(m.ok()) << c.needle;
+    EXPECT_NE(m.error().message.find(c.needle), std::string::npos) << m.error().message;
+    EXPECT_NE(m.error().message.find(path), std::string::npos) << m.error().message;
+  }
 }
 
 // A Q8_0 file (token_embd included, as llama-quantize writes it): the quantized embedding is
