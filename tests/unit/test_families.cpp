@@ -262,7 +262,9 @@ TEST(Ops, RopePartialAndInterleavedTurnTheirPairs) {
         turned[size_t(a)] = turned[size_t(b)] = true;
       }
       for (int i = 0; i < stride; ++i)
-        if (!turned[size_t(i)]) EXPECT_EQ(yh[i], xh[i]) << "dim " << i << " must not turn";
+        if (!turned[size_t(i)]) {
+          EXPECT_EQ(yh[i], xh[i]) << "dim " << i << " must not turn";
+        }
     }
   }
 }
