@@ -1,5 +1,5 @@
-// What the hand-built CUDA lab tools in bench/ (cuda_h2d.cu, cuda_burst.cu, cuda_tail.cu,
-// cuda_icache.cu, cuda_mega.cu, cuda_layer.cu) share: CHECK(call) (a failed CUDA runtime call
+// What the hand-built CUDA lab tools in bench/ (cuda_h2d.cu, cuda_burst.cu, cuda_icache.cu)
+// share: CHECK(call) (a failed CUDA runtime call
 // prints where and why, and exits 1), one launch with or without PDL, and the time per step of a
 // captured chain of launches.
 #pragma once
@@ -51,34 +51,6 @@ __device__ __forceinline__ uint32_t fold_nc(const uint4* w, size_t words, size_t
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   return acc;
-}
-
-// One round of a warp-wide argmax over N x 32 values >= -1 (lane holds lane, lane + 32, ...):
-// the best value's index (ties to the lower index) and, in *best, its value, on every lane;
-// the value is marked taken (-2) in p. Rounds in a row give a top-k, best first.
-template <int N>
-__device__ __forceinline__ int warp_argmax_take(float (&p)[N], int lane, float* best_out) {
-  float best = -1.0f;
-  int be = 0;
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    if (p[i] > best) {
-      best = p[i];
-      be = lane + 32 * i;
-    }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-    if (ob > best || (ob == best && oe < be)) {
-      best = ob;
-      be = oe;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    if (lane + 32 * i == be) p[i] = -2.0f;
-  *best_out = best;
-  return be;
 }
 
 // reps launches timed one by one with events (before(rep), untimed, ahead of each): the times
