@@ -62,7 +62,8 @@ void select_experts(std::span<const float> logits, std::span<const float> bias,
     for (int r = 0; r < spec.topk_group; ++r) {
       size_t best = g_n;
       for (size_t g = 0; g < g_n; ++g)
-        if (!g_taken[g] && (best == g_n || ranks_above(g_score[g], int(g), g_score[best], int(best))))
+        if (!g_taken[g] &&
+            (best == g_n || ranks_above(g_score[g], int(g), g_score[best], int(best))))
           best = g;
       g_taken[best] = true;
     }

@@ -14,8 +14,8 @@ std::vector<TensorSpec> checkpoint_tensors(const HParams& hp) {
   auto add = [&](std::string name, std::vector<int64_t> shape, K kind, R role) {
     out.push_back({std::move(name), std::move(shape), kind, role, layer, expert});
   };
-  auto mlp = [&](const std::string& p, const char* g, const char* u, const char* dn,
-                 int64_t hidden, K kind, R gate_role) {
+  auto mlp = [&](const std::string& p, const char* g, const char* u, const char* dn, int64_t hidden,
+                 K kind, R gate_role) {
     const R up_role = R(int(gate_role) + 1), down_role = R(int(gate_role) + 2);
     add(p + g + ".weight", {hidden, d}, kind, gate_role);
     add(p + u + ".weight", {hidden, d}, kind, up_role);

@@ -14,6 +14,7 @@ namespace ts::model {
 
 enum class TensorKind : uint8_t { kEmbedding, kLinear, kRouter, kNorm, kBias, kExpert };
 
+// clang-format off: the roles grouped by layer part read better on shared lines
 enum class TensorRole : uint8_t {
   kEmbed, kFinalNorm, kLmHead,
   kAttnNorm, kFfnNorm,
@@ -25,6 +26,7 @@ enum class TensorRole : uint8_t {
   kDenseGate, kDenseUp, kDenseDown,
   kExpertGate, kExpertUp, kExpertDown,
 };
+// clang-format on
 
 struct TensorSpec {
   std::string name;

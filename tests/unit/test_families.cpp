@@ -28,7 +28,8 @@ std::string deepseek_v3(const std::string& extra) {
     "num_attention_heads":4,"vocab_size":256,"n_routed_experts":16,"num_experts_per_tok":4,
     "moe_intermediate_size":32,"intermediate_size":96,"q_lora_rank":24,"kv_lora_rank":32,
     "qk_nope_head_dim":16,"qk_rope_head_dim":8,"v_head_dim":12,"n_group":4,"topk_group":2,
-    "first_k_dense_replace":1,"n_shared_experts":1,"routed_scaling_factor":2.5)" + extra + "}";
+    "first_k_dense_replace":1,"n_shared_experts":1,"routed_scaling_factor":2.5)" +
+         extra + "}";
 }
 
 TEST(Families, DeepseekV3ConfigGivesMlaAndTheSigmoidRouter) {
@@ -64,12 +65,15 @@ TEST(Families, DeepseekV3ConfigGivesMlaAndTheSigmoidRouter) {
 TEST(Families, YarnFrequenciesAndMlaSoftmaxScale) {
   auto r = parse_hparams(deepseek_v3(R"(,"rope_scaling":{"type":"yarn","factor":40,
       "original_max_position_embeddings":4096,"beta_fast":32,"beta_slow":1,"mscale":0.707,
-      "mscale_all_dim":0.707},"rope_theta":10000)"), "yarn.json");
+      "mscale_all_dim":0.707},"rope_theta":10000)"),
+                         "yarn.json");
   ASSERT_TRUE(r.ok()) << r.error().message;
   const auto& hp = r.value();
   ASSERT_TRUE(hp.rope.yarn);
   const int dim = 8;
-  auto corr = [&](double rot) { return dim * std::log(4096 / (rot * 2 * M_PI)) / (2 * std::log(10000.0)); };
+  auto corr = [&](double rot) {
+    return dim * std::log(4096 / (rot * 2 * M_PI)) / (2 * std::log(10000.0));
+  };
   double low = std::max(std::floor(corr(32)), 0.0), high = std::min(std::ceil(corr(1)), dim - 1.0);
   if (low == high) high += 0.001;
   ASSERT_EQ(hp.rope.inv_freq.size(), size_t(dim / 2));
@@ -114,18 +118,21 @@ TEST(Families, BadConfigsNameTheKey) {
   };
   const std::vector<BadCase> cases = {
       {deepseek_v3(R"(,"attention_bias":true)"), "attention_bias"},
-      {deepseek_v3("").replace(deepseek_v3("").find("\"n_group\":4"), 11, "\"n_group\":5"), "n_group"},
+      {deepseek_v3("").replace(deepseek_v3("").find("\"n_group\":4"), 11, "\"n_group\":5"),
+       "n_group"},
       {deepseek_v3("").replace(deepseek_v3("").find("\"topk_group\":2"), 14, "\"topk_group\":9"),
        "topk_group"},
-      {deepseek_v3(R"(,"qk_rope_head_dim":7)").replace(deepseek_v3("").find("\"qk_rope_head_dim\":8,"), 21, ""),
+      {deepseek_v3(R"(,"qk_rope_head_dim":7)")
+           .replace(deepseek_v3("").find("\"qk_rope_head_dim\":8,"), 21, ""),
        "qk_rope_head_dim"},
-      {deepseek_v3(R"(,"routed_scaling_factor":-1)").replace(
-           deepseek_v3("").find("\"routed_scaling_factor\":2.5"), 27, "\"x\":0"),
+      {deepseek_v3(R"(,"routed_scaling_factor":-1)")
+           .replace(deepseek_v3("").find("\"routed_scaling_factor\":2.5"), 27, "\"x\":0"),
        "routed_scaling_factor"},
       {R"({"model_type":"deepseek_v2","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
           "vocab_size":256,"n_routed_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":16,
           "kv_lora_rank":16,"qk_nope_head_dim":8,"qk_rope_head_dim":8,"v_head_dim":8,
-          "topk_method":"noaux"})", "topk_method"},
+          "topk_method":"noaux"})",
+       "topk_method"},
       {R"({"model_type":"gpt_oss","hidden_size":64})", "deepseek_v3"},  // names the supported list
   };
   for (const BadCase& c : cases) {
@@ -153,7 +160,8 @@ Ref reference_route(const std::vector<float>& logits, const std::vector<float>& 
   } else {
     for (int i = 0; i < n; ++i) p[size_t(i)] = 1 / (1 + std::exp(-double(logits[size_t(i)])));
   }
-  for (int i = 0; i < n; ++i) choice[size_t(i)] = p[size_t(i)] + (s.correction_bias ? bias[size_t(i)] : 0);
+  for (int i = 0; i < n; ++i)
+    choice[size_t(i)] = p[size_t(i)] + (s.correction_bias ? bias[size_t(i)] : 0);
   std::vector<bool> eligible(size_t(n), true);
   if (s.n_group > 1) {
     const int gs = n / s.n_group;
@@ -190,12 +198,22 @@ TEST(Router, EverySpecMatchesTheReferenceRule) {
   using ts::model::GroupScore;
   using ts::model::ScoreFn;
   const std::vector<ts::model::RouterSpec> specs = {
-      {.scoring = ScoreFn::kSigmoid, .correction_bias = true, .n_group = 8, .topk_group = 3,
-       .renormalize = true, .scale = 2.5f},  // DeepSeek-V3
+      {.scoring = ScoreFn::kSigmoid,
+       .correction_bias = true,
+       .n_group = 8,
+       .topk_group = 3,
+       .renormalize = true,
+       .scale = 2.5f},                                                               // DeepSeek-V3
       {.scoring = ScoreFn::kSigmoid, .correction_bias = true, .renormalize = true},  // MiniMax-M2
-      {.scoring = ScoreFn::kSoftmax, .n_group = 4, .topk_group = 2,
-       .group_score = GroupScore::kMax, .scale = 1.5f},  // DeepSeek-V2 group_limited_greedy
-      {.scoring = ScoreFn::kSigmoid, .correction_bias = true, .n_group = 4, .topk_group = 1,
+      {.scoring = ScoreFn::kSoftmax,
+       .n_group = 4,
+       .topk_group = 2,
+       .group_score = GroupScore::kMax,
+       .scale = 1.5f},  // DeepSeek-V2 group_limited_greedy
+      {.scoring = ScoreFn::kSigmoid,
+       .correction_bias = true,
+       .n_group = 4,
+       .topk_group = 1,
        .renormalize = false},
   };
   int group_changed = 0;
@@ -227,10 +245,10 @@ TEST(Router, CorrectionBiasSelectsButDoesNotWeigh) {
   std::vector<float> bias = {0.0f, 0.0f, 5.0f, 0.0f};
   std::vector<int> ids(2);
   std::vector<float> w(2);
-  ts::model::select_experts(logits, bias,
-                            {.scoring = ts::model::ScoreFn::kSigmoid, .correction_bias = true,
-                             .renormalize = true},
-                            {.ids = ids, .weights = w});
+  ts::model::select_experts(
+      logits, bias,
+      {.scoring = ts::model::ScoreFn::kSigmoid, .correction_bias = true, .renormalize = true},
+      {.ids = ids, .weights = w});
   EXPECT_EQ(ids, (std::vector<int>{2, 0}));
   const float s2 = 1 / (1 + std::exp(3.0f)), s0 = 1 / (1 + std::exp(-2.0f));
   EXPECT_NEAR(w[0], s2 / (s2 + s0), 1e-6);
@@ -247,16 +265,22 @@ TEST(Ops, RopePartialAndInterleavedTurnTheirPairs) {
     for (float& v : x) v = nd(rng);
     std::vector<float> y = x;
     ts::cpu::rope_apply(y.data(), heads,
-                        {.head_stride = stride, .offset = offset, .dim = dim,
-                         .interleaved = interleaved, .attention_factor = 0.5f, .inv_freq = inv},
+                        {.head_stride = stride,
+                         .offset = offset,
+                         .dim = dim,
+                         .interleaved = interleaved,
+                         .attention_factor = 0.5f,
+                         .inv_freq = inv},
                         pos);
     for (int h = 0; h < heads; ++h) {
       const float* xh = x.data() + h * stride;
       const float* yh = y.data() + h * stride;
       std::vector<bool> turned(size_t(stride), false);
       for (int i = 0; i < dim / 2; ++i) {
-        const int a = offset + (interleaved ? 2 * i : i), b = offset + (interleaved ? 2 * i + 1 : i + dim / 2);
-        const double ang = pos * double(inv[size_t(i)]), c = 0.5 * std::cos(ang), s = 0.5 * std::sin(ang);
+        const int a = offset + (interleaved ? 2 * i : i),
+                  b = offset + (interleaved ? 2 * i + 1 : i + dim / 2);
+        const double ang = pos * double(inv[size_t(i)]), c = 0.5 * std::cos(ang),
+                     s = 0.5 * std::sin(ang);
         EXPECT_NEAR(yh[a], xh[a] * c - xh[b] * s, 1e-5);
         EXPECT_NEAR(yh[b], xh[b] * c + xh[a] * s, 1e-5);
         turned[size_t(a)] = turned[size_t(b)] = true;
@@ -276,16 +300,26 @@ TEST(Ops, MlaAbsorbedAttentionEqualsTheExpandedForm) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int H = 3, nope = 8, rope = 4, v = 6, r = 10, T = 5, pos0 = 2;
   const int qk = nope + rope, row = r + rope, n_keys = pos0 + T;
-  std::vector<float> kv_b(size_t(H * (nope + v) * r)), q(size_t(T * H * qk)), cache(size_t(n_keys * row));
+  std::vector<float> kv_b(size_t(H * (nope + v) * r)), q(size_t(T * H * qk)),
+      cache(size_t(n_keys * row));
   for (auto* vec : {&kv_b, &q, &cache})
     for (float& x : *vec) x = nd(rng);
   std::vector<float> out(size_t(T * H * v), NAN);
   ts::ThreadPool pool(2);
   const float scale = 0.3f;
-  ts::cpu::mla_attention(pool, {.q = q.data(), .cache = cache.data(), .kv_b = kv_b.data(),
-                                .kv_b_dtype = ts::DType::kF32, .out = out.data(), .n_tokens = T,
-                                .pos0 = pos0, .n_heads = H, .nope_dim = nope, .rope_dim = rope,
-                                .v_dim = v, .kv_lora_rank = r, .scale = scale});
+  ts::cpu::mla_attention(pool, {.q = q.data(),
+                                .cache = cache.data(),
+                                .kv_b = kv_b.data(),
+                                .kv_b_dtype = ts::DType::kF32,
+                                .out = out.data(),
+                                .n_tokens = T,
+                                .pos0 = pos0,
+                                .n_heads = H,
+                                .nope_dim = nope,
+                                .rope_dim = rope,
+                                .v_dim = v,
+                                .kv_lora_rank = r,
+                                .scale = scale});
   for (int t = 0; t < T; ++t)
     for (int h = 0; h < H; ++h) {
       const int keys = pos0 + t + 1;
@@ -295,10 +329,12 @@ TEST(Ops, MlaAbsorbedAttentionEqualsTheExpandedForm) {
         double dot = 0;
         for (int i = 0; i < nope; ++i) {  // k_nope[i] = W_UK_h[i] . c_j
           double k = 0;
-          for (int d = 0; d < r; ++d) k += kv_b[size_t((h * (nope + v) + i) * r + d)] * cache[size_t(j * row + d)];
+          for (int d = 0; d < r; ++d)
+            k += kv_b[size_t((h * (nope + v) + i) * r + d)] * cache[size_t(j * row + d)];
           dot += q[size_t((t * H + h) * qk + i)] * k;
         }
-        for (int i = 0; i < rope; ++i) dot += q[size_t((t * H + h) * qk + nope + i)] * cache[size_t(j * row + r + i)];
+        for (int i = 0; i < rope; ++i)
+          dot += q[size_t((t * H + h) * qk + nope + i)] * cache[size_t(j * row + r + i)];
         s[size_t(j)] = dot * scale;
         mx = std::max(mx, s[size_t(j)]);
       }
@@ -308,7 +344,8 @@ TEST(Ops, MlaAbsorbedAttentionEqualsTheExpandedForm) {
         double o = 0;
         for (int j = 0; j < keys; ++j) {
           double vj = 0;
-          for (int d = 0; d < r; ++d) vj += kv_b[size_t((h * (nope + v) + nope + i) * r + d)] * cache[size_t(j * row + d)];
+          for (int d = 0; d < r; ++d)
+            vj += kv_b[size_t((h * (nope + v) + nope + i) * r + d)] * cache[size_t(j * row + d)];
           o += s[size_t(j)] / sum * vj;
         }
         EXPECT_NEAR(out[size_t((t * H + h) * v + i)], o, 1e-4 * (1 + std::fabs(o)));

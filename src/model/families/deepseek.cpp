@@ -36,7 +36,8 @@ Status read_deepseek_common(const ConfigReader& c, HParams& hp, int default_shar
   hp.d_shared = n_shared * hp.d_expert;
   TS_ASSIGN(int first_dense, c.count_or("first_k_dense_replace", default_dense));
   TS_ASSIGN(int freq, c.integer_or("moe_layer_freq", 1));
-  if (freq != 1) return c.err("moe_layer_freq", "= " + std::to_string(freq) + " is not supported (1)");
+  if (freq != 1)
+    return c.err("moe_layer_freq", "= " + std::to_string(freq) + " is not supported (1)");
   for (int l = 0; l < hp.n_layers; ++l) hp.layer_is_moe[size_t(l)] = l >= first_dense;
   if (first_dense > 0) {
     TS_ASSIGN(hp.d_ff, c.integer("intermediate_size"));
@@ -55,13 +56,14 @@ Status parse_deepseek_v2(const ConfigReader& c, HParams& hp) {
     TS_ASSIGN(r.topk_group, c.integer("topk_group"));
     r.group_score = GroupScore::kMax;
     if (hp.n_experts % r.n_group)
-      return c.err("n_group", "= " + std::to_string(r.n_group) + " does not divide n_routed_experts");
+      return c.err("n_group",
+                   "= " + std::to_string(r.n_group) + " does not divide n_routed_experts");
     if (r.topk_group > r.n_group) return c.err("topk_group", "exceeds n_group");
     if (hp.top_k > r.topk_group * (hp.n_experts / r.n_group))
       return c.err("num_experts_per_tok", "exceeds the experts of the topk_group groups");
   } else if (method != "greedy") {
-    return c.err("topk_method", "= \"" + method +
-                                    "\" is not supported (greedy, group_limited_greedy)");
+    return c.err("topk_method",
+                 "= \"" + method + "\" is not supported (greedy, group_limited_greedy)");
   }
   // transformers' DeepseekV2TopkRouter does not renormalise, whatever norm_topk_prob says.
   TS_ASSIGN(double scale, c.number_or("routed_scaling_factor", 1.0));

@@ -9,9 +9,9 @@ extern const FamilyDef kMixtralFamily, kQwen2MoeFamily, kQwen3MoeFamily, kOlmoeF
     kDeepseekV2Family, kDeepseekV3Family, kGlm4MoeFamily, kMinimaxM2Family;
 
 std::span<const FamilyDef* const> all_families() {
-  static const FamilyDef* const kAll[] = {
-      &kMixtralFamily,     &kQwen2MoeFamily,   &kQwen3MoeFamily, &kOlmoeFamily,
-      &kDeepseekV2Family,  &kDeepseekV3Family, &kGlm4MoeFamily,  &kMinimaxM2Family};
+  static const FamilyDef* const kAll[] = {&kMixtralFamily, &kQwen2MoeFamily,   &kQwen3MoeFamily,
+                                          &kOlmoeFamily,   &kDeepseekV2Family, &kDeepseekV3Family,
+                                          &kGlm4MoeFamily, &kMinimaxM2Family};
   return kAll;
 }
 
@@ -72,8 +72,8 @@ Status read_sigmoid_router(const ConfigReader& c, HParams& hp, RouterDefaults de
     return c.err("n_group", "= " + std::to_string(r.n_group) + " does not divide the " +
                                 std::to_string(hp.n_experts) + " routed experts");
   if (r.topk_group > r.n_group)
-    return c.err("topk_group", "= " + std::to_string(r.topk_group) + " exceeds n_group = " +
-                                   std::to_string(r.n_group));
+    return c.err("topk_group", "= " + std::to_string(r.topk_group) +
+                                   " exceeds n_group = " + std::to_string(r.n_group));
   const int group_size = hp.n_experts / r.n_group;
   if (r.n_group > 1 && group_size < 2 && r.group_score == GroupScore::kTop2Sum)
     return c.err("n_group", "leaves groups of one expert; a group's score needs two");

@@ -23,7 +23,7 @@ struct FamilyNames {
 };
 
 struct FamilyDef {
-  std::string_view name;                  // HParams::family's name (pack manifests, inspect)
+  std::string_view name;  // HParams::family's name (pack manifests, inspect)
   std::span<const std::string_view> model_types;  // config.json model_type values
   Family family;
   FamilyNames names;

@@ -8,7 +8,8 @@ namespace ts::model {
 namespace {
 
 Status parse_mixtral(const ConfigReader& c, HParams& hp) {
-  TS_TRY(read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
+  TS_TRY(
+      read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
   TS_ASSIGN(hp.d_expert, c.integer("intermediate_size"));
   hp.router.renormalize = true;  // Mixtral always renormalises its top-k weights
   if (c.has("sliding_window"))
@@ -17,7 +18,8 @@ Status parse_mixtral(const ConfigReader& c, HParams& hp) {
 }
 
 Status parse_qwen_moe(const ConfigReader& c, HParams& hp) {
-  TS_TRY(read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
+  TS_TRY(
+      read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
   TS_ASSIGN(hp.d_expert, c.integer("moe_intermediate_size"));
   TS_ASSIGN(hp.router.renormalize, c.boolean_or("norm_topk_prob", false));
   TS_ASSIGN(bool sliding, c.boolean_or("use_sliding_window", false));
@@ -35,7 +37,8 @@ Status parse_qwen_moe(const ConfigReader& c, HParams& hp) {
 }
 
 Status parse_olmoe(const ConfigReader& c, HParams& hp) {
-  TS_TRY(read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
+  TS_TRY(
+      read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
   TS_ASSIGN(hp.d_expert, c.integer("intermediate_size"));
   TS_ASSIGN(hp.router.renormalize, c.boolean_or("norm_topk_prob", false));
   TS_ASSIGN(hp.qkv_bias, c.boolean_or("attention_bias", false));
@@ -51,13 +54,14 @@ constexpr std::string_view kOlmoeTypes[] = {"olmoe"};
 
 }  // namespace
 
-extern const FamilyDef kMixtralFamily{
-    .name = "mixtral",
-    .model_types = kMixtralTypes,
-    .family = Family::kMixtral,
-    .names = {.moe_block = "block_sparse_moe", .expert_gate = "w1", .expert_up = "w3",
-              .expert_down = "w2"},
-    .parse = parse_mixtral};
+extern const FamilyDef kMixtralFamily{.name = "mixtral",
+                                      .model_types = kMixtralTypes,
+                                      .family = Family::kMixtral,
+                                      .names = {.moe_block = "block_sparse_moe",
+                                                .expert_gate = "w1",
+                                                .expert_up = "w3",
+                                                .expert_down = "w2"},
+                                      .parse = parse_mixtral};
 extern const FamilyDef kQwen2MoeFamily{.name = "qwen2_moe",
                                        .model_types = kQwen2Types,
                                        .family = Family::kQwen2Moe,

@@ -7,7 +7,8 @@ namespace ts::model {
 namespace {
 
 Status parse_minimax_m2(const ConfigReader& c, HParams& hp) {
-  TS_TRY(read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
+  TS_TRY(
+      read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
   TS_ASSIGN(hp.d_expert, c.integer("intermediate_size"));
   TS_TRY(read_sigmoid_router(c, hp));
   // transformers' MiniMax-M2 router always renormalises and neither groups nor scales.
@@ -15,7 +16,8 @@ Status parse_minimax_m2(const ConfigReader& c, HParams& hp) {
   hp.router.renormalize = true;
   hp.router.scale = 1.0f;
   TS_ASSIGN(std::string scoring, c.string_or("scoring_func", "sigmoid"));
-  if (scoring != "sigmoid") return c.err("scoring_func", "= \"" + scoring + "\" is not supported (sigmoid)");
+  if (scoring != "sigmoid")
+    return c.err("scoring_func", "= \"" + scoring + "\" is not supported (sigmoid)");
   TS_ASSIGN(bool bias, c.boolean_or("use_routing_bias", true));
   if (!bias) return c.err("use_routing_bias", "is false; not supported");
   hp.qk_norm = QkNorm::kFullProjection;
@@ -29,12 +31,14 @@ constexpr std::string_view kTypes[] = {"minimax_m2"};
 
 }  // namespace
 
-extern const FamilyDef kMinimaxM2Family{
-    .name = "minimax_m2",
-    .model_types = kTypes,
-    .family = Family::kMinimaxM2,
-    .names = {.moe_block = "block_sparse_moe", .expert_gate = "w1", .expert_up = "w3",
-              .expert_down = "w2", .correction_bias = "e_score_correction_bias"},
-    .parse = parse_minimax_m2};
+extern const FamilyDef kMinimaxM2Family{.name = "minimax_m2",
+                                        .model_types = kTypes,
+                                        .family = Family::kMinimaxM2,
+                                        .names = {.moe_block = "block_sparse_moe",
+                                                  .expert_gate = "w1",
+                                                  .expert_up = "w3",
+                                                  .expert_down = "w2",
+                                                  .correction_bias = "e_score_correction_bias"},
+                                        .parse = parse_minimax_m2};
 
 }  // namespace ts::model
