@@ -14,7 +14,8 @@ namespace ts::model {
 
 enum class TensorKind : uint8_t { kEmbedding, kLinear, kRouter, kNorm, kBias, kExpert };
 
-// clang-format off: the roles grouped by layer part read better on shared lines
+// The roles grouped by layer part, on shared lines.
+// clang-format off
 enum class TensorRole : uint8_t {
   kEmbed, kFinalNorm, kLmHead,
   kAttnNorm, kFfnNorm,
