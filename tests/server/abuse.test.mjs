@@ -9,6 +9,7 @@ import { spawn } from 'node:child_process';
 import net from 'node:net';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { post, stopServer } from './http_helpers.mjs';
 
 const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const BIN = process.env.TURBOSPARK_BIN ?? path.join(ROOT, 'build/turbospark');
@@ -32,25 +33,6 @@ function startServer(args = [], port = 0) {
     });
     proc.on('exit', (code) => reject(new Error(`serve exited with ${code}: ${log}`)));
   });
-}
-
-async function stopServer(s) {
-  if (!s || s.proc.exitCode !== null) return;
-  const exited = new Promise((r) => s.proc.on('exit', r));
-  s.proc.kill('SIGTERM');
-  await exited;
-}
-
-async function post(base, route, body, headers = {}) {
-  const res = await fetch(base + route, {
-    method: 'POST',
-    headers: { 'content-type': 'application/json', ...headers },
-    body: typeof body === 'string' ? body : JSON.stringify(body),
-  });
-  const text = await res.text();
-  let json = null;
-  try { json = JSON.parse(text); } catch { /* checked by callers */ }
-  return { status: res.status, json, text, headers: res.headers };
 }
 
 // Sends raw bytes (a string or a list of pieces written one after another) and resolves with
@@ -240,7 +222,7 @@ test('a non-streaming request stops generating when its client disconnects', asy
   const count = (text) => Number(text.match(/^turbospark_generations_cancelled_total (\S+)$/m)[1]);
   const body = JSON.stringify({ prompt: 'once upon a time', max_tokens: 1000, temperature: 0 });
   await raw(main.port, `POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n` +
-    `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`, { ms: 150 });
+    `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`, { ms: 30 });
   let cancelled = 0;
   for (let i = 0; i < 40 && cancelled === 0; i++) {
     await new Promise((r) => setTimeout(r, 100));

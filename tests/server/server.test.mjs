@@ -15,6 +15,7 @@ import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { post, stopServer } from './http_helpers.mjs';
 import OpenAI from 'openai';
 import Anthropic from '@anthropic-ai/sdk';
 
@@ -44,13 +45,6 @@ function startServer(args = [], env = {}) {
   });
 }
 
-async function stopServer(s) {
-  if (!s || s.proc.exitCode !== null) return;
-  const exited = new Promise((r) => s.proc.on('exit', r));
-  s.proc.kill('SIGTERM');
-  await exited;
-}
-
 // The CLI's greedy reply, the reference for the server's (run prints a final newline).
 function cliRun(args) {
   const out = execFileSync(BIN, ['run', '--model', MODEL_DIR, ...args], { encoding: 'utf8' });
@@ -62,18 +56,6 @@ function messagesFile(messages) {
   const f = path.join(TMP, `m${Math.random().toString(36).slice(2)}.json`);
   writeFileSync(f, JSON.stringify(messages));
   return f;
-}
-
-async function post(base, route, body, headers = {}) {
-  const res = await fetch(base + route, {
-    method: 'POST',
-    headers: { 'content-type': 'application/json', ...headers },
-    body: typeof body === 'string' ? body : JSON.stringify(body),
-  });
-  const text = await res.text();
-  let json = null;
-  try { json = JSON.parse(text); } catch { /* checked by callers */ }
-  return { status: res.status, json, text };
 }
 
 async function metric(base, name) {
