@@ -370,6 +370,20 @@ inline bool converted_by_own_class(ts::model::Family f) {
          f == Family::kMinimaxM2;
 }
 
+// Both converters' last steps: the tokenizer (when the directory, or opt.tokenizer_dir, has
+// one), the caller's extra keys, then the file (split in opt.split parts when asked).
+inline void finish_file(GgufWriter& w, const std::string& dir, const std::string& out,
+                        const ConvertOptions& opt) {
+  const std::filesystem::path tok = opt.tokenizer_dir.empty() ? std::filesystem::path(dir)
+                                                              : std::filesystem::path(opt.tokenizer_dir);
+  if (std::filesystem::exists(tok / "tokenizer.json")) gguf_detail::add_tokenizer(w, tok, opt.pre);
+  if (opt.extra) opt.extra(w);
+  if (opt.split > 1)
+    w.write_split(out, opt.split);
+  else
+    w.write(out);
+}
+
 inline void convert_own_class(const std::string& dir, const std::string& out,
                               const ConvertOptions& opt) {
   using namespace gguf_detail;
@@ -652,13 +666,7 @@ inline void convert_own_class(const std::string& dir, const std::string& out,
     write("blk." + std::to_string(key.first) + "." + kExp.at(key.second),
           {int64_t(per_expert.size()), shape[0], shape[1]}, std::move(bytes), false);
   }
-  const std::filesystem::path tok = opt.tokenizer_dir.empty() ? dir : opt.tokenizer_dir;
-  if (std::filesystem::exists(tok / "tokenizer.json")) add_tokenizer(w, tok, opt.pre);
-  if (opt.extra) opt.extra(w);
-  if (opt.split > 1)
-    w.write_split(out, opt.split);
-  else
-    w.write(out);
+  finish_file(w, dir, out, opt);
 }
 
 // Converts the fixture directory `dir` (config.json + safetensors, F32/F16/BF16) into `out`.
@@ -795,13 +803,7 @@ inline void convert_hf_dir(const std::string& dir, const std::string& out,
         put(m + "shared_expert_gate.weight", b + "ffn_gate_inp_shexp.weight");
     }
   }
-  const std::filesystem::path tok = opt.tokenizer_dir.empty() ? dir : opt.tokenizer_dir;
-  if (std::filesystem::exists(tok / "tokenizer.json")) add_tokenizer(w, tok, opt.pre);
-  if (opt.extra) opt.extra(w);
-  if (opt.split > 1)
-    w.write_split(out, opt.split);
-  else
-    w.write(out);
+  finish_file(w, dir, out, opt);
 }
 
 }  // namespace ts_test
