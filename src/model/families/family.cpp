@@ -29,12 +29,12 @@ const FamilyDef* find_family(std::string_view model_type) {
   return nullptr;
 }
 
-Status read_expert_counts(const ConfigReader& c, HParams& hp, const std::string& experts_key) {
-  TS_ASSIGN(hp.n_experts, c.integer(experts_key));
+Status read_expert_counts(const ConfigReader& c, HParams& hp, const std::string& key) {
+  TS_ASSIGN(hp.n_experts, c.integer(key));
   TS_ASSIGN(hp.top_k, c.integer("num_experts_per_tok"));
   if (hp.top_k > hp.n_experts)
-    return c.err("num_experts_per_tok", "= " + std::to_string(hp.top_k) + " exceeds " +
-                                            experts_key + " = " + std::to_string(hp.n_experts));
+    return c.err("num_experts_per_tok", "= " + std::to_string(hp.top_k) + " exceeds " + key +
+                                            " = " + std::to_string(hp.n_experts));
   return {};
 }
 

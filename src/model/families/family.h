@@ -36,8 +36,12 @@ const FamilyDef& family_def(Family f);
 const FamilyDef* find_family(std::string_view model_type);
 
 // Shared pieces of the families' parsers.
+// "num_local_experts" (Mixtral, MiniMax-M2, some Qwen exports) where present, else "num_experts".
+inline std::string experts_key(const ConfigReader& c) {
+  return c.has("num_local_experts") ? "num_local_experts" : "num_experts";
+}
 // The routed experts' count and top-k from `experts_key`, checked against each other.
-Status read_expert_counts(const ConfigReader& c, HParams& hp, const std::string& experts_key);
+Status read_expert_counts(const ConfigReader& c, HParams& hp, const std::string& key);
 // Layers before first_k_dense_replace (and those of mlp_only_layers / decoder_sparse_step,
 // when the family has them) are dense, reading d_ff from intermediate_size.
 Status mark_dense_lead_layers(const ConfigReader& c, HParams& hp);

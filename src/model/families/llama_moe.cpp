@@ -8,8 +8,7 @@ namespace ts::model {
 namespace {
 
 Status parse_mixtral(const ConfigReader& c, HParams& hp) {
-  TS_TRY(
-      read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
+  TS_TRY(read_expert_counts(c, hp, experts_key(c)));
   TS_ASSIGN(hp.d_expert, c.integer("intermediate_size"));
   hp.router.renormalize = true;  // Mixtral always renormalises its top-k weights
   if (c.has("sliding_window"))
@@ -18,8 +17,7 @@ Status parse_mixtral(const ConfigReader& c, HParams& hp) {
 }
 
 Status parse_qwen_moe(const ConfigReader& c, HParams& hp) {
-  TS_TRY(
-      read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
+  TS_TRY(read_expert_counts(c, hp, experts_key(c)));
   TS_ASSIGN(hp.d_expert, c.integer("moe_intermediate_size"));
   TS_ASSIGN(hp.router.renormalize, c.boolean_or("norm_topk_prob", false));
   TS_ASSIGN(bool sliding, c.boolean_or("use_sliding_window", false));
@@ -37,8 +35,7 @@ Status parse_qwen_moe(const ConfigReader& c, HParams& hp) {
 }
 
 Status parse_olmoe(const ConfigReader& c, HParams& hp) {
-  TS_TRY(
-      read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
+  TS_TRY(read_expert_counts(c, hp, experts_key(c)));
   TS_ASSIGN(hp.d_expert, c.integer("intermediate_size"));
   TS_ASSIGN(hp.router.renormalize, c.boolean_or("norm_topk_prob", false));
   TS_ASSIGN(hp.qkv_bias, c.boolean_or("attention_bias", false));

@@ -7,8 +7,7 @@ namespace ts::model {
 namespace {
 
 Status parse_minimax_m2(const ConfigReader& c, HParams& hp) {
-  TS_TRY(
-      read_expert_counts(c, hp, c.has("num_local_experts") ? "num_local_experts" : "num_experts"));
+  TS_TRY(read_expert_counts(c, hp, experts_key(c)));
   TS_ASSIGN(hp.d_expert, c.integer("intermediate_size"));
   TS_TRY(read_sigmoid_router(c, hp));
   // transformers' MiniMax-M2 router always renormalises and neither groups nor scales.
