@@ -5,8 +5,10 @@
 // C++); every SIMD path is tested against the portable one on random inputs.
 //
 // Determinism: the value of an output element depends only on its row of W and its row of
-// X, never on the [r0, r1) range a call covers, so splitting rows across threads cannot
-// change results.
+// X, never on the [r0, r1) range a call covers nor on the other tokens of a call, and matvec
+// gives matmul's bits for its one token, on every dtype. So splitting rows across threads,
+// prefill against decode, and a sequence alone against the same sequence in a batch of
+// others (runtime batching) cannot change results.
 #pragma once
 
 #include <cstdint>
@@ -51,8 +53,8 @@ void matvec(ThreadPool& pool, const void* w, DType wt, const float* x, float* y,
 void matmul(ThreadPool& pool, const void* w, DType wt, const float* x, int64_t n_tokens, float* y,
             int64_t rows, int64_t cols);
 
-// True when matmul_rows on `isa` rounds X to BF16 before multiplying (BF16 weights on
-// AVX-512): its error is then ~2^-9 * sum_c |W[r, c] * X[t, c]| rather than F32 rounding.
+// True when matmul_rows and matvec_rows on `isa` round X to BF16 before multiplying (BF16
+// weights on AVX-512): its error is then ~2^-9 * sum_c |W[r, c] * X[t, c]| rather than F32 rounding.
 // Tests and callers that compare against a reference pick their tolerance with it.
 bool matmul_rounds_x_to_bf16(Isa isa, DType wt);
 

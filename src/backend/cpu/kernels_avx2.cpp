@@ -2,14 +2,15 @@
 // dispatch.cpp calls it only when the CPU and OS support them.
 //
 // X stays F32 on every path; W converts in registers (BF16: zero-extend and shift left 16;
-// F16: vcvtph2ps). matvec (decode) keeps four accumulators per row so it is bound by memory,
-// not FMA latency; matmul (prefill) uses register tiles of kTileRows rows x kTileTokens
-// tokens so each W vector loaded is used kTileTokens times.
+// F16: vcvtph2ps). matmul uses register tiles of kTileRows rows x kTileTokens tokens so each
+// W vector loaded is used kTileTokens times; matvec (decode) runs the same per-element
+// arithmetic over kMatvecTileRows rows at once (that many independent chains, enough to stay
+// bound by memory), reading W ahead with software prefetch.
 //
-// Determinism: an output element is one accumulator chain (four for matvec) over its row's
-// columns in index order, with the tail in a fixed accumulator, reduced in a fixed order.
-// Tiles of any size run the same per-element operations, so neither the [r0, r1) range nor
-// the number of tokens in a call changes a result.
+// Determinism: an output element is one accumulator chain over its row's columns in index
+// order, the tail in the same accumulator, reduced in a fixed order. Tiles of any size run
+// the same per-element operations, so neither the [r0, r1) range nor the number of tokens in
+// a call changes a result, and matvec equals matmul per token (batch invariance).
 //
 // ODR hazard: this file is compiled with -mavx2 -mfma -mf16c, so any inline function or
 // template from a shared header instantiated here could be emitted with AVX2 instructions
@@ -30,7 +31,7 @@ namespace ts::cpu::avx2 {
 namespace {
 
 constexpr int64_t kLanes = 8;       // F32 lanes per ymm
-constexpr int kMatvecTileRows = 2;  // 2 rows x 4 accumulators = 8 of 16 ymm
+constexpr int kMatvecTileRows = 6;  // 6 rows = 6 accumulator chains + 1 X vector
 constexpr int kTileRows = 3;        // matmul register tile: 3 x 4 = 12 accumulators
 constexpr int kTileTokens = 4;      //   + 3 W vectors + 1 X vector = 16 ymm
 // matvec reads each row this far ahead with software prefetch. Hardware prefetch alone left
@@ -91,43 +92,38 @@ float reduce_add(__m256 v) {
 
 // ---- matvec ----------------------------------------------------------------------------
 
-// y[i] = W[i, :] . x for the NR consecutive rows starting at w (row stride cols).
+// y[i] = W[i, :] . x for the NR consecutive rows starting at w (row stride cols), with
+// fma_tile's arithmetic: one accumulator per row over the columns in index order, the tail
+// in the same accumulator. NR rows give NR independent chains, enough to keep one token
+// bound by memory; each row is read kPrefetchBytes ahead.
 template <class L, int NR>
 void matvec_tile(const typename L::T* w, int64_t cols, const float* x, float* y) {
-  __m256 acc[NR][4];
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  constexpr int64_t kStep = 64 / int64_t(sizeof(typename L::T));  // one cache line of W
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   int64_t c = 0;
-  for (; c + 4 * kLanes <= cols; c += 4 * kLanes) {
+  for (; c + kStep <= cols; c += kStep) {
     for (int r = 0; r < NR; ++r) {
       // Integer arithmetic: the address may lie past the end of W (prefetch never faults).
       uintptr_t ahead = reinterpret_cast<uintptr_t>(w + r * cols + c) + kPrefetchBytes;
-      for (int64_t b = 0; b < 4 * kLanes * int64_t(sizeof(typename L::T)); b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + uintptr_t(b)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
     }
-    __m256 xv[4];
-    for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(x + c + j * kLanes);
-    for (int r = 0; r < NR; ++r)
-      for (int j = 0; j < 4; ++j)
-        acc[r][j] = _mm256_fmadd_ps(L::load(w + r * cols + c + j * kLanes), xv[j], acc[r][j]);
+    for (int64_t j = 0; j < kStep; j += kLanes) {
+      __m256 xv = _mm256_loadu_ps(x + c + j);
+      for (int r = 0; r < NR; ++r)
+        acc[r] = _mm256_fmadd_ps(L::load(w + r * cols + c + j), xv, acc[r]);
+    }
   }
-  // Up to three whole vectors, then a partial one; which accumulator each lands in depends
-  // only on cols.
-  for (int j = 0; j < 3 && c + kLanes <= cols; ++j, c += kLanes) {
+  for (; c + kLanes <= cols; c += kLanes) {
     __m256 xv = _mm256_loadu_ps(x + c);
-    for (int r = 0; r < NR; ++r)
-      acc[r][j] = _mm256_fmadd_ps(L::load(w + r * cols + c), xv, acc[r][j]);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(L::load(w + r * cols + c), xv, acc[r]);
   }
   if (c < cols) {
     __m256 xv = _mm256_maskload_ps(x + c, tail_mask(cols - c));
     for (int r = 0; r < NR; ++r)
-      acc[r][3] = _mm256_fmadd_ps(L::load_tail(w + r * cols + c, cols - c), xv, acc[r][3]);
+      acc[r] = _mm256_fmadd_ps(L::load_tail(w + r * cols + c, cols - c), xv, acc[r]);
   }
-  for (int r = 0; r < NR; ++r) {
-    __m256 s =
-        _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
-    y[r] = reduce_add(s);
-  }
+  for (int r = 0; r < NR; ++r) y[r] = reduce_add(acc[r]);
 }
 
 template <class L>

@@ -1,16 +1,15 @@
 // AVX-512 (F/BW/VL/DQ + BF16) matvec and matmul. Compiled with AVX-512 flags for this file
 // only; dispatch.cpp calls it only when the CPU and OS support them.
 //
-// matvec (decode): X stays F32; W is converted in registers (BF16: shift left 16; F16:
-// vcvtph2ps) with four accumulators per row, so the loop is bound by memory, not by FMA
-// latency. matmul (prefill): register tiles of kTileRows rows x kTileTokens tokens, so each
-// W vector loaded is used kTileTokens times. BF16 W rounds X to BF16 once per call (round to
-// nearest even) and uses vdpbf16ps; F32 / F16 W keep X in F32 and use FMA.
+// matmul: register tiles of kTileRows rows x kTileTokens tokens, so each W vector loaded is
+// used kTileTokens times. BF16 W rounds X to BF16 once per call (round to nearest even) and
+// uses vdpbf16ps; F32 / F16 W keep X in F32, convert W in registers (F16: vcvtph2ps) and use
+// FMA. matvec is matmul of one token (its tiles read W ahead with software prefetch).
 //
-// Determinism: an output element is one accumulator chain (or four, for matvec) over its
-// row's columns in index order, with the tail in a fixed accumulator, reduced in a fixed
-// order. Tiles of any size run the same per-element operations, so neither the [r0, r1)
-// range nor the number of tokens in a call changes a result.
+// Determinism: an output element is one accumulator chain over its row's columns in index
+// order, the tail in the same accumulator, reduced in a fixed order. Tiles of any size run
+// the same per-element operations, so neither the [r0, r1) range nor the number of tokens in
+// a call changes a result, and matvec equals matmul per token (batch invariance).
 //
 // ODR hazard: this file is compiled with -mavx512*, so any inline function or template from
 // a shared header that it instantiates could be emitted here with AVX-512 instructions and
@@ -41,7 +40,6 @@ namespace {
 
 constexpr int64_t kLanes = 16;       // F32 lanes per zmm
 constexpr int64_t kBf16PerVec = 32;  // BF16 elements (16 pairs) per zmm for vdpbf16ps
-constexpr int kMatvecTileRows = 4;   // rows per matvec step: x loads shared by 4 rows
 constexpr int kTileRows = 4;         // matmul register tile: 4 x 6 = 24 accumulators
 constexpr int kTileTokens = 6;       //   + 4 W vectors + 1 X vector = 29 of 32 zmm
 // matvec reads each row this far ahead with software prefetch. Hardware prefetch alone left
@@ -97,57 +95,6 @@ struct LoadBf16 {
   }
 };
 
-// ---- matvec ----------------------------------------------------------------------------
-
-// y[i] = W[i, :] . x for the NR consecutive rows starting at w (row stride cols).
-template <class L, int NR>
-void matvec_tile(const typename L::T* w, int64_t cols, const float* x, float* y) {
-  __m512 acc[NR][4];
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 4 * kLanes <= cols; c += 4 * kLanes) {
-    for (int r = 0; r < NR; ++r) {
-      // Integer arithmetic: the address may lie past the end of W (prefetch never faults).
-      uintptr_t ahead = reinterpret_cast<uintptr_t>(w + r * cols + c) + kPrefetchBytes;
-      for (int64_t b = 0; b < 4 * kLanes * int64_t(sizeof(typename L::T)); b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + uintptr_t(b)), _MM_HINT_T0);
-    }
-    __m512 xv[4];
-    for (int j = 0; j < 4; ++j) xv[j] = _mm512_loadu_ps(x + c + j * kLanes);
-    for (int r = 0; r < NR; ++r)
-      for (int j = 0; j < 4; ++j)
-        acc[r][j] = _mm512_fmadd_ps(L::load(w + r * cols + c + j * kLanes), xv[j], acc[r][j]);
-  }
-  // Up to three whole vectors, then a partial one; which accumulator each lands in depends
-  // only on cols.
-  for (int j = 0; j < 3 && c + kLanes <= cols; ++j, c += kLanes) {
-    __m512 xv = _mm512_loadu_ps(x + c);
-    for (int r = 0; r < NR; ++r)
-      acc[r][j] = _mm512_fmadd_ps(L::load(w + r * cols + c), xv, acc[r][j]);
-  }
-  if (c < cols) {
-    __m512 xv = _mm512_maskz_loadu_ps(tail_mask16(cols - c), x + c);
-    for (int r = 0; r < NR; ++r)
-      acc[r][3] = _mm512_fmadd_ps(L::load_tail(w + r * cols + c, cols - c), xv, acc[r][3]);
-  }
-  for (int r = 0; r < NR; ++r) {
-    __m512 s =
-        _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-    y[r] = reduce_add(s);
-  }
-}
-
-template <class L>
-void matvec_typed(const void* w_any, const float* x, float* y, int64_t cols, int64_t r0,
-                  int64_t r1) {
-  const auto* w = static_cast<const typename L::T*>(w_any);
-  int64_t r = r0;
-  for (; r + kMatvecTileRows <= r1; r += kMatvecTileRows)
-    matvec_tile<L, kMatvecTileRows>(w + r * cols, cols, x, y + r);
-  for (; r < r1; ++r) matvec_tile<L, 1>(w + r * cols, cols, x, y + r);
-}
-
 // ---- matmul ----------------------------------------------------------------------------
 
 // One register tile's operands, already offset to its first row and first token.
@@ -161,6 +108,14 @@ struct TileArgs {
 };
 using TileFn = void (*)(const TileArgs&);
 
+// One token (matvec) is bound by memory: each row is read kPrefetchBytes ahead. A prefetch
+// never faults and changes no arithmetic, so the address may lie past the end of W.
+template <int NR>
+void prefetch_rows(const void* at, int64_t row_bytes) {
+  for (int r = 0; r < NR; ++r)
+    _mm_prefetch(static_cast<const char*>(at) + r * row_bytes + kPrefetchBytes, _MM_HINT_T0);
+}
+
 // F32 activations, FMA: Y[t, r] accumulates in one zmm per (r, t).
 template <class L, int NR, int NT>
 void fma_tile(const TileArgs& a) {
@@ -172,6 +127,7 @@ void fma_tile(const TileArgs& a) {
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + kLanes <= cols; c += kLanes) {
+    if constexpr (NT == 1) prefetch_rows<NR>(w + c, cols * int64_t(sizeof(typename L::T)));
     __m512 wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = L::load(w + r * cols + c);
     for (int t = 0; t < NT; ++t) {
@@ -204,6 +160,7 @@ void dpbf16_tile(const TileArgs& a) {
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + kBf16PerVec <= cols; c += kBf16PerVec) {
+    if constexpr (NT == 1) prefetch_rows<NR>(w + c, cols * 2);
     __m512i wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = _mm512_loadu_si512(w + r * cols + c);
     for (int t = 0; t < NT; ++t) {
@@ -358,11 +315,9 @@ void matvec_rows(const void* w, DType wt, const float* x, float* y, int64_t cols
                  int64_t r1) {
   switch (wt) {
     case DType::kF32:
-      return matvec_typed<LoadF32>(w, x, y, cols, r0, r1);
     case DType::kF16:
-      return matvec_typed<LoadF16>(w, x, y, cols, r0, r1);
-    case DType::kBF16:
-      return matvec_typed<LoadBf16>(w, x, y, cols, r0, r1);
+    case DType::kBF16:  // one token of matmul: the same bits per row (kernels.h)
+      return matmul_rows(w, wt, x, 1, y, 1, cols, r0, r1);
     case DType::kQ8_0:
     case DType::kQ4_K:  // quant_avx512.cpp
       return quant_matvec_rows(w, wt, x, y, cols, r0, r1);
