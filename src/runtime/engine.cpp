@@ -20,6 +20,14 @@ Status Engine::decode_greedy(int token, int n, const std::function<bool(int)>& o
   return {};
 }
 
+Result<int> Engine::open_sequence(int) {
+  return make_error("the " + device_name() + " backend does not batch sequences");
+}
+
+Status Engine::step(std::span<const SeqInput>, std::vector<float>*) {
+  return make_error("the " + device_name() + " backend does not batch sequences");
+}
+
 Result<Device> parse_device(const std::string& s) {
   if (s == "cpu") return Device{DeviceKind::kCpu, 0};
   if (s == "cuda") return Device{DeviceKind::kCuda, 0};

@@ -119,6 +119,29 @@ class Engine {
   virtual std::string device_name() const = 0;
   // The backend's own expert cache, if it has one (the CPU's lives in the ExpertStore).
   virtual std::optional<ExpertCacheReport> expert_cache() const { return std::nullopt; }
+
+  // Continuous batching: sequences beside the one above, each with its own KV rows, advanced
+  // together by step(). A sequence's logits are the same bits alone or beside others, at any
+  // place in a step (rows are computed independently: backend/cpu/kernels.h). A backend
+  // that cannot batch keeps batches() false and the others' defaults (errors).
+  virtual bool batches() const { return false; }
+  // Most tokens, summed over the inputs, that one step() takes.
+  virtual int step_tokens() const { return 0; }
+  // KV positions not held or reserved by any sequence.
+  virtual int64_t free_kv_tokens() const { return 0; }
+  // A new empty sequence with KV rows reserved for `max_tokens` positions (at most n_ctx());
+  // an error when the cache has not that many free (the caller waits for a close).
+  virtual Result<int> open_sequence(int max_tokens);
+  virtual void close_sequence(int seq) { (void)seq; }
+  struct SeqInput {
+    int seq;
+    std::span<const int> tokens;  // not empty; appended at the sequence's position
+    bool all_logits = false;      // every token's logits, not only the last one's
+  };
+  // Runs every input's tokens (at most step_tokens() in all) as one pass and resizes
+  // `logits` to the rows asked for, in input order ([1 or tokens.size(), vocab] each).
+  // Errors: as forward's, and a sequence's reserve exceeded; the step then changed nothing.
+  virtual Status step(std::span<const SeqInput> inputs, std::vector<float>* logits);
 };
 
 enum class DeviceKind : uint8_t { kCpu, kCuda };

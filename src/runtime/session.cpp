@@ -43,9 +43,14 @@ Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions opti
   n_ctx_ = options.n_ctx > 0 ? options.n_ctx : std::min(hp.max_positions, 4096);
   chunk_ = options.prefill_chunk > 0 ? options.prefill_chunk : 256;
   const bool mla = hp.attention == model::AttentionKind::kMla;
-  const size_t kv = size_t(hp.n_layers) * size_t(n_ctx_) * size_t(hp.cache_row());
+  const int64_t kv_tokens = options.kv_tokens > 0 ? options.kv_tokens : n_ctx_;
+  n_blocks_ = int((kv_tokens + kKvBlock - 1) / kKvBlock);
+  const size_t kv = size_t(hp.n_layers) * size_t(n_blocks_) * kKvBlock * size_t(hp.cache_row());
   k_cache_.assign(kv, 0.0f);
   if (!mla) v_cache_.assign(kv, 0.0f);
+  for (int b = n_blocks_ - 1; b >= 0; --b) free_blocks_.push_back(b);
+  seqs_.resize(1);
+  seqs_[0].open = true;
   const size_t c = size_t(chunk_), d = size_t(hp.d_model);
   const size_t hidden = size_t(std::max({hp.d_expert, hp.d_ff, hp.d_shared}));
   x_.resize(c * d);
@@ -90,7 +95,7 @@ void Session::layer_boundary(int layer, int n, bool last_chunk) {
     for (const SteerOp& op : iv_.steer[size_t(layer)])
       for (int t = 0; t < n; ++t) apply_steer(op, x_.data() + size_t(t) * d, int64_t(d));
   const int c = capture_index_[size_t(layer + 1)];
-  if (c < 0) return;
+  if (c < 0 || !capturing_) return;
   if (iv_.capture_last) {
     if (!last_chunk) return;
     const float* row = x_.data() + size_t(n - 1) * d;
@@ -100,40 +105,145 @@ void Session::layer_boundary(int layer, int n, bool last_chunk) {
   }
 }
 
-Status Session::forward(std::span<const int> tokens, std::vector<float>* all_logits) {
-  const model::HParams& hp = model_.hp();
+void Session::reset() {
+  Sequence& s = seqs_[0];
+  free_blocks_.insert(free_blocks_.end(), s.blocks.rbegin(), s.blocks.rend());
+  s.blocks.clear();
+  s.pos = 0;
+}
+
+Status Session::grow_blocks(Sequence& s, int positions) {
+  const size_t want = size_t(positions + kKvBlock - 1) / kKvBlock;
+  if (want <= s.blocks.size()) return {};
+  if (want - s.blocks.size() > free_blocks_.size())
+    return make_error("the KV cache is full: " + std::to_string(int64_t(n_blocks_) * kKvBlock) +
+                      " positions, all held by sequences (--kv-tokens sets the pool)");
+  while (s.blocks.size() < want) {
+    s.blocks.push_back(free_blocks_.back());
+    free_blocks_.pop_back();
+  }
+  return {};
+}
+
+float* Session::kv_row(std::vector<float>& cache, int layer, int seq, int pos, int row_floats) {
+  const size_t layer_rows = size_t(n_blocks_) * kKvBlock;
+  return cache.data() + (size_t(layer) * layer_rows + kv_rows(seq).row(pos)) * size_t(row_floats);
+}
+
+Result<int> Session::open_sequence(int max_tokens) {
+  if (max_tokens < 1 || max_tokens > n_ctx_)
+    return make_error("a sequence of " + std::to_string(max_tokens) +
+                      " positions does not fit the context of " + std::to_string(n_ctx_));
+  size_t id = 1;
+  while (id < seqs_.size() && seqs_[id].open) ++id;
+  if (id == seqs_.size()) seqs_.emplace_back();
+  Sequence& s = seqs_[id];
+  s = Sequence{.reserve = max_tokens, .open = true};
+  if (Status st = grow_blocks(s, max_tokens); !st.ok()) {
+    s.open = false;
+    return st.error();
+  }
+  return int(id);
+}
+
+void Session::close_sequence(int seq) {
+  if (seq <= 0 || size_t(seq) >= seqs_.size() || !seqs_[size_t(seq)].open) return;
+  Sequence& s = seqs_[size_t(seq)];
+  free_blocks_.insert(free_blocks_.end(), s.blocks.rbegin(), s.blocks.rend());
+  s = Sequence{};
+}
+
+namespace {
+Status check_tokens(std::span<const int> tokens, int vocab) {
   if (tokens.empty()) return make_error("the token list is empty");
   for (size_t i = 0; i < tokens.size(); ++i)
-    if (tokens[i] < 0 || tokens[i] >= hp.vocab)
+    if (tokens[i] < 0 || tokens[i] >= vocab)
       return make_error("token id " + std::to_string(tokens[i]) + " at index " +
                         std::to_string(i) + " is outside the vocabulary [0, " +
-                        std::to_string(hp.vocab) + ")");
-  if (pos_ + int64_t(tokens.size()) > n_ctx_)
-    return make_error("context overflow: " + std::to_string(pos_) + " + " +
+                        std::to_string(vocab) + ")");
+  return {};
+}
+}  // namespace
+
+Status Session::forward(std::span<const int> tokens, std::vector<float>* all_logits) {
+  const model::HParams& hp = model_.hp();
+  TS_TRY(check_tokens(tokens, hp.vocab));
+  Sequence& seq = seqs_[0];
+  if (seq.pos + int64_t(tokens.size()) > n_ctx_)
+    return make_error("context overflow: " + std::to_string(seq.pos) + " + " +
                       std::to_string(tokens.size()) + " tokens exceed n_ctx = " +
                       std::to_string(n_ctx_));
+  TS_TRY(grow_blocks(seq, seq.pos + int(tokens.size())));
   if (all_logits) all_logits->assign(tokens.size() * size_t(hp.vocab), 0.0f);
   const auto t_start = Clock::now();
+  capturing_ = true;
   for (size_t b = 0; b < tokens.size(); b += size_t(chunk_)) {
-    const size_t pos0 = size_t(pos_);
     const bool last_chunk = b + size_t(chunk_) >= tokens.size();
     int n = int(std::min(tokens.size() - b, size_t(chunk_)));
-    Status st = forward_chunk(tokens.data() + b, n,
-                              all_logits ? all_logits->data() + b * size_t(hp.vocab) : nullptr,
-                              last_chunk);
+    spans_.assign(1, Span{.seq = 0, .row0 = 0, .n = n, .pos0 = seq.pos, .all_logits = true});
+    // A failed chunk leaves the position where it was: its KV rows are ignored, earlier
+    // chunks stay.
+    Status st = run_rows(tokens.data() + b, n,
+                         all_logits ? all_logits->data() + b * size_t(hp.vocab) : nullptr,
+                         last_chunk);
     if (!st.ok()) {
-      pos_ = int(pos0);  // the failed chunk's KV rows are ignored; earlier chunks stay
+      capturing_ = false;
       return st;
     }
   }
+  capturing_ = false;
   phases_.total_us += us_since(t_start);
   return {};
 }
 
-Status Session::forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk) {
+Status Session::step(std::span<const SeqInput> inputs, std::vector<float>* logits) {
+  const model::HParams& hp = model_.hp();
+  if (inputs.empty()) return make_error("a step needs at least one sequence");
+  size_t total = 0, rows_out = 0;
+  std::vector<bool> seen(seqs_.size(), false);
+  for (const SeqInput& in : inputs) {
+    if (in.seq <= 0 || size_t(in.seq) >= seqs_.size() || !seqs_[size_t(in.seq)].open)
+      return make_error("sequence " + std::to_string(in.seq) + " is not open");
+    if (seen[size_t(in.seq)])
+      return make_error("sequence " + std::to_string(in.seq) + " appears twice in one step");
+    seen[size_t(in.seq)] = true;
+    TS_TRY(check_tokens(in.tokens, hp.vocab));
+    const Sequence& s = seqs_[size_t(in.seq)];
+    if (s.pos + int64_t(in.tokens.size()) > s.reserve)
+      return make_error("sequence " + std::to_string(in.seq) + ": " + std::to_string(s.pos) +
+                        " + " + std::to_string(in.tokens.size()) +
+                        " tokens exceed its reserve of " + std::to_string(s.reserve));
+    total += in.tokens.size();
+    rows_out += in.all_logits ? in.tokens.size() : 1;
+  }
+  if (total > size_t(chunk_))
+    return make_error("a step of " + std::to_string(total) + " tokens exceeds step_tokens() = " +
+                      std::to_string(chunk_));
+  std::vector<int> tokens;
+  tokens.reserve(total);
+  spans_.clear();
+  for (const SeqInput& in : inputs) {
+    spans_.push_back({.seq = in.seq,
+                      .row0 = int(tokens.size()),
+                      .n = int(in.tokens.size()),
+                      .pos0 = seqs_[size_t(in.seq)].pos,
+                      .all_logits = in.all_logits});
+    tokens.insert(tokens.end(), in.tokens.begin(), in.tokens.end());
+  }
+  if (logits) logits->assign(rows_out * size_t(hp.vocab), 0.0f);
+  const auto t_start = Clock::now();
+  TS_TRY(run_rows(tokens.data(), int(total), logits ? logits->data() : nullptr, true));
+  phases_.total_us += us_since(t_start);
+  return {};
+}
+
+Status Session::run_rows(const int* tokens, int n, float* logits_out, bool last_chunk) {
   const model::HParams& hp = model_.hp();
   const model::DenseWeights& w = model_.dense();
   const size_t d = size_t(hp.d_model);
+  row_pos_.resize(size_t(n));
+  for (const Span& sp : spans_)
+    for (int t = 0; t < sp.n; ++t) row_pos_[size_t(sp.row0 + t)] = sp.pos0 + t;
   // Embedding rows, converted to F32 (a quantized table by its reference dequantization).
   for (int t = 0; t < n; ++t) {
     const model::Matrix& e = w.embed;
@@ -160,15 +270,24 @@ Status Session::forward_chunk(const int* tokens, int n, float* logits_out, bool 
     }
     layer_boundary(l, n, last_chunk);
   }
-  pos_ += n;
+  for (const Span& sp : spans_) seqs_[size_t(sp.seq)].pos = sp.pos0 + sp.n;
   auto t0 = Clock::now();
   cpu::rmsnorm_rows(x_.data(), w.final_norm.data(), xn_.data(), n, int64_t(d), hp.rms_eps);
-  const float* last = xn_.data() + size_t(n - 1) * d;
+  // The rows whose logits are wanted, gathered (in place: a row never moves down) to the
+  // front of xn_.
+  int m = 0;
+  for (const Span& sp : spans_) {
+    const bool all = logits_out && sp.all_logits;
+    for (int t = all ? 0 : sp.n - 1; t < sp.n; ++t, ++m)
+      if (sp.row0 + t != m)
+        std::copy_n(xn_.data() + size_t(sp.row0 + t) * d, d, xn_.data() + size_t(m) * d);
+  }
+  const size_t vocab = size_t(hp.vocab);
   if (logits_out) {
-    linear(pool_, w.lm_head, xn_.data(), n, logits_out);
-    std::copy_n(logits_out + size_t(n - 1) * size_t(hp.vocab), hp.vocab, last_logits_.data());
+    linear(pool_, w.lm_head, xn_.data(), m, logits_out);
+    std::copy_n(logits_out + size_t(m - 1) * vocab, vocab, last_logits_.data());
   } else {
-    linear(pool_, w.lm_head, last, 1, last_logits_.data());
+    linear(pool_, w.lm_head, xn_.data() + size_t(m - 1) * d, 1, last_logits_.data());
   }
   phases_.lm_head_us += us_since(t0);
   return {};
@@ -213,27 +332,31 @@ void Session::mla_attention(int layer, int n) {
   // The latent rows: kv_a -> RMSNorm over the first kv_lora_rank, RoPE on the shared key.
   linear(pool_, L.kv_a, xn_.data(), n, lat_.data());
   const cpu::RopeTable q_rope = rope_table(qk, m.nope_dim), k_rope = rope_table(row, m.kv_lora_rank);
-  float* cache = k_cache_.data() + size_t(layer) * size_t(n_ctx_) * size_t(row);
-  for (int t = 0; t < n; ++t) {
-    float* c = lat_.data() + size_t(t) * size_t(row);
-    cpu::rmsnorm_rows(c, L.kv_a_norm.data(), c, 1, m.kv_lora_rank, hp.rms_eps);
-    cpu::rope_apply(c, 1, k_rope, pos_ + t);
-    cpu::rope_apply(q_.data() + size_t(t) * size_t(hp.q_dim()), hp.n_heads, q_rope, pos_ + t);
-    std::copy_n(c, row, cache + size_t(pos_ + t) * size_t(row));
+  const float* cache = k_cache_.data() + size_t(layer) * size_t(n_blocks_) * kKvBlock * size_t(row);
+  for (const Span& sp : spans_) {
+    for (int t = sp.row0; t < sp.row0 + sp.n; ++t) {
+      float* c = lat_.data() + size_t(t) * size_t(row);
+      cpu::rmsnorm_rows(c, L.kv_a_norm.data(), c, 1, m.kv_lora_rank, hp.rms_eps);
+      cpu::rope_apply(c, 1, k_rope, row_pos_[size_t(t)]);
+      cpu::rope_apply(q_.data() + size_t(t) * size_t(hp.q_dim()), hp.n_heads, q_rope,
+                      row_pos_[size_t(t)]);
+      std::copy_n(c, row, kv_row(k_cache_, layer, sp.seq, row_pos_[size_t(t)], row));
+    }
+    cpu::mla_attention(pool_, {.q = q_.data() + size_t(sp.row0) * size_t(hp.q_dim()),
+                               .cache = cache,
+                               .rows = kv_rows(sp.seq),
+                               .kv_b = L.kv_b.data,
+                               .kv_b_dtype = L.kv_b.dtype,
+                               .out = att_.data() + size_t(sp.row0) * size_t(hp.attn_out_dim()),
+                               .n_tokens = sp.n,
+                               .pos0 = sp.pos0,
+                               .n_heads = hp.n_heads,
+                               .nope_dim = m.nope_dim,
+                               .rope_dim = m.rope_dim,
+                               .v_dim = m.v_dim,
+                               .kv_lora_rank = m.kv_lora_rank,
+                               .scale = hp.attn_scale});
   }
-  cpu::mla_attention(pool_, {.q = q_.data(),
-                             .cache = cache,
-                             .kv_b = L.kv_b.data,
-                             .kv_b_dtype = L.kv_b.dtype,
-                             .out = att_.data(),
-                             .n_tokens = n,
-                             .pos0 = pos_,
-                             .n_heads = hp.n_heads,
-                             .nope_dim = m.nope_dim,
-                             .rope_dim = m.rope_dim,
-                             .v_dim = m.v_dim,
-                             .kv_lora_rank = m.kv_lora_rank,
-                             .scale = hp.attn_scale});
 }
 
 void Session::gqa_attention(int layer, int n) {
@@ -261,25 +384,27 @@ void Session::gqa_attention(int layer, int n) {
       break;
   }
   const cpu::RopeTable rope = rope_table(hp.head_dim, 0);
-  const size_t layer_off = size_t(layer) * size_t(n_ctx_) * size_t(kvd);
-  for (int t = 0; t < n; ++t) {
-    cpu::rope_apply(q_.data() + size_t(t) * qd, hp.n_heads, rope, pos_ + t);
-    cpu::rope_apply(k_.data() + size_t(t) * kvd, hp.n_kv_heads, rope, pos_ + t);
-    std::copy_n(k_.data() + size_t(t) * kvd, kvd,
-                k_cache_.data() + layer_off + size_t(pos_ + t) * kvd);
-    std::copy_n(v_.data() + size_t(t) * kvd, kvd,
-                v_cache_.data() + layer_off + size_t(pos_ + t) * kvd);
+  const size_t layer_off = size_t(layer) * size_t(n_blocks_) * kKvBlock * size_t(kvd);
+  for (const Span& sp : spans_) {
+    for (int t = sp.row0; t < sp.row0 + sp.n; ++t) {
+      const int pos = row_pos_[size_t(t)];
+      cpu::rope_apply(q_.data() + size_t(t) * qd, hp.n_heads, rope, pos);
+      cpu::rope_apply(k_.data() + size_t(t) * kvd, hp.n_kv_heads, rope, pos);
+      std::copy_n(k_.data() + size_t(t) * kvd, kvd, kv_row(k_cache_, layer, sp.seq, pos, kvd));
+      std::copy_n(v_.data() + size_t(t) * kvd, kvd, kv_row(v_cache_, layer, sp.seq, pos, kvd));
+    }
+    cpu::attention(pool_, {.q = q_.data() + size_t(sp.row0) * qd,
+                           .k_cache = k_cache_.data() + layer_off,
+                           .v_cache = v_cache_.data() + layer_off,
+                           .rows = kv_rows(sp.seq),
+                           .out = att_.data() + size_t(sp.row0) * qd,
+                           .n_tokens = sp.n,
+                           .pos0 = sp.pos0,
+                           .n_heads = hp.n_heads,
+                           .n_kv_heads = hp.n_kv_heads,
+                           .head_dim = hp.head_dim,
+                           .scale = hp.attn_scale});
   }
-  cpu::attention(pool_, {.q = q_.data(),
-                         .k_cache = k_cache_.data() + layer_off,
-                         .v_cache = v_cache_.data() + layer_off,
-                         .out = att_.data(),
-                         .n_tokens = n,
-                         .pos0 = pos_,
-                         .n_heads = hp.n_heads,
-                         .n_kv_heads = hp.n_kv_heads,
-                         .head_dim = hp.head_dim,
-                         .scale = hp.attn_scale});
 }
 
 void Session::dense_mlp_block(const model::ExpertWeights& mlp, int n, int d_hidden, float* out) {
@@ -317,7 +442,7 @@ Status Session::moe_block(int layer, int n) {
   }
   if (iv_.trace_router)
     for (int t = 0; t < n; ++t)
-      trace_.push_back({pos_ + t, layer,
+      trace_.push_back({row_pos_[size_t(t)], layer,
                         std::vector<int>(sel_ids_.begin() + long(size_t(t) * k),
                                          sel_ids_.begin() + long(size_t(t + 1) * k)),
                         std::vector<float>(sel_w_.begin() + long(size_t(t) * k),

@@ -1,7 +1,10 @@
-// Session: tokens -> logits for one sequence. Owns the KV cache (F32) and the scratch
-// buffers; runs prefill in chunks of `prefill_chunk` tokens and decode one token at a time
-// through the same layer code. The routed-expert pass reduces expert outputs in the router's
-// rank order, so results do not depend on where an expert's weights came from.
+// Session: tokens -> logits, the CPU backend. Owns the KV cache (F32, paged: blocks of
+// kKvBlock positions, a block table per sequence) and the scratch buffers; runs prefill in
+// chunks of `prefill_chunk` tokens and decode one token at a time through the same layer
+// code, for the Engine interface's one sequence (sequence 0) or for a step over many
+// (continuous batching: Engine::step). The routed-expert pass reduces expert outputs in the
+// router's rank order, so results do not depend on where an expert's weights came from, and
+// every row is computed on its own, so not on the other sequences of a step either.
 #pragma once
 
 #include <algorithm>
@@ -43,6 +46,9 @@ struct SessionOptions {
   int n_ctx = 0;           // KV cache length; 0 = min(max_position_embeddings, 4096)
   int prefill_chunk = 0;    // tokens per forward chunk during prefill; 0 = the backend's
                             // default (CPU 256; CUDA 4096, or 2048 where tight)
+  // CPU: KV positions over all sequences (the pool Engine::open_sequence reserves from);
+  // 0 = n_ctx, one full-length sequence.
+  int64_t kv_tokens = 0;
   bool quantize_q8_0 = false;  // CUDA: float matrices -> Q8_0 at load (CPU: use a pack)
   GpuExpertOptions gpu_experts;  // CUDA only
   Interventions interventions;  // steering, residual capture, router trace
@@ -54,12 +60,20 @@ class Session final : public Engine {
  public:
   Session(const LoadedModel& model, ThreadPool& pool, SessionOptions options);
 
-  int position() const override { return pos_; }
+  static constexpr int kKvBlock = 16;  // positions per KV block
+
+  int position() const override { return seqs_[0].pos; }
   int n_ctx() const override { return n_ctx_; }
-  void reset() override { pos_ = 0; }
+  void reset() override;
   // The KV rows from n on are overwritten by later tokens.
-  void truncate(int n) override { pos_ = std::min(pos_, std::max(0, n)); }
+  void truncate(int n) override { seqs_[0].pos = std::min(seqs_[0].pos, std::max(0, n)); }
   Status forward(std::span<const int> tokens, std::vector<float>* all_logits) override;
+  bool batches() const override { return true; }
+  int step_tokens() const override { return chunk_; }
+  int64_t free_kv_tokens() const override { return int64_t(free_blocks_.size()) * kKvBlock; }
+  Result<int> open_sequence(int max_tokens) override;
+  void close_sequence(int seq) override;
+  Status step(std::span<const SeqInput> inputs, std::vector<float>* logits) override;
   std::span<const float> last_logits() const override { return last_logits_; }
   const PhaseTimes& phases() const override { return phases_; }
   std::vector<uint64_t> router_hist() const override { return router_hist_; }
@@ -70,7 +84,26 @@ class Session final : public Engine {
   std::string device_name() const override { return "cpu"; }
 
  private:
-  Status forward_chunk(const int* tokens, int n, float* logits_out, bool last_chunk);
+  struct Sequence {
+    std::vector<int> blocks;  // KV block table: position p lies in blocks[p / kKvBlock]
+    int pos = 0;
+    int reserve = 0;  // positions reserved at open (step sequences); 0: grows on demand
+    bool open = false;
+  };
+  // One sequence's rows [row0, row0 + n) of a pass, at positions pos0 ...
+  struct Span {
+    int seq, row0, n, pos0;
+    bool all_logits;
+  };
+  // Runs tokens[0, n) as the rows of spans_ (each sequence's KV blocks already there),
+  // advances each sequence, and writes the logits of the rows asked for (all of a span's
+  // with all_logits, else its last one), in span order, to logits_out when it is given, and
+  // the last span's last row to last_logits_.
+  Status run_rows(const int* tokens, int n, float* logits_out, bool last_chunk);
+  Status grow_blocks(Sequence& s, int positions);  // blocks for positions [0, positions)
+  cpu::KvRows kv_rows(int seq) const { return {seqs_[size_t(seq)].blocks.data(), kKvBlock}; }
+  // The cache row of `pos` of sequence `seq` at `layer` (K, or MLA's latent rows).
+  float* kv_row(std::vector<float>& cache, int layer, int seq, int pos, int row_floats);
   void layer_boundary(int layer, int n, bool last_chunk);  // steering + capture
   void attention_block(int layer, int n);  // by hp.attention: gqa_attention or mla_attention
   void gqa_attention(int layer, int n);
@@ -84,9 +117,15 @@ class Session final : public Engine {
   ThreadPool& pool_;
   int n_ctx_;
   int chunk_;
-  int pos_ = 0;
-  // [n_layers, n_ctx, cache_row]: K and V rows (GQA), or MLA's latent rows in k_cache_ alone.
+  int n_blocks_;
+  // [n_layers, n_blocks * kKvBlock, cache_row]: K and V rows (GQA), or MLA's latent rows in
+  // k_cache_ alone.
   std::vector<float> k_cache_, v_cache_;
+  std::vector<int> free_blocks_;  // taken from the back
+  std::vector<Sequence> seqs_;    // [0]: the Engine interface's sequence (forward)
+  std::vector<Span> spans_;       // the pass being run
+  std::vector<int> row_pos_;      // each row's position in its sequence
+  bool capturing_ = false;        // forward() captures residuals; step() does not
   // Scratch, sized for one chunk.
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, router_, slots_, gather_, h1_, h2_, h3_;
   std::vector<float> lat_;  // MLA: the q LoRA's and the KV latent's rows

@@ -79,8 +79,9 @@ void attention(ThreadPool& pool, const AttentionArgs& a) {
       const float* q = a.q + size_t(t) * q_dim + size_t(h) * a.head_dim;
       float mx = -INFINITY;
       for (int j = 0; j < n_keys; ++j) {
-        scores[size_t(j)] = dot(q, a.k_cache + size_t(j) * kv_dim + size_t(g) * a.head_dim,
-                                a.head_dim) * scale;
+        scores[size_t(j)] =
+            dot(q, a.k_cache + a.rows.row(j) * kv_dim + size_t(g) * a.head_dim, a.head_dim) *
+            scale;
         mx = std::max(mx, scores[size_t(j)]);
       }
       float sum = 0;
@@ -93,7 +94,7 @@ void attention(ThreadPool& pool, const AttentionArgs& a) {
       std::fill(o, o + a.head_dim, 0.0f);
       for (int j = 0; j < n_keys; ++j) {
         const float p = scores[size_t(j)] * inv;
-        const float* v = a.v_cache + size_t(j) * kv_dim + size_t(g) * a.head_dim;
+        const float* v = a.v_cache + a.rows.row(j) * kv_dim + size_t(g) * a.head_dim;
         for (int d = 0; d < a.head_dim; ++d) o[d] += p * v[d];
       }
     }
@@ -132,7 +133,7 @@ void mla_attention(ThreadPool& pool, const MlaArgs& a) {
         const int n_keys = a.pos0 + t + 1;
         float mx = -INFINITY;
         for (int j = 0; j < n_keys; ++j) {
-          const float* c = a.cache + size_t(j) * size_t(row);
+          const float* c = a.cache + a.rows.row(j) * size_t(row);
           const float s = (dot(q_lat.data(), c, int(r)) + dot(q + a.nope_dim, c + r, a.rope_dim)) *
                           a.scale;
           scores[size_t(j)] = s;
@@ -147,7 +148,7 @@ void mla_attention(ThreadPool& pool, const MlaArgs& a) {
         std::fill(o_lat.begin(), o_lat.end(), 0.0f);
         for (int j = 0; j < n_keys; ++j) {
           const float p = scores[size_t(j)] * inv;
-          const float* c = a.cache + size_t(j) * size_t(row);
+          const float* c = a.cache + a.rows.row(j) * size_t(row);
           for (int64_t d = 0; d < r; ++d) o_lat[size_t(d)] += p * c[d];
         }
         float* o = a.out + size_t(t) * size_t(a.n_heads) * a.v_dim + size_t(h) * a.v_dim;

@@ -3,6 +3,7 @@
 // (kernels.h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 
@@ -40,12 +41,26 @@ void rope_apply(float* x, int n_heads, const RopeTable& rope, int position);
 // h[i] = silu(g[i]) * u[i]
 void silu_mul(const float* g, const float* u, float* h, int64_t n);
 
+// Where a sequence's cache rows lie: position j is row blocks[j / block_tokens] *
+// block_tokens + j % block_tokens of the cache (a paged KV cache), or row j when blocks is
+// null (one contiguous range).
+struct KvRows {
+  const int* blocks = nullptr;
+  int block_tokens = 0;
+  size_t row(int j) const {
+    if (!blocks) return size_t(j);
+    return size_t(blocks[j / block_tokens]) * size_t(block_tokens) + size_t(j % block_tokens);
+  }
+};
+
 // Causal grouped-query attention for n_tokens queries at positions pos0 .. pos0+n_tokens-1,
-// over a cache whose rows 0 .. pos0+n_tokens-1 are filled.
+// over a cache whose rows for positions 0 .. pos0+n_tokens-1 are filled. Each query's
+// result depends only on it and its keys: the same bits whatever else a call holds.
 struct AttentionArgs {
   const float* q;       // [n_tokens, n_heads * head_dim]
-  const float* k_cache;  // [n_ctx, n_kv_heads * head_dim]
-  const float* v_cache;  // [n_ctx, n_kv_heads * head_dim]
+  const float* k_cache;  // rows of n_kv_heads * head_dim, placed by `rows`
+  const float* v_cache;  // rows of n_kv_heads * head_dim, placed by `rows`
+  KvRows rows;
   float* out;           // [n_tokens, n_heads * head_dim]
   int n_tokens;
   int pos0;
@@ -64,7 +79,8 @@ void attention(ThreadPool& pool, const AttentionArgs& a);
 // is converted to F32 once per call. Bit-identical for any thread count (one head per job).
 struct MlaArgs {
   const float* q;       // [n_tokens, n_heads * (nope_dim + rope_dim)], rope part rotated
-  const float* cache;   // [n_ctx, kv_lora_rank + rope_dim]: latent c_j, then rotated key k_j
+  const float* cache;   // rows of kv_lora_rank + rope_dim: latent c_j, then rotated key k_j
+  KvRows rows;          // where position j's row lies
   const void* kv_b;     // [n_heads * (nope_dim + v_dim), kv_lora_rank] in kv_b_dtype
   DType kv_b_dtype;
   float* out;           // [n_tokens, n_heads * v_dim]
