@@ -24,6 +24,10 @@ Result<int> Engine::open_sequence(int) {
   return make_error("the " + device_name() + " backend does not batch sequences");
 }
 
+Status Engine::resize_sequence(int, int, int) {
+  return make_error("the " + device_name() + " backend does not batch sequences");
+}
+
 Status Engine::step(std::span<const SeqInput>, std::vector<float>*) {
   return make_error("the " + device_name() + " backend does not batch sequences");
 }

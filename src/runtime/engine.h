@@ -133,6 +133,11 @@ class Engine {
   // an error when the cache has not that many free (the caller waits for a close).
   virtual Result<int> open_sequence(int max_tokens);
   virtual void close_sequence(int seq) { (void)seq; }
+  // Keeps the first `keep` positions of an open sequence (its KV rows: a shared prefix) and
+  // makes its reserve `max_tokens`; an error, changing nothing, when that needs more free
+  // positions than the cache has.
+  virtual Status resize_sequence(int seq, int keep, int max_tokens);
+  virtual int sequence_position(int seq) const { (void)seq; return 0; }
   struct SeqInput {
     int seq;
     std::span<const int> tokens;  // not empty; appended at the sequence's position

@@ -45,6 +45,51 @@ const char* stop_reason_name(StopReason r) {
   return "?";
 }
 
+ReplyText::ReplyText(const tokenizer::Tokenizer& tok, const GenerateParams& g, Generation& r)
+    : tok_(tok),
+      g_(g),
+      r_(r),
+      stream_(std::make_unique<tokenizer::StreamDecoder>(tok, /*skip_special=*/true)),
+      stops_(g.stops) {}
+
+ReplyText::~ReplyText() = default;
+
+bool ReplyText::emit(const std::string& piece) {
+  r_.text += piece;
+  return !g_.on_text || g_.on_text(piece);
+}
+
+bool ReplyText::take(int id) {
+  const std::vector<int>& eos = tok_.eos_ids();
+  if (std::find(eos.begin(), eos.end(), id) != eos.end()) {
+    r_.stop_reason = StopReason::kEos;
+    return false;
+  }
+  ++r_.generated;
+  if (!emit(stops_.feed(stream_->push(id), &stopped_))) {
+    r_.stop_reason = StopReason::kCancelled;
+    return false;
+  }
+  if (stopped_) {
+    r_.stop_reason = StopReason::kStop;
+    r_.stop_index = stops_.matched();
+    return false;
+  }
+  return true;
+}
+
+void ReplyText::finish() {
+  if (stopped_ || r_.stop_reason == StopReason::kCancelled) return;
+  std::string tail = stops_.feed(stream_->flush(), &stopped_);
+  if (stopped_) {
+    r_.stop_reason = StopReason::kStop;
+    r_.stop_index = stops_.matched();
+  } else {
+    tail += stops_.flush();
+  }
+  emit(tail);
+}
+
 namespace {
 
 Result<Generation> generate_on_cache(Engine& session, std::vector<int>& cached,
@@ -69,31 +114,8 @@ Result<Generation> generate_on_cache(Engine& session, std::vector<int>& cached,
   r.reused_tokens = int64_t(common);
   r.prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
-  tokenizer::StreamDecoder stream(tok, /*skip_special=*/true);
-  StopFilter stops(g.stops);
-  bool stopped = false;
-  auto emit = [&](const std::string& piece) {
-    r.text += piece;
-    return !g.on_text || g.on_text(piece);
-  };
-  // One picked id: whether the generation goes on with it (it is then fed to the session).
-  const auto take = [&](int next) {
-    if (std::find(tok.eos_ids().begin(), tok.eos_ids().end(), next) != tok.eos_ids().end()) {
-      r.stop_reason = StopReason::kEos;
-      return false;
-    }
-    ++r.generated;
-    if (!emit(stops.feed(stream.push(next), &stopped))) {
-      r.stop_reason = StopReason::kCancelled;
-      return false;
-    }
-    if (stopped) {
-      r.stop_reason = StopReason::kStop;
-      r.stop_index = stops.matched();
-      return false;
-    }
-    return true;
-  };
+  ReplyText reply(tok, g, r);
+  const auto take = [&](int next) { return reply.take(next); };
   if (g.greedy_on_engine && g.max_tokens > 1) {
     // The first id from the prefill's logits, the rest picked by the engine (on CUDA without a
     // host round trip per token); every accepted id is fed, as in the loop below.
@@ -119,16 +141,7 @@ Result<Generation> generate_on_cache(Engine& session, std::vector<int>& cached,
       cached.push_back(next);
     }
   }
-  if (!stopped && r.stop_reason != StopReason::kCancelled) {
-    std::string tail = stops.feed(stream.flush(), &stopped);
-    if (stopped) {
-      r.stop_reason = StopReason::kStop;
-      r.stop_index = stops.matched();
-    } else {
-      tail += stops.flush();
-    }
-    emit(tail);
-  }
+  reply.finish();
   r.decode_s = std::chrono::duration<double>(Clock::now() - t0).count();
   return r;
 }

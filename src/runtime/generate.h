@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -19,6 +20,7 @@
 
 namespace ts::tokenizer {
 class Tokenizer;
+class StreamDecoder;
 }
 
 namespace ts::runtime {
@@ -62,6 +64,31 @@ struct Generation {
   double prefill_s = 0, decode_s = 0;
   StopReason stop_reason = StopReason::kLength;
   int stop_index = -1;  // which stop string ended it (kStop)
+};
+
+// One reply's token-by-token bookkeeping, shared by generate() and the server's batch
+// scheduler: end-of-generation ids, incremental detokenization, text held back for stop
+// strings, the text callback. Fills `r`'s text, generated count and stop reason.
+class ReplyText {
+ public:
+  ReplyText(const tokenizer::Tokenizer& tok, const GenerateParams& g, Generation& r);
+  ~ReplyText();
+  ReplyText(const ReplyText&) = delete;
+  ReplyText& operator=(const ReplyText&) = delete;
+  // A picked id: whether the reply goes on with it (it is then fed to the model); false
+  // when it ends the reply (end of generation, a stop string, the callback cancelling).
+  bool take(int id);
+  // At the end: the text still held back, unless a stop string or a cancel ended the reply.
+  void finish();
+
+ private:
+  bool emit(const std::string& piece);
+  const tokenizer::Tokenizer& tok_;
+  const GenerateParams& g_;
+  Generation& r_;
+  std::unique_ptr<tokenizer::StreamDecoder> stream_;
+  StopFilter stops_;
+  bool stopped_ = false;
 };
 
 // Precondition: prompt is not empty. Errors: prompt + max_tokens beyond the session's

@@ -46,8 +46,10 @@ Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions opti
   const int64_t kv_tokens = options.kv_tokens > 0 ? options.kv_tokens : n_ctx_;
   n_blocks_ = int((kv_tokens + kKvBlock - 1) / kKvBlock);
   const size_t kv = size_t(hp.n_layers) * size_t(n_blocks_) * kKvBlock * size_t(hp.cache_row());
-  k_cache_.assign(kv, 0.0f);
-  if (!mla) v_cache_.assign(kv, 0.0f);
+  // Not zeroed: untouched pages of a large allocation take no memory, so a pool sized for many
+  // full-length sequences costs what the sequences use. Only written rows are ever read.
+  k_cache_.reset(new float[kv]);
+  if (!mla) v_cache_.reset(new float[kv]);
   for (int b = n_blocks_ - 1; b >= 0; --b) free_blocks_.push_back(b);
   seqs_.resize(1);
   seqs_[0].open = true;
@@ -125,9 +127,9 @@ Status Session::grow_blocks(Sequence& s, int positions) {
   return {};
 }
 
-float* Session::kv_row(std::vector<float>& cache, int layer, int seq, int pos, int row_floats) {
+float* Session::kv_row(float* cache, int layer, int seq, int pos, int row_floats) {
   const size_t layer_rows = size_t(n_blocks_) * kKvBlock;
-  return cache.data() + (size_t(layer) * layer_rows + kv_rows(seq).row(pos)) * size_t(row_floats);
+  return cache + (size_t(layer) * layer_rows + kv_rows(seq).row(pos)) * size_t(row_floats);
 }
 
 Result<int> Session::open_sequence(int max_tokens) {
@@ -151,6 +153,29 @@ void Session::close_sequence(int seq) {
   Sequence& s = seqs_[size_t(seq)];
   free_blocks_.insert(free_blocks_.end(), s.blocks.rbegin(), s.blocks.rend());
   s = Sequence{};
+}
+
+Status Session::resize_sequence(int seq, int keep, int max_tokens) {
+  if (seq <= 0 || size_t(seq) >= seqs_.size() || !seqs_[size_t(seq)].open)
+    return make_error("sequence " + std::to_string(seq) + " is not open");
+  if (max_tokens < 1 || max_tokens > n_ctx_)
+    return make_error("a sequence of " + std::to_string(max_tokens) +
+                      " positions does not fit the context of " + std::to_string(n_ctx_));
+  Sequence& s = seqs_[size_t(seq)];
+  TS_TRY(grow_blocks(s, max_tokens));
+  const size_t want = size_t(max_tokens + kKvBlock - 1) / kKvBlock;
+  while (s.blocks.size() > want) {
+    free_blocks_.push_back(s.blocks.back());
+    s.blocks.pop_back();
+  }
+  s.reserve = max_tokens;
+  s.pos = std::min({s.pos, std::max(0, keep), max_tokens});
+  return {};
+}
+
+int Session::sequence_position(int seq) const {
+  if (seq < 0 || size_t(seq) >= seqs_.size()) return 0;
+  return seqs_[size_t(seq)].pos;
 }
 
 namespace {
@@ -332,7 +357,7 @@ void Session::mla_attention(int layer, int n) {
   // The latent rows: kv_a -> RMSNorm over the first kv_lora_rank, RoPE on the shared key.
   linear(pool_, L.kv_a, xn_.data(), n, lat_.data());
   const cpu::RopeTable q_rope = rope_table(qk, m.nope_dim), k_rope = rope_table(row, m.kv_lora_rank);
-  const float* cache = k_cache_.data() + size_t(layer) * size_t(n_blocks_) * kKvBlock * size_t(row);
+  const float* cache = k_cache_.get() + size_t(layer) * size_t(n_blocks_) * kKvBlock * size_t(row);
   for (const Span& sp : spans_) {
     for (int t = sp.row0; t < sp.row0 + sp.n; ++t) {
       float* c = lat_.data() + size_t(t) * size_t(row);
@@ -340,7 +365,7 @@ void Session::mla_attention(int layer, int n) {
       cpu::rope_apply(c, 1, k_rope, row_pos_[size_t(t)]);
       cpu::rope_apply(q_.data() + size_t(t) * size_t(hp.q_dim()), hp.n_heads, q_rope,
                       row_pos_[size_t(t)]);
-      std::copy_n(c, row, kv_row(k_cache_, layer, sp.seq, row_pos_[size_t(t)], row));
+      std::copy_n(c, row, kv_row(k_cache_.get(), layer, sp.seq, row_pos_[size_t(t)], row));
     }
     cpu::mla_attention(pool_, {.q = q_.data() + size_t(sp.row0) * size_t(hp.q_dim()),
                                .cache = cache,
@@ -390,12 +415,12 @@ void Session::gqa_attention(int layer, int n) {
       const int pos = row_pos_[size_t(t)];
       cpu::rope_apply(q_.data() + size_t(t) * qd, hp.n_heads, rope, pos);
       cpu::rope_apply(k_.data() + size_t(t) * kvd, hp.n_kv_heads, rope, pos);
-      std::copy_n(k_.data() + size_t(t) * kvd, kvd, kv_row(k_cache_, layer, sp.seq, pos, kvd));
-      std::copy_n(v_.data() + size_t(t) * kvd, kvd, kv_row(v_cache_, layer, sp.seq, pos, kvd));
+      std::copy_n(k_.data() + size_t(t) * kvd, kvd, kv_row(k_cache_.get(), layer, sp.seq, pos, kvd));
+      std::copy_n(v_.data() + size_t(t) * kvd, kvd, kv_row(v_cache_.get(), layer, sp.seq, pos, kvd));
     }
     cpu::attention(pool_, {.q = q_.data() + size_t(sp.row0) * qd,
-                           .k_cache = k_cache_.data() + layer_off,
-                           .v_cache = v_cache_.data() + layer_off,
+                           .k_cache = k_cache_.get() + layer_off,
+                           .v_cache = v_cache_.get() + layer_off,
                            .rows = kv_rows(sp.seq),
                            .out = att_.data() + size_t(sp.row0) * qd,
                            .n_tokens = sp.n,

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -73,6 +74,8 @@ class Session final : public Engine {
   int64_t free_kv_tokens() const override { return int64_t(free_blocks_.size()) * kKvBlock; }
   Result<int> open_sequence(int max_tokens) override;
   void close_sequence(int seq) override;
+  Status resize_sequence(int seq, int keep, int max_tokens) override;
+  int sequence_position(int seq) const override;
   Status step(std::span<const SeqInput> inputs, std::vector<float>* logits) override;
   std::span<const float> last_logits() const override { return last_logits_; }
   const PhaseTimes& phases() const override { return phases_; }
@@ -103,7 +106,7 @@ class Session final : public Engine {
   Status grow_blocks(Sequence& s, int positions);  // blocks for positions [0, positions)
   cpu::KvRows kv_rows(int seq) const { return {seqs_[size_t(seq)].blocks.data(), kKvBlock}; }
   // The cache row of `pos` of sequence `seq` at `layer` (K, or MLA's latent rows).
-  float* kv_row(std::vector<float>& cache, int layer, int seq, int pos, int row_floats);
+  float* kv_row(float* cache, int layer, int seq, int pos, int row_floats);
   void layer_boundary(int layer, int n, bool last_chunk);  // steering + capture
   void attention_block(int layer, int n);  // by hp.attention: gqa_attention or mla_attention
   void gqa_attention(int layer, int n);
@@ -120,7 +123,7 @@ class Session final : public Engine {
   int n_blocks_;
   // [n_layers, n_blocks * kKvBlock, cache_row]: K and V rows (GQA), or MLA's latent rows in
   // k_cache_ alone.
-  std::vector<float> k_cache_, v_cache_;
+  std::unique_ptr<float[]> k_cache_, v_cache_;
   std::vector<int> free_blocks_;  // taken from the back
   std::vector<Sequence> seqs_;    // [0]: the Engine interface's sequence (forward)
   std::vector<Span> spans_;       // the pass being run

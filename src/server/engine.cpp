@@ -1,6 +1,7 @@
 #include "server/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -14,6 +15,7 @@ namespace ts::server {
 
 Engine::Engine(EngineOptions options)
     : opt_(std::move(options)), session_(std::move(opt_.session)) {
+  parallel_ = session_->batches() ? std::max(1, opt_.parallel) : 1;
   // /metrics counts from here: what a warm-up before (warm_up below) did is not a request's.
   metrics_.set_baseline(opt_.model->experts().stats(), session_->expert_cache(),
                         session_->phases());
@@ -70,7 +72,7 @@ void Engine::stop() {
     if (stopping_ && !thread_.joinable()) return;
     stopping_ = true;
     left.swap(queue_);
-    if (current_) current_->cancelled = true;
+    for (const auto& job : current_) job->cancelled = true;
   }
   cv_.notify_one();
   for (auto& job : left)
@@ -83,7 +85,25 @@ int Engine::queue_depth() const {
   return int(queue_.size());
 }
 
+void Engine::finish(Job& job, Result<runtime::Generation> r) {
+  if (r.ok())
+    metrics_.record_generation(*r, opt_.model->experts().stats(), session_->expert_cache(),
+                               session_->phases());
+  else
+    metrics_.count_failure();
+  if (opt_.log_stats && r.ok())
+    std::fprintf(stderr,
+                 "serve: prompt %lld tokens (%lld reused) in %.3f s, generated %lld in %.3f s "
+                 "(%.1f tok/s), stop: %s\n",
+                 (long long)r->prompt_tokens, (long long)r->reused_tokens, r->prefill_s,
+                 (long long)r->generated, r->decode_s,
+                 r->decode_s > 0 ? double(r->generated) / r->decode_s : 0.0,
+                 runtime::stop_reason_name(r->stop_reason));
+  if (job.on_done) job.on_done(std::move(r));
+}
+
 void Engine::run() {
+  if (parallel_ > 1) return run_batched();
   for (;;) {
     std::shared_ptr<Job> job;
     {
@@ -92,8 +112,8 @@ void Engine::run() {
       if (stopping_) return;
       job = queue_.front();
       queue_.pop_front();
-      current_ = job;
-      running_ = true;
+      current_.assign(1, job);
+      running_ = 1;
     }
     Result<runtime::Generation> r =
         runtime::Generation{.stop_reason = runtime::StopReason::kCancelled};
@@ -107,25 +127,12 @@ void Engine::run() {
         r = make_error(std::string("internal error: ") + e.what());
       }
     }
-    if (r.ok())
-      metrics_.record_generation(*r, opt_.model->experts().stats(), session_->expert_cache(),
-                                 session_->phases());
-    else
-      metrics_.count_failure();
-    if (opt_.log_stats && r.ok())
-      std::fprintf(stderr,
-                   "serve: prompt %lld tokens (%lld reused) in %.3f s, generated %lld in %.3f s "
-                   "(%.1f tok/s), stop: %s\n",
-                   (long long)r->prompt_tokens, (long long)r->reused_tokens, r->prefill_s,
-                   (long long)r->generated, r->decode_s,
-                   r->decode_s > 0 ? double(r->generated) / r->decode_s : 0.0,
-                   runtime::stop_reason_name(r->stop_reason));
     {
       std::lock_guard lock(mu_);
-      current_.reset();
-      running_ = false;
+      current_.clear();
+      running_ = 0;
     }
-    if (job->on_done) job->on_done(std::move(r));
+    finish(*job, std::move(r));
   }
 }
 
@@ -178,74 +185,100 @@ TokenLogprob token_logprob(std::span<const float> logits, int tok, int top,
 }
 }  // namespace
 
+// How a job picks each token: its sampler, JSON mode's mask, the test hook's forced reply,
+// and the log-probabilities it records. The same for both ways jobs run.
+struct Engine::Picker {
+  Picker(Engine& e, Job& job) : e_(e), job_(job), sampler_(job.sampling) {
+    sampler_.set_pool(e.opt_.pool);
+    if (job.json_object) {
+      if (e.token_bytes_.empty()) {
+        const tokenizer::Tokenizer& t = *e.opt_.tokenizer;
+        e.token_bytes_.resize(size_t(t.vocab_size()));
+        for (int id = 0; id < t.vocab_size(); ++id)
+          if (!t.is_special(id)) e.token_bytes_[size_t(id)] = t.token_bytes(id);
+      }
+      json_.emplace(e.token_bytes_, e.opt_.tokenizer->eos_ids());
+    }
+  }
+  // Plain greedy with nothing read from the logits but the argmax: the session may pick.
+  bool greedy_on_engine() const {
+    return e_.opt_.forced_reply.empty() && !json_ && job_.top_logprobs < 0 &&
+           sampler_.options().plain_greedy();
+  }
+  // The first prompt token's entry, when the prompt's log-probabilities are asked for.
+  void echo_first() {
+    const int first = job_.prompt[0];
+    job_.logprobs.push_back({.text = e_.opt_.tokenizer->token_bytes(first), .first = true});
+  }
+  // The log-probabilities of prompt tokens [i0 + 1, i0 + 1 + rows.size() / vocab) from the
+  // rows of positions [i0, ...) (on the pool's threads when there is one: the same values).
+  // vocab: the model's logits per row (the tokenizer may name fewer).
+  void echo_rows(std::span<const float> rows, size_t vocab, size_t i0) {
+    const size_t n = std::min(rows.size() / vocab, job_.prompt.size() - 1 - i0);
+    const size_t base = job_.logprobs.size();
+    job_.logprobs.resize(base + n);
+    const auto score = [&](int64_t a, int64_t b) {
+      for (size_t i = size_t(a); i < size_t(b); ++i)
+        job_.logprobs[base + i] =
+            token_logprob(rows.subspan(i * vocab, vocab), job_.prompt[i0 + i + 1],
+                          job_.top_logprobs, *e_.opt_.tokenizer);
+    };
+    if (e_.opt_.pool)
+      e_.opt_.pool->parallel_for(int64_t(n), 8, score);
+    else
+      score(0, int64_t(n));
+  }
+  int pick(std::span<const float> logits) {
+    const std::vector<int>& forced = e_.opt_.forced_reply;
+    const std::vector<int>& eos = e_.opt_.tokenizer->eos_ids();
+    int tok;
+    if (!forced.empty()) {
+      tok = forced_at_ < forced.size() ? forced[forced_at_++]
+                                       : (eos.empty() ? forced.back() : eos[0]);
+    } else if (!json_) {
+      tok = sampler_.sample(logits);
+    } else {
+      // From the logits with the tokens JSON mode refuses at -inf (should no token be left,
+      // which the automaton's alphabet rules out, the reply ends).
+      json_->mask(logits, masked_, e_.opt_.pool);
+      tok = sampler_.sample(masked_);
+      if (!json_->accept(tok) && !eos.empty()) tok = eos[0];
+    }
+    // An end-of-generation token ends the reply without being part of it.
+    const bool ends = std::find(eos.begin(), eos.end(), tok) != eos.end();
+    if (job_.top_logprobs >= 0 && !ends)
+      job_.logprobs.push_back(
+          token_logprob(logits, tok, job_.top_logprobs, *e_.opt_.tokenizer, e_.opt_.pool));
+    return tok;
+  }
+
+ private:
+  Engine& e_;
+  Job& job_;
+  runtime::Sampler sampler_;
+  std::optional<runtime::JsonConstraint> json_;
+  std::vector<float> masked_;
+  size_t forced_at_ = 0;
+};
+
 Result<runtime::Generation> Engine::generate(Job& job) {
-  if (job.echo && job.top_logprobs >= 0) {
+  Picker picker(*this, job);
+  const bool echo = job.echo && job.top_logprobs >= 0;
+  if (echo) {
     // Every prompt row's logits: a whole prefill (no reuse), which leaves the prompt cached.
     session_->reset();
     cached_.clear();
     std::vector<float> rows;
     TS_TRY(session_->forward(job.prompt, &rows));
     cached_ = job.prompt;
-    const size_t vocab = rows.size() / job.prompt.size();
-    const int first = job.prompt[0];
-    job.logprobs.push_back({.text = opt_.tokenizer->token_bytes(first), .first = true});
-    // Each row on its own (on the pool's threads when there is one: the same values).
-    const size_t base = job.logprobs.size();
-    job.logprobs.resize(base + job.prompt.size() - 1);
-    const auto score = [&](int64_t i0, int64_t i1) {
-      for (size_t i = size_t(i0) + 1; i < size_t(i1) + 1; ++i)
-        job.logprobs[base + i - 1] =
-            token_logprob(std::span<const float>(rows.data() + (i - 1) * vocab, vocab),
-                          job.prompt[i], job.top_logprobs, *opt_.tokenizer);
-    };
-    if (opt_.pool)
-      opt_.pool->parallel_for(int64_t(job.prompt.size()) - 1, 8, score);
-    else
-      score(0, int64_t(job.prompt.size()) - 1);
+    picker.echo_first();
+    picker.echo_rows(rows, rows.size() / job.prompt.size(), 0);
   }
-  runtime::Sampler sampler(job.sampling);
-  sampler.set_pool(opt_.pool);
-  size_t forced_at = 0;
-  const std::vector<int>& forced = opt_.forced_reply;
-  const std::vector<int>& eos = opt_.tokenizer->eos_ids();
-  std::optional<runtime::JsonConstraint> json;
-  std::vector<float> masked;
-  if (job.json_object) {
-    if (token_bytes_.empty()) {
-      const tokenizer::Tokenizer& t = *opt_.tokenizer;
-      token_bytes_.resize(size_t(t.vocab_size()));
-      for (int id = 0; id < t.vocab_size(); ++id)
-        if (!t.is_special(id)) token_bytes_[size_t(id)] = t.token_bytes(id);
-    }
-    json.emplace(token_bytes_, eos);
-  }
-  // A draw: from the logits with the tokens JSON mode refuses at -inf, when it is on (should
-  // no token be left, which the automaton's alphabet rules out, the reply ends).
-  const auto draw = [&](std::span<const float> logits) {
-    if (!json) return sampler.sample(logits);
-    json->mask(logits, masked, opt_.pool);
-    const int tok = sampler.sample(masked);
-    return json->accept(tok) || eos.empty() ? tok : eos[0];
-  };
   runtime::GenerateParams params{
       .max_tokens = job.max_tokens,
       .stops = job.stops,
-      .next_token =
-          [&](std::span<const float> logits) {
-            const int tok = !forced.empty() ? forced_at < forced.size()
-                                                  ? forced[forced_at++]
-                                                  : (eos.empty() ? forced.back() : eos[0])
-                                            : draw(logits);
-            // An end-of-generation token ends the reply without being part of it.
-            const bool ends = std::find(eos.begin(), eos.end(), tok) != eos.end();
-            if (job.top_logprobs >= 0 && !ends)
-              job.logprobs.push_back(
-                  token_logprob(logits, tok, job.top_logprobs, *opt_.tokenizer, opt_.pool));
-            return tok;
-          },
-      // Plain greedy with nothing read from the logits but the argmax: the engine picks.
-      .greedy_on_engine =
-          forced.empty() && !json && job.top_logprobs < 0 && sampler.options().plain_greedy(),
+      .next_token = [&](std::span<const float> logits) { return picker.pick(logits); },
+      .greedy_on_engine = picker.greedy_on_engine(),
       .on_text =
           [&](std::string_view piece) {
             if (job.on_text && !job.on_text(piece)) job.cancelled = true;
@@ -253,6 +286,222 @@ Result<runtime::Generation> Engine::generate(Job& job) {
           },
   };
   return runtime::generate(*session_, cached_, job.prompt, *opt_.tokenizer, params);
+}
+
+// ---- continuous batching ------------------------------------------------------------------
+
+using Clock = std::chrono::steady_clock;
+
+// A job in flight: its sequence, how far its prompt has been fed, the token to feed next.
+struct Engine::Active {
+  std::shared_ptr<Job> job;
+  int seq = -1;
+  std::unique_ptr<Picker> picker;
+  runtime::Generation gen;
+  runtime::GenerateParams params;
+  std::unique_ptr<runtime::ReplyText> reply;
+  size_t fed = 0;   // prompt tokens whose KV rows are in
+  int next = -1;    // the picked token to feed (decoding)
+  std::vector<int> picked;  // the reply's tokens so far
+  bool done = false;
+  Clock::time_point t_start, t_decode;
+};
+
+bool Engine::admit(std::vector<std::unique_ptr<Active>>& active) {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !active.empty(); });
+  if (stopping_) return false;
+  while (!queue_.empty() && int(active.size()) < parallel_) {
+    std::shared_ptr<Job> job = queue_.front();
+    if (job->cancelled) {
+      queue_.pop_front();
+      lock.unlock();
+      finish(*job, runtime::Generation{.stop_reason = runtime::StopReason::kCancelled});
+      lock.lock();
+      continue;
+    }
+    const int need = int(std::min<int64_t>(int64_t(job->prompt.size()) + job->max_tokens,
+                                           session_->n_ctx()));
+    // The kept sequence sharing the longest prefix with the prompt (all but its last token,
+    // whose logits must be computed), if any.
+    const bool echo = job->echo && job->top_logprobs >= 0;
+    size_t best = kept_.size(), best_len = 0;
+    for (size_t i = 0; i < kept_.size() && !echo; ++i) {
+      const std::vector<int>& t = kept_[i].tokens;
+      size_t n = 0;
+      while (n < t.size() && n + 1 < job->prompt.size() && t[n] == job->prompt[n]) ++n;
+      if (n > best_len) best = i, best_len = n;
+    }
+    int seq = -1;
+    size_t reused = 0;
+    if (best < kept_.size() &&
+        session_->resize_sequence(kept_[best].seq, int(best_len), need).ok()) {
+      seq = kept_[best].seq;
+      reused = size_t(session_->sequence_position(seq));
+      kept_.erase(kept_.begin() + long(best));
+    }
+    // Else a new sequence; kept ones are given up, least recently used first, until it fits.
+    while (seq < 0) {
+      Result<int> s = session_->open_sequence(need);
+      if (s.ok()) {
+        seq = *s;
+      } else if (!kept_.empty()) {
+        session_->close_sequence(kept_.front().seq);
+        kept_.erase(kept_.begin());
+      } else {
+        break;
+      }
+    }
+    if (seq < 0 && active.empty()) {  // more rows than the whole cache: it can never run
+      queue_.pop_front();
+      lock.unlock();
+      finish(*job, make_error("the request needs " + std::to_string(need) +
+                              " KV positions; the cache holds " +
+                              std::to_string(session_->free_kv_tokens())));
+      lock.lock();
+      continue;
+    }
+    if (seq < 0) break;  // its KV rows are held by running jobs: it waits for one to end
+    queue_.pop_front();
+    current_.push_back(job);
+    auto a = std::make_unique<Active>();
+    a->job = job;
+    a->seq = seq;
+    a->fed = reused;
+    a->t_start = Clock::now();
+    a->gen.prompt_tokens = int64_t(job->prompt.size());
+    a->gen.reused_tokens = int64_t(reused);
+    a->picker = std::make_unique<Picker>(*this, *job);
+    Job& j = *job;
+    a->params = {.max_tokens = job->max_tokens,
+                 .stops = job->stops,
+                 .on_text = [&j](std::string_view piece) {
+                   if (j.on_text && !j.on_text(piece)) j.cancelled = true;
+                   return !j.cancelled;
+                 }};
+    a->reply = std::make_unique<runtime::ReplyText>(*opt_.tokenizer, a->params, a->gen);
+    if (echo) a->picker->echo_first();
+    active.push_back(std::move(a));
+  }
+  running_ = int(active.size());
+  return true;
+}
+
+void Engine::retire(Active& a) {
+  a.done = true;
+  if (a.gen.stop_reason != runtime::StopReason::kCancelled) a.reply->finish();
+  if (a.t_decode != Clock::time_point{})
+    a.gen.decode_s = std::chrono::duration<double>(Clock::now() - a.t_decode).count();
+  // Its KV rows stay for a request that continues this one: the prompt and the reply's
+  // tokens, as far as they were fed.
+  std::vector<int> tokens(a.job->prompt.begin(), a.job->prompt.end());
+  tokens.insert(tokens.end(), a.picked.begin(), a.picked.end());
+  tokens.resize(std::min(tokens.size(), size_t(session_->sequence_position(a.seq))));
+  kept_.push_back({a.seq, std::move(tokens)});
+  {
+    std::lock_guard lock(mu_);
+    current_.erase(std::find(current_.begin(), current_.end(), a.job));
+  }
+  finish(*a.job, std::move(a.gen));
+}
+
+Status Engine::run_step(std::vector<std::unique_ptr<Active>>& active) {
+  // Decoding jobs' tokens first (one each), then prompt chunks in arrival order within what
+  // is left of the step's token budget: a long prompt never holds the others back for more
+  // than one step.
+  std::vector<runtime::Engine::SeqInput> inputs;
+  std::vector<Active*> who;
+  int left = session_->step_tokens();
+  for (auto& a : active)
+    if (a->next >= 0 && left > 0) {
+      inputs.push_back({.seq = a->seq, .tokens = std::span<const int>(&a->next, 1)});
+      who.push_back(a.get());
+      --left;
+    }
+  for (auto& a : active) {
+    const size_t n_prompt = a->job->prompt.size();
+    if (a->next >= 0 || a->fed >= n_prompt || left <= 0) continue;
+    const size_t n = std::min(n_prompt - a->fed, size_t(left));
+    inputs.push_back({.seq = a->seq,
+                      .tokens = std::span<const int>(a->job->prompt.data() + a->fed, n),
+                      .all_logits = a->job->echo && a->job->top_logprobs >= 0});
+    who.push_back(a.get());
+    left -= int(n);
+  }
+  std::vector<float> logits;
+  TS_TRY(session_->step(inputs, &logits));
+  size_t rows_out = 0;
+  for (const auto& in : inputs) rows_out += in.all_logits ? in.tokens.size() : 1;
+  const size_t vocab = logits.size() / rows_out;  // the model's (the tokenizer may name fewer)
+  size_t row = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    Active& a = *who[i];
+    const size_t rows = inputs[i].all_logits ? inputs[i].tokens.size() : 1;
+    const std::span<const float> out(logits.data() + row * vocab, rows * vocab);
+    row += rows;
+    if (a.next < 0) {  // a prompt chunk
+      if (inputs[i].all_logits) a.picker->echo_rows(out, vocab, a.fed);
+      a.fed += inputs[i].tokens.size();
+      if (a.fed < a.job->prompt.size()) continue;
+      a.t_decode = Clock::now();
+      a.gen.prefill_s = std::chrono::duration<double>(a.t_decode - a.t_start).count();
+      if (a.job->max_tokens <= 0) {  // echo alone: the prompt scored, nothing generated
+        retire(a);
+        continue;
+      }
+    }
+    // The next token from the last row: the reply goes on with it while the job allows.
+    const int tok = a.picker->pick(out.subspan((rows - 1) * vocab, vocab));
+    if (a.job->cancelled) a.gen.stop_reason = runtime::StopReason::kCancelled;
+    if (a.job->cancelled || !a.reply->take(tok) || a.gen.generated >= a.job->max_tokens) {
+      retire(a);
+    } else {
+      a.next = tok;
+      a.picked.push_back(tok);
+    }
+  }
+  return {};
+}
+
+void Engine::run_batched() {
+  std::vector<std::unique_ptr<Active>> active;
+  for (;;) {
+    if (!admit(active)) break;
+    for (auto& a : active)
+      if (a->job->cancelled) {
+        a->gen.stop_reason = runtime::StopReason::kCancelled;
+        retire(*a);
+      }
+    std::erase_if(active, [](const auto& a) { return a->done; });
+    if (active.empty()) continue;
+    Status st;
+    try {
+      st = run_step(active);
+    } catch (const std::exception& e) {
+      st = make_error(std::string("internal error: ") + e.what());
+    }
+    if (!st.ok()) {
+      // A failed step (a storage read error) fails the jobs it held, which give up their rows.
+      for (auto& a : active) {
+        if (a->done) continue;
+        session_->close_sequence(a->seq);
+        {
+          std::lock_guard lock(mu_);
+          current_.erase(std::find(current_.begin(), current_.end(), a->job));
+        }
+        a->done = true;
+        finish(*a->job, st.error());
+      }
+    }
+    std::erase_if(active, [](const auto& a) { return a->done; });
+    running_ = int(active.size());
+  }
+  // Stopping: the running jobs end as cancelled.
+  for (auto& a : active) {
+    a->gen.stop_reason = runtime::StopReason::kCancelled;
+    retire(*a);
+  }
+  running_ = 0;
 }
 
 }  // namespace ts::server

@@ -1,6 +1,11 @@
-// The engine: one thread that owns the Session and runs queued jobs one at a time, in
-// arrival order (FIFO). The KV cache of the previous request is kept, so a request that
-// shares a prefix with it (a chat that goes on) skips that part of the prefill.
+// The engine: one thread that owns the Session and runs the queued jobs. Where the backend
+// batches (the CPU) and --parallel is above 1, it is a continuous-batching scheduler: up to
+// `parallel` jobs in flight, one step at a time over all of them (each decoding job's next
+// token, then prefill chunks of the others within the step's token budget), jobs admitted
+// in arrival order as soon as a place and their KV rows are free, retired as they finish.
+// A finished job's sequence stays cached until its KV rows are needed, so a request that
+// continues it (a chat that goes on) skips the shared prefix. Otherwise jobs run one at a
+// time in arrival order on the session's own sequence, with the same prefix reuse.
 //
 // Threads: HTTP threads call submit(); the engine thread calls a job's on_text (per token)
 // and on_done (once). A job whose `cancelled` flag is set stops at the next token (or is
@@ -62,7 +67,9 @@ struct EngineOptions {
   // Threads for sampling's passes over the vocabulary (the session's own, idle between its
   // steps); may be null.
   ThreadPool* pool = nullptr;
-  int max_queue = 64;  // jobs waiting (not counting the running one) before submit() refuses
+  int max_queue = 64;  // jobs waiting (not counting running ones) before submit() refuses
+  // Jobs in flight at once where the session batches (Engine::batches); 1: one at a time.
+  int parallel = 1;
   // Test hook (TURBOSPARK_SERVE_TEST_REPLY): when set, every reply is these tokens and then
   // EOS instead of sampled ones; the model still runs on them.
   std::vector<int> forced_reply;
@@ -93,12 +100,29 @@ class Engine {
 
   int n_ctx() const { return session_->n_ctx(); }
   int queue_depth() const;
-  int running() const { return running_ ? 1 : 0; }
+  int running() const { return running_; }
+  int parallel() const { return parallel_; }
+  std::string device_name() const { return session_->device_name(); }
   Metrics& metrics() { return metrics_; }
 
  private:
-  void run();
+  struct Picker;
+  struct Active;
+  void run();          // one job at a time
+  void run_batched();  // the continuous-batching scheduler
   Result<runtime::Generation> generate(Job& job);
+  void finish(Job& job, Result<runtime::Generation> r);  // metrics, log line, on_done
+  // Batched: admits waiting jobs while places and KV rows allow; false when stopping.
+  bool admit(std::vector<std::unique_ptr<Active>>& active);
+  Status run_step(std::vector<std::unique_ptr<Active>>& active);
+  void retire(Active& a);
+  // Batched: finished sequences whose KV rows are kept for a request that continues them,
+  // least recently used first.
+  struct Cached {
+    int seq;
+    std::vector<int> tokens;
+  };
+  std::vector<Cached> kept_;
 
   EngineOptions opt_;
   std::unique_ptr<runtime::Engine> session_;
@@ -109,9 +133,10 @@ class Engine {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
-  std::shared_ptr<Job> current_;
+  std::vector<std::shared_ptr<Job>> current_;  // running jobs (stop() cancels them)
   bool stopping_ = false;
-  std::atomic<bool> running_{false};
+  int parallel_ = 1;
+  std::atomic<int> running_{0};
   std::thread thread_;
 };
 

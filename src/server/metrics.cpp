@@ -67,7 +67,7 @@ std::string Metrics::prometheus(int queue_depth, int running) const {
     out += line;
   }
   metric("turbospark_engine_threads", "gauge",
-         "Engine threads; requests run one at a time, in arrival order.", 1);
+         "Engine threads; one, running every request in flight (--parallel) step by step.", 1);
   metric("turbospark_queue_depth", "gauge", "Requests waiting for the engine.", queue_depth);
   metric("turbospark_requests_running", "gauge", "Requests the engine is generating for.", running);
   metric("turbospark_generations_total", "counter", "Generations finished (any stop reason).",

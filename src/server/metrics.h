@@ -30,7 +30,7 @@ class Metrics {
   void set_baseline(const experts::StoreStats& store,
                     const std::optional<runtime::ExpertCacheReport>& gpu,
                     const runtime::PhaseTimes& phases);
-  // queue_depth: jobs waiting; running: 0 or 1 (one engine thread).
+  // queue_depth: jobs waiting; running: jobs in flight (up to --parallel).
   std::string prometheus(int queue_depth, int running) const;
 
  private:

@@ -50,15 +50,17 @@ Status cmd_serve(const Args& args) {
   opt.api_key = args.str_or("api-key", env_key ? env_key : "");
   TS_ASSIGN(int64_t max_queue, args.integer_or("max-queue", 64, 1, 1 << 16));
   TS_ASSIGN(int64_t n_ctx, args.integer_or("n-ctx", 4096, 16, 1 << 24));
+  TS_ASSIGN(int64_t parallel, args.integer_or("parallel", 4, 1, 1024));
+  TS_ASSIGN(int64_t kv_tokens, args.integer_or("kv-tokens", 0, 0, int64_t(1) << 32));
   TS_ASSIGN(int64_t max_body, args.integer_or("max-body-bytes", 8 << 20, 1024, int64_t(1) << 32));
   opt.max_body_bytes = size_t(max_body);
   TS_ASSIGN(int64_t request_timeout, args.integer_or("request-timeout-s", 30, 1, 3600));
   opt.request_timeout_s = int(request_timeout);
   opt.cors_origins = args.all("cors-origin");
   opt.model_id = args.str_or("model-name", default_model_id(flags.dir));
-  // Queued streams hold an HTTP thread each while they wait; a few more serve /health,
-  // /metrics and idle keep-alive connections.
-  opt.http_threads = int(max_queue) + 16;
+  // Running and queued streams hold an HTTP thread each; a few more serve /health, /metrics
+  // and idle keep-alive connections.
+  opt.http_threads = int(max_queue + parallel) + 16;
   const bool warmup = !args.has("no-warmup");
   TS_TRY(args.check_all_used());
   if (!flags.capture_layers.empty() || !flags.router_hist.empty() || !flags.router_trace.empty())
@@ -73,8 +75,16 @@ Status cmd_serve(const Args& args) {
   TS_ASSIGN(runtime::Interventions iv, build_interventions(flags, m.model->hp()));
   const int ctx = int(std::min<int64_t>(n_ctx, m.model->hp().max_positions));
 
+  // The KV pool (CPU): every request in flight may reach the whole context unless
+  // --kv-tokens says less; rows take memory only as sequences fill them.
+  if (kv_tokens > 0 && kv_tokens < ctx)
+    return make_error("--kv-tokens " + std::to_string(kv_tokens) +
+                      " is less than the context (--n-ctx " + std::to_string(ctx) +
+                      "): one full-length request would never fit");
+  const int64_t pool_tokens = kv_tokens > 0 ? kv_tokens : int64_t(ctx) * parallel;
   TS_ASSIGN(std::unique_ptr<runtime::Engine> session,
-            make_session(flags, m, {.n_ctx = ctx, .interventions = std::move(iv)}));
+            make_session(flags, m,
+                         {.n_ctx = ctx, .kv_tokens = pool_tokens, .interventions = std::move(iv)}));
   std::string warmed = ", no warm-up";
   if (warmup) {
     // Before the port opens, so no request waits on it; /metrics leaves it out.
@@ -91,6 +101,7 @@ Status cmd_serve(const Args& args) {
                            .tokenizer = tok.get(),
                            .pool = m.pool.get(),
                            .max_queue = int(max_queue),
+                           .parallel = int(parallel),
                            .log_stats = flags.stats};
   // Test hook: a fixed reply (tool calls, reasoning) from a model whose text is noise.
   if (const char* reply = std::getenv("TURBOSPARK_SERVE_TEST_REPLY"))
@@ -104,10 +115,24 @@ Status cmd_serve(const Args& args) {
     engine.stop();
     http.stop();
   });
+  std::string batching = ", one request at a time (the " + engine.device_name() +
+                         " backend does not batch)";
+  if (engine.parallel() > 1) {
+    const model::HParams& hp = m.model->hp();
+    const double kv_gb = double(pool_tokens) * double(hp.n_layers) * double(hp.cache_row()) *
+                         (hp.attention == model::AttentionKind::kMla ? 1 : 2) * 4 / 1e9;
+    char line[160];
+    std::snprintf(line, sizeof line,
+                  ", %d requests at once over a KV pool of %lld positions (%.2f GB at most)",
+                  engine.parallel(), (long long)pool_tokens, kv_gb);
+    batching = line;
+  } else if (parallel == 1) {
+    batching = ", one request at a time";
+  }
   Status st = http.run([&](int bound) {
-    std::fprintf(stderr, "turbospark serve: %s on http://%s:%d (n_ctx %d, max queue %lld%s)\n",
-                 opt.model_id.c_str(), opt.host.c_str(), bound, ctx, (long long)max_queue,
-                 warmed.c_str());
+    std::fprintf(stderr, "turbospark serve: %s on http://%s:%d (n_ctx %d%s, max queue %lld%s)\n",
+                 opt.model_id.c_str(), opt.host.c_str(), bound, ctx, batching.c_str(),
+                 (long long)max_queue, warmed.c_str());
   });
   if (!st.ok()) engine.stop();
   pthread_kill(waiter.native_handle(), SIGTERM);  // wakes the waiter if no signal came
