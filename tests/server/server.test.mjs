@@ -695,6 +695,52 @@ test('load: 16 concurrent streaming clients x 50 requests, each reply complete a
               `(${(clients * rounds / seconds).toFixed(0)} req/s)`);
 });
 
+// Continuous batching: every stream complete and equal to its request sent alone, with 64
+// in flight at once; and with a KV pool too small for all of them, the others wait.
+async function streamText(client, messages, maxTokens) {
+  const stream = await client.chat.completions.create({
+    model: MODEL, messages, max_tokens: maxTokens, stream: true, stream_options: { include_usage: true },
+  });
+  let text = '', finish = null, usage = null;
+  for await (const c of stream) {
+    if (c.usage) usage = c.usage;
+    if (c.choices.length) {
+      text += c.choices[0].delta.content ?? '';
+      finish = c.choices[0].finish_reason ?? finish;
+    }
+  }
+  return { text, finish, usage };
+}
+
+for (const [what, args, clients, maxTokens] of [
+  ['64 streams x 128 tokens, --parallel 64', ['--parallel', '64'], 64, 128],
+  ['12 streams, a KV pool for 3 (--kv-tokens 1024): the rest wait', ['--parallel', '12', '--kv-tokens', '1024'], 12, 300],
+]) {
+  test(`batching: ${what}; each stream complete and its own`, async () => {
+    const srv = await startServer(args);
+    try {
+      const client = new OpenAI({ baseURL: srv.base + '/v1', apiKey: 'unused', maxRetries: 0, timeout: 300000 });
+      const prompt = (i) => [{ role: 'user', content: `batch client ${i}: ${'word '.repeat(i % 9)}?` }];
+      const want = [];
+      for (let i = 0; i < clients; i++) want.push((await streamText(client, prompt(i), maxTokens)).text);
+      assert.ok(new Set(want).size > clients / 2, 'prompts should give different replies');
+      const t0 = Date.now();
+      const got = await Promise.all(Array.from({ length: clients }, (_, i) => streamText(client, prompt(i), maxTokens)));
+      const seconds = (Date.now() - t0) / 1000;
+      got.forEach((g, i) => {
+        assert.equal(g.text, want[i], `client ${i}`);
+        assert.ok(g.finish === 'length' || g.finish === 'stop', `client ${i}: no finish chunk`);
+        assert.ok(g.usage && g.usage.completion_tokens <= maxTokens, `client ${i}: no usage`);
+      });
+      const tokens = got.reduce((n, g) => n + g.usage.completion_tokens, 0);
+      console.log(`# batching (${what}): ${tokens} tokens in ${seconds.toFixed(2)} s`);
+      assert.equal(await metric(srv.base, 'turbospark_generation_failures_total'), 0);
+    } finally {
+      await stopServer(srv);
+    }
+  });
+}
+
 test('clients that disconnect mid-stream cancel their generation; the server stays healthy', async () => {
   const cancelledBefore = await metric(main.base, 'turbospark_generations_cancelled_total');
   const drops = 6;

@@ -1,6 +1,8 @@
 // inspect (shapes, parameters, bytes by kind) and bench (prefill and decode tokens/s against
 // the memory-bandwidth roofline: bytes of weights read per decode token / measured time).
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -100,6 +102,91 @@ Status cmd_inspect(const Args& args) {
   return {};
 }
 
+namespace {
+
+double percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[size_t(std::min(double(v.size() - 1), std::ceil(q * double(v.size())) - 1))];
+}
+
+// --parallel P: P sequences as llama-batched-bench runs them — every prompt prefilled
+// (steps of up to step_tokens() tokens, prompts in order, each split where a step fills),
+// then n_gen decode steps of one token for every sequence. Time to first token is from the
+// start to the end of the step that finished the sequence's prompt.
+Result<nlohmann::json> bench_parallel(runtime::Engine& session, const runtime::LoadedModel& model,
+                                      int n_seq, int64_t n_prompt, int64_t n_gen) {
+  const model::HParams& hp = model.hp();
+  using Clock = std::chrono::steady_clock;
+  std::vector<int> seqs;
+  const size_t n_seqs = size_t(n_seq);
+  std::vector<std::vector<int>> prompts(n_seqs, std::vector<int>(static_cast<size_t>(n_prompt)));
+  for (int s = 0; s < n_seq; ++s) {
+    TS_ASSIGN(int id, session.open_sequence(int(n_prompt + n_gen)));
+    seqs.push_back(id);
+    for (size_t i = 0; i < size_t(n_prompt); ++i)
+      prompts[size_t(s)][i] = int((i * 7919 + 13 + size_t(s) * 104729) % size_t(hp.vocab));
+  }
+  std::vector<float> logits;
+  std::vector<int> next(n_seqs);
+  std::vector<double> ttft;
+  const auto t0 = Clock::now();
+  size_t s = 0, fed = 0;
+  while (s < size_t(n_seq)) {
+    std::vector<runtime::Engine::SeqInput> in;
+    std::vector<std::pair<size_t, size_t>> done;  // (input, sequence) whose prompt ends here
+    for (int left = session.step_tokens(); left > 0 && s < size_t(n_seq);) {
+      const size_t n = std::min(size_t(n_prompt) - fed, size_t(left));
+      in.push_back({.seq = seqs[s], .tokens = std::span<const int>(prompts[s].data() + fed, n)});
+      left -= int(n);
+      fed += n;
+      if (fed == size_t(n_prompt)) done.emplace_back(in.size() - 1, s++), fed = 0;
+    }
+    TS_TRY(session.step(in, &logits));
+    const double at = std::chrono::duration<double>(Clock::now() - t0).count();
+    const size_t vocab = logits.size() / in.size();
+    for (auto [k, seq] : done) {
+      next[seq] = runtime::argmax(std::span<const float>(logits.data() + k * vocab, vocab));
+      ttft.push_back(at);
+    }
+  }
+  const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const experts::StoreStats store1 = model.experts().stats();
+  const auto t1 = Clock::now();
+  for (int64_t g = 0; g < n_gen; ++g) {
+    std::vector<runtime::Engine::SeqInput> in;
+    for (int i = 0; i < n_seq; ++i)
+      in.push_back({.seq = seqs[size_t(i)], .tokens = std::span<const int>(&next[size_t(i)], 1)});
+    TS_TRY(session.step(in, &logits));
+    const size_t vocab = logits.size() / in.size();
+    for (size_t i = 0; i < in.size(); ++i)
+      next[i] = runtime::argmax(std::span<const float>(logits.data() + i * vocab, vocab));
+  }
+  const double decode_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  const experts::StoreStats decode_store = model.experts().stats().since(store1);
+  for (int id : seqs) session.close_sequence(id);
+  // Bytes a decode step reads: the dense weights once, and each distinct routed expert the
+  // step selects once (the store counts distinct experts per layer and step).
+  const model::WeightCounts& c = model.counts();
+  int n_moe = 0;
+  for (bool moe : hp.layer_is_moe) n_moe += moe ? 1 : 0;
+  const double per_expert =
+      n_moe > 0 ? double(c.routed_bytes) / (double(n_moe) * double(hp.n_experts)) : 0;
+  const double dense_step = double(c.decode_bytes) - per_expert * double(hp.top_k) * n_moe;
+  const double step_bytes = dense_step + per_expert * double(decode_store.requests) / double(n_gen);
+  return nlohmann::json{{"parallel", n_seq},
+                        {"prefill_s", prefill_s},
+                        {"prefill_tokens_per_s", double(n_seq) * double(n_prompt) / prefill_s},
+                        {"ttft_p50_ms", 1e3 * percentile(ttft, 0.5)},
+                        {"ttft_p99_ms", 1e3 * percentile(ttft, 0.99)},
+                        {"decode_s", decode_s},
+                        {"decode_tokens_per_s", double(n_seq) * double(n_gen) / decode_s},
+                        {"decode_tokens_per_s_per_sequence", double(n_gen) / decode_s},
+                        {"decode_bytes_per_step", step_bytes},
+                        {"decode_bytes_per_token", step_bytes / n_seq}};
+}
+
+}  // namespace
+
 Status cmd_bench(const Args& args) {
   if (args.str_or("device", "cpu").rfind("cuda", 0) == 0) return cmd_bench_cuda(args);
   bool json = args.has("json");
@@ -107,12 +194,23 @@ Status cmd_bench(const Args& args) {
   TS_ASSIGN(int64_t n_gen, args.integer_or("gen-tokens", 32, 1, 1 << 20));
   TS_ASSIGN(double roofline_gbps, args.number_or("roofline-gbps", 28.0, 0.001, 1e6));
   const bool warmup = !args.has("no-warmup");
+  std::vector<int> parallel;
+  if (args.has("parallel")) {
+    TS_ASSIGN(std::string list, args.str("parallel"));
+    TS_ASSIGN(parallel, parse_token_list(list));
+    for (int p : parallel)
+      if (p < 1 || p > 1024)
+        return make_error("--parallel: " + std::to_string(p) + " is outside [1, 1024]");
+  }
   TS_ASSIGN(ModelFlags flags, read_model_flags(args));
   TS_TRY(args.check_all_used());
   TS_ASSIGN(Loaded m, load_model(flags));
   const model::HParams& hp = m.model->hp();
+  const int most = parallel.empty() ? 1 : *std::max_element(parallel.begin(), parallel.end());
   TS_ASSIGN(std::unique_ptr<runtime::Engine> engine,
-            make_session(flags, m, {.n_ctx = int(n_prompt + n_gen)}));
+            make_session(flags, m,
+                         {.n_ctx = int(n_prompt + n_gen),
+                          .kv_tokens = (n_prompt + n_gen) * most}));
   runtime::Engine& session = *engine;
   std::vector<int> prompt(static_cast<size_t>(n_prompt));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int((i * 7919 + 13) % size_t(hp.vocab));
@@ -157,6 +255,14 @@ Status cmd_bench(const Args& args) {
   j["roofline_gbps"] = roofline_gbps;
   j["decode_roofline_fraction"] = achieved_gbps / roofline_gbps;
   j["stats"] = stats_json(*m.model, session, n_prompt + n_gen, since);
+  if (!parallel.empty() && !session.batches())
+    return make_error("--parallel: the " + session.device_name() +
+                      " backend does not batch sequences yet");
+  session.reset();  // its KV rows go back to the pool the sequences take
+  for (int p : parallel) {
+    TS_ASSIGN(nlohmann::json r, bench_parallel(session, *m.model, p, n_prompt, n_gen));
+    j["parallel"].push_back(r);
+  }
   if (json) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {
@@ -169,6 +275,17 @@ Status cmd_bench(const Args& args) {
                 "%.1f GB/s roofline\n",
                 (long long)n_gen, decode_tps, bytes / 1e6, achieved_gbps,
                 100.0 * achieved_gbps / roofline_gbps, roofline_gbps);
+  }
+  if (!parallel.empty() && !json) {
+    std::printf("parallel  decode tok/s (all / per seq)  prefill tok/s  TTFT p50 / p99 ms  "
+                "MB read per step / per token\n");
+    for (const nlohmann::json& r : j["parallel"])
+      std::printf("%8d  %12.2f / %-10.2f  %13.1f  %8.1f / %-8.1f  %8.1f / %.1f\n",
+                  r["parallel"].get<int>(), r["decode_tokens_per_s"].get<double>(),
+                  r["decode_tokens_per_s_per_sequence"].get<double>(),
+                  r["prefill_tokens_per_s"].get<double>(), r["ttft_p50_ms"].get<double>(),
+                  r["ttft_p99_ms"].get<double>(), r["decode_bytes_per_step"].get<double>() / 1e6,
+                  r["decode_bytes_per_token"].get<double>() / 1e6);
   }
   if (flags.stats && !json) print_stats(j["stats"]);
   if (!flags.router_hist.empty()) TS_TRY(write_router_hist(flags.router_hist, *m.model, session));
