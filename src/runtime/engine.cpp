@@ -20,11 +20,7 @@ Status Engine::decode_greedy(int token, int n, const std::function<bool(int)>& o
   return {};
 }
 
-Result<int> Engine::open_sequence(int) {
-  return make_error("the " + device_name() + " backend does not batch sequences");
-}
-
-Status Engine::resize_sequence(int, int, int) {
+Result<int> Engine::open_sequence(int, std::span<const int>) {
   return make_error("the " + device_name() + " backend does not batch sequences");
 }
 

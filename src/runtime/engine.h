@@ -127,17 +127,27 @@ class Engine {
   virtual bool batches() const { return false; }
   // Most tokens, summed over the inputs, that one step() takes.
   virtual int step_tokens() const { return 0; }
-  // KV positions not held or reserved by any sequence.
+  // KV positions not held by any sequence (cached prefix blocks count: they are given up
+  // when needed).
   virtual int64_t free_kv_tokens() const { return 0; }
-  // A new empty sequence with KV rows reserved for `max_tokens` positions (at most n_ctx());
-  // an error when the cache has not that many free (the caller waits for a close).
-  virtual Result<int> open_sequence(int max_tokens);
+  // A new sequence with KV rows for `max_tokens` positions (at most n_ctx()). Where the cache
+  // holds the KV rows of a run of `prefix`'s whole blocks (computed for an earlier or a
+  // running sequence with those tokens), it starts with them shared: sequence_position() says
+  // how many positions that saved (never the prefix's last token, whose logits the caller
+  // needs). An error when the cache has not enough free positions (the caller waits).
+  virtual Result<int> open_sequence(int max_tokens, std::span<const int> prefix = {});
   virtual void close_sequence(int seq) { (void)seq; }
-  // Keeps the first `keep` positions of an open sequence (its KV rows: a shared prefix) and
-  // makes its reserve `max_tokens`; an error, changing nothing, when that needs more free
-  // positions than the cache has.
-  virtual Status resize_sequence(int seq, int keep, int max_tokens);
-  virtual int sequence_position(int seq) const { (void)seq; return 0; }
+  virtual int sequence_position(int seq) const {
+    (void)seq;
+    return 0;
+  }
+  // The KV pool's blocks: in use by sequences, cached (a finished prefix kept for reuse),
+  // and the prompt positions open_sequence was given against those it found cached.
+  struct KvStats {
+    int64_t block_tokens = 0, blocks = 0, used = 0, cached = 0;
+    uint64_t prefix_tokens = 0, reused_tokens = 0;
+  };
+  virtual KvStats kv_stats() const { return {}; }
   struct SeqInput {
     int seq;
     std::span<const int> tokens;  // not empty; appended at the sequence's position

@@ -37,20 +37,28 @@ void add_bias(float* y, const std::vector<float>& b, int n) {
 
 }  // namespace
 
+namespace {
+int context_of(const model::HParams& hp, const SessionOptions& o) {
+  return o.n_ctx > 0 ? o.n_ctx : std::min(hp.max_positions, 4096);
+}
+int blocks_of(const model::HParams& hp, const SessionOptions& o) {
+  const int64_t kv_tokens = o.kv_tokens > 0 ? o.kv_tokens : context_of(hp, o);
+  return int((kv_tokens + KvBlocks::kTokens - 1) / KvBlocks::kTokens);
+}
+}  // namespace
+
 Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions options)
-    : model_(model), pool_(pool) {
+    : model_(model), pool_(pool), blocks_(blocks_of(model.hp(), options)) {
   const model::HParams& hp = model.hp();
-  n_ctx_ = options.n_ctx > 0 ? options.n_ctx : std::min(hp.max_positions, 4096);
+  n_ctx_ = context_of(hp, options);
   chunk_ = options.prefill_chunk > 0 ? options.prefill_chunk : 256;
   const bool mla = hp.attention == model::AttentionKind::kMla;
-  const int64_t kv_tokens = options.kv_tokens > 0 ? options.kv_tokens : n_ctx_;
-  n_blocks_ = int((kv_tokens + kKvBlock - 1) / kKvBlock);
+  n_blocks_ = blocks_.n_blocks();
   const size_t kv = size_t(hp.n_layers) * size_t(n_blocks_) * kKvBlock * size_t(hp.cache_row());
   // Not zeroed: untouched pages of a large allocation take no memory, so a pool sized for many
   // full-length sequences costs what the sequences use. Only written rows are ever read.
   k_cache_.reset(new float[kv]);
   if (!mla) v_cache_.reset(new float[kv]);
-  for (int b = n_blocks_ - 1; b >= 0; --b) free_blocks_.push_back(b);
   seqs_.resize(1);
   seqs_[0].open = true;
   const size_t c = size_t(chunk_), d = size_t(hp.d_model);
@@ -108,22 +116,22 @@ void Session::layer_boundary(int layer, int n, bool last_chunk) {
 }
 
 void Session::reset() {
-  Sequence& s = seqs_[0];
-  free_blocks_.insert(free_blocks_.end(), s.blocks.rbegin(), s.blocks.rend());
+  release_blocks(seqs_[0]);
+  seqs_[0].pos = 0;
+}
+
+void Session::release_blocks(Sequence& s) {
+  for (int b : s.blocks) blocks_.release(b);
   s.blocks.clear();
-  s.pos = 0;
 }
 
 Status Session::grow_blocks(Sequence& s, int positions) {
   const size_t want = size_t(positions + kKvBlock - 1) / kKvBlock;
   if (want <= s.blocks.size()) return {};
-  if (want - s.blocks.size() > free_blocks_.size())
+  if (int64_t(want - s.blocks.size()) > blocks_.available())
     return make_error("the KV cache is full: " + std::to_string(int64_t(n_blocks_) * kKvBlock) +
                       " positions, all held by sequences (--kv-tokens sets the pool)");
-  while (s.blocks.size() < want) {
-    s.blocks.push_back(free_blocks_.back());
-    free_blocks_.pop_back();
-  }
+  while (s.blocks.size() < want) s.blocks.push_back(blocks_.take());
   return {};
 }
 
@@ -132,7 +140,7 @@ float* Session::kv_row(float* cache, int layer, int seq, int pos, int row_floats
   return cache + (size_t(layer) * layer_rows + kv_rows(seq).row(pos)) * size_t(row_floats);
 }
 
-Result<int> Session::open_sequence(int max_tokens) {
+Result<int> Session::open_sequence(int max_tokens, std::span<const int> prefix) {
   if (max_tokens < 1 || max_tokens > n_ctx_)
     return make_error("a sequence of " + std::to_string(max_tokens) +
                       " positions does not fit the context of " + std::to_string(n_ctx_));
@@ -141,41 +149,47 @@ Result<int> Session::open_sequence(int max_tokens) {
   if (id == seqs_.size()) seqs_.emplace_back();
   Sequence& s = seqs_[id];
   s = Sequence{.reserve = max_tokens, .open = true};
+  // The prefix's whole blocks found in the cache, all but its last token, within the reserve.
+  const size_t most = prefix.empty() ? 0
+                                     : std::min(prefix.size() - 1, size_t(max_tokens)) / kKvBlock;
+  for (size_t b = 0; b < most; ++b) {
+    const int block = blocks_.find(b == 0 ? -1 : s.blocks.back(),
+                                   prefix.subspan(b * kKvBlock, kKvBlock));
+    if (block < 0) break;
+    blocks_.hold(block);
+    s.blocks.push_back(block);
+  }
+  const int found = int(s.blocks.size());
   if (Status st = grow_blocks(s, max_tokens); !st.ok()) {
+    release_blocks(s);
     s.open = false;
     return st.error();
   }
+  s.pos = found * kKvBlock;
+  s.tokens.assign(prefix.begin(), prefix.begin() + s.pos);
+  prefix_tokens_ += prefix.size();
+  reused_tokens_ += uint64_t(s.pos);
   return int(id);
 }
 
 void Session::close_sequence(int seq) {
   if (seq <= 0 || size_t(seq) >= seqs_.size() || !seqs_[size_t(seq)].open) return;
-  Sequence& s = seqs_[size_t(seq)];
-  free_blocks_.insert(free_blocks_.end(), s.blocks.rbegin(), s.blocks.rend());
-  s = Sequence{};
-}
-
-Status Session::resize_sequence(int seq, int keep, int max_tokens) {
-  if (seq <= 0 || size_t(seq) >= seqs_.size() || !seqs_[size_t(seq)].open)
-    return make_error("sequence " + std::to_string(seq) + " is not open");
-  if (max_tokens < 1 || max_tokens > n_ctx_)
-    return make_error("a sequence of " + std::to_string(max_tokens) +
-                      " positions does not fit the context of " + std::to_string(n_ctx_));
-  Sequence& s = seqs_[size_t(seq)];
-  TS_TRY(grow_blocks(s, max_tokens));
-  const size_t want = size_t(max_tokens + kKvBlock - 1) / kKvBlock;
-  while (s.blocks.size() > want) {
-    free_blocks_.push_back(s.blocks.back());
-    s.blocks.pop_back();
-  }
-  s.reserve = max_tokens;
-  s.pos = std::min({s.pos, std::max(0, keep), max_tokens});
-  return {};
+  release_blocks(seqs_[size_t(seq)]);
+  seqs_[size_t(seq)] = Sequence{};
 }
 
 int Session::sequence_position(int seq) const {
   if (seq < 0 || size_t(seq) >= seqs_.size()) return 0;
   return seqs_[size_t(seq)].pos;
+}
+
+Engine::KvStats Session::kv_stats() const {
+  return {.block_tokens = kKvBlock,
+          .blocks = n_blocks_,
+          .used = blocks_.held(),
+          .cached = blocks_.cached(),
+          .prefix_tokens = prefix_tokens_,
+          .reused_tokens = reused_tokens_};
 }
 
 namespace {
@@ -295,7 +309,16 @@ Status Session::run_rows(const int* tokens, int n, float* logits_out, bool last_
     }
     layer_boundary(l, n, last_chunk);
   }
-  for (const Span& sp : spans_) seqs_[size_t(sp.seq)].pos = sp.pos0 + sp.n;
+  // Each step sequence's blocks this pass completed: later sequences may find them.
+  for (const Span& sp : spans_) {
+    Sequence& s = seqs_[size_t(sp.seq)];
+    s.pos = sp.pos0 + sp.n;
+    if (sp.seq == 0) continue;  // truncate() rewrites its rows: never shared
+    s.tokens.insert(s.tokens.end(), tokens + sp.row0, tokens + sp.row0 + sp.n);
+    for (int b = sp.pos0 / kKvBlock; (b + 1) * kKvBlock <= s.pos; ++b)
+      blocks_.remember(s.blocks[size_t(b)], b == 0 ? -1 : s.blocks[size_t(b - 1)],
+                       std::span<const int>(s.tokens.data() + size_t(b) * kKvBlock, kKvBlock));
+  }
   auto t0 = Clock::now();
   cpu::rmsnorm_rows(x_.data(), w.final_norm.data(), xn_.data(), n, int64_t(d), hp.rms_eps);
   // The rows whose logits are wanted, gathered (in place: a row never moves down) to the

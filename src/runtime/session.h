@@ -18,6 +18,7 @@
 #include "experts/expert_cache.h"
 #include "runtime/engine.h"
 #include "runtime/interventions.h"
+#include "runtime/kv_blocks.h"
 #include "runtime/model.h"
 
 namespace ts {
@@ -61,7 +62,7 @@ class Session final : public Engine {
  public:
   Session(const LoadedModel& model, ThreadPool& pool, SessionOptions options);
 
-  static constexpr int kKvBlock = 16;  // positions per KV block
+  static constexpr int kKvBlock = KvBlocks::kTokens;  // positions per KV block
 
   int position() const override { return seqs_[0].pos; }
   int n_ctx() const override { return n_ctx_; }
@@ -71,11 +72,11 @@ class Session final : public Engine {
   Status forward(std::span<const int> tokens, std::vector<float>* all_logits) override;
   bool batches() const override { return true; }
   int step_tokens() const override { return chunk_; }
-  int64_t free_kv_tokens() const override { return int64_t(free_blocks_.size()) * kKvBlock; }
-  Result<int> open_sequence(int max_tokens) override;
+  int64_t free_kv_tokens() const override { return blocks_.available() * kKvBlock; }
+  Result<int> open_sequence(int max_tokens, std::span<const int> prefix = {}) override;
   void close_sequence(int seq) override;
-  Status resize_sequence(int seq, int keep, int max_tokens) override;
   int sequence_position(int seq) const override;
+  KvStats kv_stats() const override;
   Status step(std::span<const SeqInput> inputs, std::vector<float>* logits) override;
   std::span<const float> last_logits() const override { return last_logits_; }
   const PhaseTimes& phases() const override { return phases_; }
@@ -92,6 +93,7 @@ class Session final : public Engine {
     int pos = 0;
     int reserve = 0;  // positions reserved at open (step sequences); 0: grows on demand
     bool open = false;
+    std::vector<int> tokens;  // step sequences: the tokens at positions [0, pos)
   };
   // One sequence's rows [row0, row0 + n) of a pass, at positions pos0 ...
   struct Span {
@@ -104,6 +106,7 @@ class Session final : public Engine {
   // the last span's last row to last_logits_.
   Status run_rows(const int* tokens, int n, float* logits_out, bool last_chunk);
   Status grow_blocks(Sequence& s, int positions);  // blocks for positions [0, positions)
+  void release_blocks(Sequence& s);
   cpu::KvRows kv_rows(int seq) const { return {seqs_[size_t(seq)].blocks.data(), kKvBlock}; }
   // The cache row of `pos` of sequence `seq` at `layer` (K, or MLA's latent rows).
   float* kv_row(float* cache, int layer, int seq, int pos, int row_floats);
@@ -124,7 +127,8 @@ class Session final : public Engine {
   // [n_layers, n_blocks * kKvBlock, cache_row]: K and V rows (GQA), or MLA's latent rows in
   // k_cache_ alone.
   std::unique_ptr<float[]> k_cache_, v_cache_;
-  std::vector<int> free_blocks_;  // taken from the back
+  KvBlocks blocks_;
+  uint64_t prefix_tokens_ = 0, reused_tokens_ = 0;  // open_sequence's prefixes, and found
   std::vector<Sequence> seqs_;    // [0]: the Engine interface's sequence (forward)
   std::vector<Span> spans_;       // the pass being run
   std::vector<int> row_pos_;      // each row's position in its sequence

@@ -16,6 +16,7 @@ namespace ts::server {
 Engine::Engine(EngineOptions options)
     : opt_(std::move(options)), session_(std::move(opt_.session)) {
   parallel_ = session_->batches() ? std::max(1, opt_.parallel) : 1;
+  if (parallel_ > 1) kv_ = session_->kv_stats();
   // /metrics counts from here: what a warm-up before (warm_up below) did is not a request's.
   metrics_.set_baseline(opt_.model->experts().stats(), session_->expert_cache(),
                         session_->phases());
@@ -302,7 +303,6 @@ struct Engine::Active {
   std::unique_ptr<runtime::ReplyText> reply;
   size_t fed = 0;   // prompt tokens whose KV rows are in
   int next = -1;    // the picked token to feed (decoding)
-  std::vector<int> picked;  // the reply's tokens so far
   bool done = false;
   Clock::time_point t_start, t_decode;
 };
@@ -322,36 +322,13 @@ bool Engine::admit(std::vector<std::unique_ptr<Active>>& active) {
     }
     const int need = int(std::min<int64_t>(int64_t(job->prompt.size()) + job->max_tokens,
                                            session_->n_ctx()));
-    // The kept sequence sharing the longest prefix with the prompt (all but its last token,
-    // whose logits must be computed), if any.
+    // The prompt's blocks cached from earlier or running requests are shared, not computed
+    // again (echo needs every prompt row's logits: no reuse).
     const bool echo = job->echo && job->top_logprobs >= 0;
-    size_t best = kept_.size(), best_len = 0;
-    for (size_t i = 0; i < kept_.size() && !echo; ++i) {
-      const std::vector<int>& t = kept_[i].tokens;
-      size_t n = 0;
-      while (n < t.size() && n + 1 < job->prompt.size() && t[n] == job->prompt[n]) ++n;
-      if (n > best_len) best = i, best_len = n;
-    }
-    int seq = -1;
-    size_t reused = 0;
-    if (best < kept_.size() &&
-        session_->resize_sequence(kept_[best].seq, int(best_len), need).ok()) {
-      seq = kept_[best].seq;
-      reused = size_t(session_->sequence_position(seq));
-      kept_.erase(kept_.begin() + long(best));
-    }
-    // Else a new sequence; kept ones are given up, least recently used first, until it fits.
-    while (seq < 0) {
-      Result<int> s = session_->open_sequence(need);
-      if (s.ok()) {
-        seq = *s;
-      } else if (!kept_.empty()) {
-        session_->close_sequence(kept_.front().seq);
-        kept_.erase(kept_.begin());
-      } else {
-        break;
-      }
-    }
+    Result<int> opened = session_->open_sequence(
+        need, echo ? std::span<const int>() : std::span<const int>(job->prompt));
+    const int seq = opened.ok() ? *opened : -1;
+    const size_t reused = opened.ok() ? size_t(session_->sequence_position(seq)) : 0;
     if (seq < 0 && active.empty()) {  // more rows than the whole cache: it can never run
       queue_.pop_front();
       lock.unlock();
@@ -392,12 +369,8 @@ void Engine::retire(Active& a) {
   if (a.gen.stop_reason != runtime::StopReason::kCancelled) a.reply->finish();
   if (a.t_decode != Clock::time_point{})
     a.gen.decode_s = std::chrono::duration<double>(Clock::now() - a.t_decode).count();
-  // Its KV rows stay for a request that continues this one: the prompt and the reply's
-  // tokens, as far as they were fed.
-  std::vector<int> tokens(a.job->prompt.begin(), a.job->prompt.end());
-  tokens.insert(tokens.end(), a.picked.begin(), a.picked.end());
-  tokens.resize(std::min(tokens.size(), size_t(session_->sequence_position(a.seq))));
-  kept_.push_back({a.seq, std::move(tokens)});
+  // Its whole blocks stay cached for a request that continues this one.
+  session_->close_sequence(a.seq);
   {
     std::lock_guard lock(mu_);
     current_.erase(std::find(current_.begin(), current_.end(), a.job));
@@ -457,7 +430,6 @@ Status Engine::run_step(std::vector<std::unique_ptr<Active>>& active) {
       retire(a);
     } else {
       a.next = tok;
-      a.picked.push_back(tok);
     }
   }
   return {};
@@ -495,6 +467,9 @@ void Engine::run_batched() {
     }
     std::erase_if(active, [](const auto& a) { return a->done; });
     running_ = int(active.size());
+    const runtime::Engine::KvStats kv = session_->kv_stats();
+    std::lock_guard lock(mu_);
+    kv_ = kv;
   }
   // Stopping: the running jobs end as cancelled.
   for (auto& a : active) {

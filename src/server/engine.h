@@ -3,9 +3,10 @@
 // `parallel` jobs in flight, one step at a time over all of them (each decoding job's next
 // token, then prefill chunks of the others within the step's token budget), jobs admitted
 // in arrival order as soon as a place and their KV rows are free, retired as they finish.
-// A finished job's sequence stays cached until its KV rows are needed, so a request that
-// continues it (a chat that goes on) skips the shared prefix. Otherwise jobs run one at a
-// time in arrival order on the session's own sequence, with the same prefix reuse.
+// The session's prefix cache shares the KV rows of whole blocks a new request's prompt has in
+// common with a finished or running one (a chat that goes on, a common system prompt).
+// Otherwise jobs run one at a time in arrival order on the session's own sequence, reusing
+// the previous request's rows for the prefix they share.
 //
 // Threads: HTTP threads call submit(); the engine thread calls a job's on_text (per token)
 // and on_done (once). A job whose `cancelled` flag is set stops at the next token (or is
@@ -100,6 +101,11 @@ class Engine {
 
   int n_ctx() const { return session_->n_ctx(); }
   int queue_depth() const;
+  // The KV pool as of the last step (batching; zeros otherwise).
+  runtime::Engine::KvStats kv_stats() const {
+    std::lock_guard lock(mu_);
+    return kv_;
+  }
   int running() const { return running_; }
   int parallel() const { return parallel_; }
   std::string device_name() const { return session_->device_name(); }
@@ -116,13 +122,6 @@ class Engine {
   bool admit(std::vector<std::unique_ptr<Active>>& active);
   Status run_step(std::vector<std::unique_ptr<Active>>& active);
   void retire(Active& a);
-  // Batched: finished sequences whose KV rows are kept for a request that continues them,
-  // least recently used first.
-  struct Cached {
-    int seq;
-    std::vector<int> tokens;
-  };
-  std::vector<Cached> kept_;
 
   EngineOptions opt_;
   std::unique_ptr<runtime::Engine> session_;
@@ -136,6 +135,7 @@ class Engine {
   std::vector<std::shared_ptr<Job>> current_;  // running jobs (stop() cancels them)
   bool stopping_ = false;
   int parallel_ = 1;
+  runtime::Engine::KvStats kv_;  // under mu_
   std::atomic<int> running_{0};
   std::thread thread_;
 };

@@ -48,7 +48,8 @@ void Metrics::set_baseline(const experts::StoreStats& store,
   base_phases_ = phases;
 }
 
-std::string Metrics::prometheus(int queue_depth, int running) const {
+std::string Metrics::prometheus(int queue_depth, int running,
+                                const runtime::Engine::KvStats& kv) const {
   std::lock_guard lock(mu_);
   std::string out;
   char line[512];
@@ -70,6 +71,22 @@ std::string Metrics::prometheus(int queue_depth, int running) const {
          "Engine threads; one, running every request in flight (--parallel) step by step.", 1);
   metric("turbospark_queue_depth", "gauge", "Requests waiting for the engine.", queue_depth);
   metric("turbospark_requests_running", "gauge", "Requests the engine is generating for.", running);
+  if (kv.blocks > 0) {
+    metric("turbospark_kv_block_tokens", "gauge", "Positions per KV cache block.",
+           double(kv.block_tokens));
+    metric("turbospark_kv_blocks", "gauge", "KV cache blocks in the pool.", double(kv.blocks));
+    metric("turbospark_kv_blocks_used", "gauge", "KV cache blocks held by running requests.",
+           double(kv.used));
+    metric("turbospark_kv_blocks_cached", "gauge",
+           "KV cache blocks kept for prefix reuse, held by no request.", double(kv.cached));
+    metric("turbospark_kv_prefix_tokens_total", "counter",
+           "Prompt tokens looked up in the prefix cache.", double(kv.prefix_tokens));
+    metric("turbospark_kv_prefix_hit_tokens_total", "counter",
+           "Of those, found cached (their KV rows shared, not computed).",
+           double(kv.reused_tokens));
+    metric("turbospark_kv_prefix_hit_rate", "gauge", "Prefix-cache hit tokens / looked up.",
+           kv.prefix_tokens ? double(kv.reused_tokens) / double(kv.prefix_tokens) : 0.0);
+  }
   metric("turbospark_generations_total", "counter", "Generations finished (any stop reason).",
          double(generations_));
   metric("turbospark_generations_cancelled_total", "counter",

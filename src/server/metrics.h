@@ -30,8 +30,10 @@ class Metrics {
   void set_baseline(const experts::StoreStats& store,
                     const std::optional<runtime::ExpertCacheReport>& gpu,
                     const runtime::PhaseTimes& phases);
-  // queue_depth: jobs waiting; running: jobs in flight (up to --parallel).
-  std::string prometheus(int queue_depth, int running) const;
+  // queue_depth: jobs waiting; running: jobs in flight (up to --parallel); kv: the KV
+  // pool's blocks and prefix cache (all zero where the backend does not batch).
+  std::string prometheus(int queue_depth, int running,
+                         const runtime::Engine::KvStats& kv = {}) const;
 
  private:
   mutable std::mutex mu_;

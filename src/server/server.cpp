@@ -282,7 +282,7 @@ void Server::Impl::setup() {
     send_json(res, 200, {{"status", "ok"}});
   });
   http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(engine.metrics().prometheus(engine.queue_depth(), engine.running()),
+    res.set_content(engine.metrics().prometheus(engine.queue_depth(), engine.running(), engine.kv_stats()),
                     "text/plain; version=0.0.4");
   });
   auto model_json = [this] {

@@ -712,6 +712,20 @@ async function streamText(client, messages, maxTokens) {
   return { text, finish, usage };
 }
 
+test('prefix cache: a chat that goes on shares the earlier request\'s KV blocks; the reply is the one without them', async () => {
+  const first = [{ role: 'user', content: 'Tell me about the sea, the wind, the ships and the long grey harbour walls.' }];
+  const r1 = await openai.chat.completions.create({ model: MODEL, messages: first, max_tokens: 12 });
+  const hits0 = await metric(main.base, 'turbospark_kv_prefix_hit_tokens_total');
+  const more = [...first, { role: 'assistant', content: r1.choices[0].message.content },
+    { role: 'user', content: 'And the lighthouse?' }];
+  const r2 = await openai.chat.completions.create({ model: MODEL, messages: more, max_tokens: 12 });
+  const hits = (await metric(main.base, 'turbospark_kv_prefix_hit_tokens_total')) - hits0;
+  assert.ok(hits >= 16 && hits % 16 === 0, `prefix hits ${hits}`);
+  assert.ok(hits < r2.usage.prompt_tokens);
+  assert.equal(r2.choices[0].message.content, cliRun(['--messages', messagesFile(more), '-n', '12']));
+  assert.ok(await metric(main.base, 'turbospark_kv_blocks') > 0);
+});
+
 for (const [what, args, clients, maxTokens] of [
   ['64 streams x 128 tokens, --parallel 64', ['--parallel', '64'], 64, 128],
   ['12 streams, a KV pool for 3 (--kv-tokens 1024): the rest wait', ['--parallel', '12', '--kv-tokens', '1024'], 12, 300],

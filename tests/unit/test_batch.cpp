@@ -177,6 +177,68 @@ TEST_P(Batch, ClosedBlocksReusedByANewSequenceAndThePoolRunsOut) {
   EXPECT_EQ(0, std::memcmp(logits.data(), alone()[5].data(), vocab_ * sizeof(float)));
 }
 
+// The prefix cache: a sequence whose prompt starts with another's tokens shares that one's
+// whole blocks — while it runs and after it closed — and gets the logits it gets alone; the
+// one it shares with goes on unharmed; blocks given up for room are not found again.
+TEST_P(Batch, PrefixBlocksAreSharedAndGiveTheAloneLogits) {
+  ts::ThreadPool pool(2);
+  const std::vector<int>& p = prompts_[5];  // 36 tokens: 2 whole blocks
+  std::vector<int> longer = p;
+  longer.insert(longer.end(), prompts_[3].begin(), prompts_[3].end());
+  const auto alone_last = [&](const std::vector<int>& tokens) {
+    Session s(*model_, pool, {.n_ctx = 128});
+    EXPECT_TRUE(s.forward(tokens, nullptr).ok());
+    return std::vector<float>(s.last_logits().begin(), s.last_logits().end());
+  };
+  const auto run = [&](Session& s, int seq, std::span<const int> tokens) {
+    std::vector<float> logits;
+    const ts::Status st = s.step(std::vector<Engine::SeqInput>{{.seq = seq, .tokens = tokens}},
+                                 &logits);
+    EXPECT_TRUE(st.ok()) << st.error().message;
+    return logits;
+  };
+  Session s(*model_, pool, {.n_ctx = 128, .kv_tokens = 8 * Session::kKvBlock});
+  auto a = s.open_sequence(int(p.size()) + 1, p);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(s.sequence_position(*a), 0);  // nothing cached yet
+  run(s, *a, p);
+  // While a runs: b finds a's two whole blocks.
+  auto b = s.open_sequence(int(longer.size()), longer);
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(s.sequence_position(*b), 2 * Session::kKvBlock);
+  std::vector<float> got = run(s, *b, std::span<const int>(longer).subspan(32));
+  EXPECT_EQ(0, std::memcmp(got.data(), alone_last(longer).data(), vocab_ * sizeof(float)));
+  // a goes on past the shared blocks, unharmed.
+  std::vector<int> a_next = p;
+  a_next.push_back(7);
+  got = run(s, *a, std::span<const int>(a_next).subspan(p.size()));
+  EXPECT_EQ(0, std::memcmp(got.data(), alone_last(a_next).data(), vocab_ * sizeof(float)));
+  s.close_sequence(*a);
+  s.close_sequence(*b);
+  EXPECT_GT(s.kv_stats().cached, 0);
+  EXPECT_EQ(s.kv_stats().reused_tokens, uint64_t(2 * Session::kKvBlock));
+  // After both closed: found again (the prompt itself: all but its last token, 2 blocks).
+  auto c = s.open_sequence(int(p.size()), p);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(s.sequence_position(*c), 2 * Session::kKvBlock);
+  got = run(s, *c, std::span<const int>(p).subspan(32));
+  EXPECT_EQ(0, std::memcmp(got.data(), alone_last(p).data(), vocab_ * sizeof(float)));
+  s.close_sequence(*c);
+  // A sequence that needs the whole pool takes the cached blocks; p's are then gone.
+  std::vector<int> other(8 * Session::kKvBlock - 1);
+  for (size_t i = 0; i < other.size(); ++i) other[i] = int((i * 13 + 5) % vocab_);
+  auto d = s.open_sequence(int(other.size()) + 1);
+  ASSERT_TRUE(d.ok()) << d.error().message;
+  EXPECT_EQ(s.kv_stats().cached, 0);
+  run(s, *d, std::span<const int>(other).first(100));
+  s.close_sequence(*d);
+  auto e = s.open_sequence(int(p.size()), p);
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(s.sequence_position(*e), 0);
+  got = run(s, *e, p);
+  EXPECT_EQ(0, std::memcmp(got.data(), alone_last(p).data(), vocab_ * sizeof(float)));
+}
+
 TEST_P(Batch, BadStepsAreRefusedAndChangeNothing) {
   ts::ThreadPool pool(2);
   Session s(*model_, pool, {.n_ctx = 64, .prefill_chunk = 16, .kv_tokens = 256});
