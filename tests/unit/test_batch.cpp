@@ -60,9 +60,11 @@ class Batch : public ::testing::TestWithParam<std::string> {
   // All prompts through one session's steps: prompt i arrives at step i / 3, prefills in
   // chunks that share a budget of `budget` tokens a step with the decode rows; `reverse`
   // lists the step's sequences last-arrived first.
-  std::vector<std::vector<float>> batched(int budget, bool reverse) {
+  std::vector<std::vector<float>> batched(int budget, bool reverse,
+                                          const ts::runtime::LoadedModel* model = nullptr) {
     ts::ThreadPool pool(2);
-    Session s(*model_, pool, {.n_ctx = 64, .prefill_chunk = budget, .kv_tokens = 64 * kPrompts});
+    Session s(model ? *model : *model_, pool,
+              {.n_ctx = 64, .prefill_chunk = budget, .kv_tokens = 64 * kPrompts});
     struct Live {
       int index, seq;
       size_t fed = 0;
@@ -150,6 +152,17 @@ TEST_P(Batch, EachSequenceGetsItsAloneLogitsInAnyBatch) {
   const auto want = alone();
   expect_same(want, batched(48, false), "budget 48");
   expect_same(want, batched(20, true), "budget 20, reversed order");
+  // Experts streamed into a cache of 2 slots a layer: a step's experts are read in batches
+  // of what the cache holds, each released before the next.
+  ts::runtime::LoadOptions opt;
+  opt.residency = ts::experts::Residency::kStreamed;
+  opt.streamed.slots_per_layer = 2;
+  auto streamed = ts::runtime::LoadedModel::load(
+      (ts_test::data_dir() / "models" / GetParam()).string(), opt);
+  ASSERT_TRUE(streamed.ok()) << streamed.error().message;
+  expect_same(want, batched(48, false, streamed->get()), "streamed, 2 slots");
+  const auto st = (*streamed)->experts().stats();
+  EXPECT_LT(st.hits, st.requests) << "a 2-slot cache must miss";
 }
 
 TEST_P(Batch, ClosedBlocksReusedByANewSequenceAndThePoolRunsOut) {
