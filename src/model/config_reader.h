@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 
@@ -55,6 +56,18 @@ struct ConfigReader {
     const nlohmann::json& v = j.at(key);
     if (!v.is_string()) return err(key, "must be a string");
     return v.get<std::string>();
+  }
+  // A list of strings; empty when absent.
+  Result<std::vector<std::string>> string_list(const std::string& key) const {
+    std::vector<std::string> out;
+    if (!has(key)) return out;
+    const nlohmann::json& v = j.at(key);
+    if (!v.is_array()) return err(key, "must be a list of strings");
+    for (const nlohmann::json& e : v) {
+      if (!e.is_string()) return err(key, "must be a list of strings, has " + e.dump());
+      out.push_back(e.get<std::string>());
+    }
+    return out;
   }
   Result<std::set<int>> int_set(const std::string& key) const {
     std::set<int> out;

@@ -20,6 +20,7 @@ enum class Family : uint8_t {
   kDeepseekV3,  // also kimi_k2
   kGlm4Moe,
   kMinimaxM2,
+  kQwen3Next,  // also qwen3_5_moe_text (Qwen3.5 / 3.6 MoE)
 };
 
 // Where q/k RMSNorm is applied, if anywhere.
@@ -78,6 +79,32 @@ struct MlaSpec {
   int qk_dim() const { return nope_dim + rope_dim; }
 };
 
+// A layer's token mixer.
+enum class MixerKind : uint8_t {
+  kAttention,      // by AttentionKind, with a KV cache
+  kGatedDeltaNet,  // linear attention with a recurrent state per sequence (DeltaNetSpec)
+};
+// Gated DeltaNet (Qwen3-Next, Qwen3.5): per token, q|k|v through a causal depthwise conv
+// (conv_kernel taps, SiLU), q and k L2-normalised per head, then per value head a state
+// S [k_dim, v_dim] decayed by exp(g), written with the delta rule at strength beta and read
+// by q; the output RMS-normed per head and gated by SiLU(z). Each key head serves
+// n_v_heads / n_k_heads value heads.
+struct DeltaNetSpec {
+  int n_k_heads = 0, n_v_heads = 0;
+  int k_dim = 0, v_dim = 0;  // per head
+  int conv_kernel = 0;
+  // Qwen3-Next: in_proj_qkvz / in_proj_ba with rows grouped per key head; Qwen3.5: in_proj_qkv,
+  // in_proj_z, in_proj_b, in_proj_a in flat order.
+  bool grouped_projection = false;
+  int key_dim() const { return n_k_heads * k_dim; }
+  int value_dim() const { return n_v_heads * v_dim; }
+  int conv_dim() const { return 2 * key_dim() + value_dim(); }
+  // Floats of one layer's state: the conv's last conv_kernel - 1 inputs, then S per head.
+  int64_t state_floats() const {
+    return int64_t(conv_dim()) * (conv_kernel - 1) + int64_t(n_v_heads) * k_dim * v_dim;
+  }
+};
+
 struct HParams {
   Family family = Family::kMixtral;
   std::string model_type;
@@ -104,6 +131,14 @@ struct HParams {
   int max_positions = 0;
   bool tie_word_embeddings = false;
   std::vector<bool> layer_is_moe;  // [n_layers]
+  std::vector<MixerKind> layer_mixer;  // [n_layers]
+  DeltaNetSpec deltanet;           // where a layer is kGatedDeltaNet
+  // The q projection is twice as wide: per head, head_dim query values then head_dim gate
+  // values; attention's output is multiplied by sigmoid(gate) before o_proj.
+  bool attn_output_gate = false;
+  // RMSNorm weights stored zero-centred (y = norm(x) * (1 + w)); the one is added at load,
+  // so the backends see plain weights.
+  bool norm_plus_one = false;
   int n_nextn_layers = 0;          // multi-token-prediction layers in the checkpoint, skipped
 
   // GQA widths; for MLA, q_dim is the query's n_heads * (nope + rope), and o_proj reads
@@ -112,6 +147,12 @@ struct HParams {
     return attention == AttentionKind::kMla ? n_heads * mla.qk_dim() : n_heads * head_dim;
   }
   int kv_dim() const { return n_kv_heads * head_dim; }
+  int q_proj_rows() const { return q_dim() * (attn_output_gate ? 2 : 1); }
+  bool has_deltanet() const {
+    for (MixerKind k : layer_mixer)
+      if (k == MixerKind::kGatedDeltaNet) return true;
+    return false;
+  }
   int attn_out_dim() const {
     return attention == AttentionKind::kMla ? n_heads * mla.v_dim : n_heads * head_dim;
   }

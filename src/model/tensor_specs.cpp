@@ -27,7 +27,25 @@ std::vector<TensorSpec> checkpoint_tensors(const HParams& hp) {
     std::string a = p + "self_attn.";
     add(p + "input_layernorm.weight", {d}, K::kNorm, R::kAttnNorm);
     add(p + "post_attention_layernorm.weight", {d}, K::kNorm, R::kFfnNorm);
-    if (hp.attention == AttentionKind::kMla) {
+    if (hp.layer_mixer[size_t(layer)] == MixerKind::kGatedDeltaNet) {
+      const DeltaNetSpec& dn = hp.deltanet;
+      const std::string n = p + "linear_attn.";
+      if (dn.grouped_projection) {
+        add(n + "in_proj_qkvz.weight", {2 * dn.key_dim() + 2 * dn.value_dim(), d}, K::kLinear,
+            R::kDnQkvz);
+        add(n + "in_proj_ba.weight", {2 * dn.n_v_heads, d}, K::kLinear, R::kDnBa);
+      } else {
+        add(n + "in_proj_qkv.weight", {dn.conv_dim(), d}, K::kLinear, R::kDnQkv);
+        add(n + "in_proj_z.weight", {dn.value_dim(), d}, K::kLinear, R::kDnZ);
+        add(n + "in_proj_b.weight", {dn.n_v_heads, d}, K::kLinear, R::kDnB);
+        add(n + "in_proj_a.weight", {dn.n_v_heads, d}, K::kLinear, R::kDnA);
+      }
+      add(n + "conv1d.weight", {dn.conv_dim(), 1, dn.conv_kernel}, K::kNorm, R::kDnConv);
+      add(n + "A_log", {dn.n_v_heads}, K::kNorm, R::kDnALog);
+      add(n + "dt_bias", {dn.n_v_heads}, K::kNorm, R::kDnDtBias);
+      add(n + "norm.weight", {dn.v_dim}, K::kNorm, R::kDnNorm);
+      add(n + "out_proj.weight", {d, dn.value_dim()}, K::kLinear, R::kDnOut);
+    } else if (hp.attention == AttentionKind::kMla) {
       const MlaSpec& m = hp.mla;
       if (m.q_lora_rank > 0) {
         add(a + "q_a_proj.weight", {m.q_lora_rank, d}, K::kLinear, R::kQa);
@@ -42,7 +60,7 @@ std::vector<TensorSpec> checkpoint_tensors(const HParams& hp) {
           K::kLinear, R::kKvb);
       add(a + "o_proj.weight", {d, hp.attn_out_dim()}, K::kLinear, R::kWo);
     } else {
-      add(a + "q_proj.weight", {hp.q_dim(), d}, K::kLinear, R::kWq);
+      add(a + "q_proj.weight", {hp.q_proj_rows(), d}, K::kLinear, R::kWq);
       add(a + "k_proj.weight", {hp.kv_dim(), d}, K::kLinear, R::kWk);
       add(a + "v_proj.weight", {hp.kv_dim(), d}, K::kLinear, R::kWv);
       add(a + "o_proj.weight", {d, hp.q_dim()}, K::kLinear, R::kWo);

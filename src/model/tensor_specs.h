@@ -21,6 +21,8 @@ enum class TensorRole : uint8_t {
   kAttnNorm, kFfnNorm,
   kWq, kWk, kWv, kWo, kBq, kBk, kBv, kQNorm, kKNorm,  // GQA
   kQa, kQaNorm, kQb, kKva, kKvaNorm, kKvb,             // MLA (kWq when no q LoRA, kWo)
+  kDnQkvz, kDnBa, kDnQkv, kDnZ, kDnB, kDnA,            // gated DeltaNet input projections
+  kDnConv, kDnALog, kDnDtBias, kDnNorm, kDnOut,
   kRouter, kRouterBias,
   // each MLP's gate, up, down in this order (checkpoint_tensors counts on it)
   kSharedGate, kSharedUp, kSharedDown, kSharedExpertGate,

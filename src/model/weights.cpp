@@ -29,8 +29,11 @@ struct Binder {
     TS_ASSIGN(const io::TensorView* t, get(name, {rows, cols}));
     return Matrix{t->data, t->dtype, rows, cols};
   }
-  Result<std::vector<float>> vec(const std::string& name, int64_t n) const {
-    TS_ASSIGN(const io::TensorView* t, get(name, {n}));
+  // A vector (a norm, a bias; or a small tensor read whole, as the conv taps).
+  Result<std::vector<float>> vec(const std::string& name, std::vector<int64_t> shape) const {
+    TS_ASSIGN(const io::TensorView* t, get(name, shape));
+    int64_t n = 1;
+    for (int64_t e : shape) n *= e;
     // Packs keep norms and biases in their float type; a quantized one is a foreign file.
     if (dtype_is_quantized(t->dtype))
       return make_error("tensor " + name + " in " + t->file + " is " +
@@ -55,10 +58,20 @@ Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensor
   }
   using R = TensorRole;
   for (const TensorSpec& s : checkpoint_tensors(hp)) {
-    if (s.shape.size() == 1) {
-      TS_ASSIGN(std::vector<float> v, b.vec(s.name, s.shape[0]));
+    if (s.shape.size() != 2) {
+      TS_ASSIGN(std::vector<float> v, b.vec(s.name, s.shape));
+      // Zero-centred norm weights become plain ones: y = norm(x) * (1 + w), as transformers
+      // computes it in F32.
+      const bool norm = s.role == R::kFinalNorm || s.role == R::kAttnNorm ||
+                        s.role == R::kFfnNorm || s.role == R::kQNorm || s.role == R::kKNorm;
+      if (hp.norm_plus_one && norm)
+        for (float& x : v) x = 1.0f + x;
       LayerWeights* L = s.layer >= 0 ? &w.layers[size_t(s.layer)] : nullptr;
       switch (s.role) {
+        case R::kDnConv: L->deltanet.conv = std::move(v); break;
+        case R::kDnALog: L->deltanet.a_log = std::move(v); break;
+        case R::kDnDtBias: L->deltanet.dt_bias = std::move(v); break;
+        case R::kDnNorm: L->deltanet.norm = std::move(v); break;
         case R::kFinalNorm: w.final_norm = std::move(v); break;
         case R::kAttnNorm: L->attn_norm = std::move(v); break;
         case R::kFfnNorm: L->ffn_norm = std::move(v); break;
@@ -90,6 +103,13 @@ Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensor
       case R::kQb: L.q_b = m; break;
       case R::kKva: L.kv_a = m; break;
       case R::kKvb: L.kv_b = m; break;
+      case R::kDnQkvz: L.deltanet.qkvz = m; break;
+      case R::kDnBa: L.deltanet.ba = m; break;
+      case R::kDnQkv: L.deltanet.qkv = m; break;
+      case R::kDnZ: L.deltanet.z = m; break;
+      case R::kDnB: L.deltanet.b = m; break;
+      case R::kDnA: L.deltanet.a = m; break;
+      case R::kDnOut: L.deltanet.out = m; break;
       case R::kRouter: L.router = m; break;
       case R::kSharedGate: L.shared.gate = m; break;
       case R::kSharedUp: L.shared.up = m; break;
@@ -142,7 +162,8 @@ WeightCounts count_weights(const HParams& hp, const BoundWeights& bw) {
     const LayerWeights& L = w.layers[l];
     for (const Matrix* m : L.matrices()) add_dense(*m);
     for (const auto* v : {&L.attn_norm, &L.ffn_norm, &L.bq, &L.bk, &L.bv, &L.q_norm, &L.k_norm,
-                          &L.q_a_norm, &L.kv_a_norm, &L.router_bias})
+                          &L.q_a_norm, &L.kv_a_norm, &L.router_bias, &L.deltanet.conv,
+                          &L.deltanet.a_log, &L.deltanet.dt_bias, &L.deltanet.norm})
       add_vec(*v);
     const auto& experts = bw.experts[l];
     for (size_t e = 0; e < experts.size(); ++e) {
@@ -182,8 +203,10 @@ Result<WeightBytes> synthetic_weight_bytes(const HParams& hp, DType dtype, DType
   const DType float_t = dtype_is_quantized(dtype) ? DType::kBF16 : dtype;
   WeightBytes b;
   for (const TensorSpec& t : checkpoint_tensors(hp)) {
-    if (t.shape.size() == 1) {  // norms and biases: F32 vectors
-      b.dense += uint64_t(t.shape[0]) * 4;
+    if (t.shape.size() != 2) {  // norms, biases, conv taps: F32 vectors
+      uint64_t n = 1;
+      for (int64_t e : t.shape) n *= uint64_t(e);
+      b.dense += n * 4;
       continue;
     }
     const DType dt = t.kind == TensorKind::kEmbedding || t.kind == TensorKind::kRouter ? float_t

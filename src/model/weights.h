@@ -47,6 +47,13 @@ struct LayerWeights {
   std::vector<float> kv_a_norm;  // [kv_lora_rank]
   Matrix kv_b;                   // [n_heads * (nope_dim + v_dim), kv_lora_rank]: per head,
                                  // nope_dim rows of W_UK then v_dim rows of W_UV
+  // Gated DeltaNet (MixerKind::kGatedDeltaNet): the input projections (qkvz + ba grouped per
+  // key head, or qkv, z, b, a), conv taps [conv_dim * conv_kernel], A_log and dt_bias
+  // [n_v_heads], the output norm [v_dim], out [d_model, value_dim].
+  struct DeltaNet {
+    Matrix qkvz, ba, qkv, z, b, a, out;
+    std::vector<float> conv, a_log, dt_bias, norm;
+  } deltanet;
   std::vector<float> bq, bk, bv;  // biases when qkv_bias, else empty
   std::vector<float> q_norm;     // [head_dim] per head, or [q_dim] full projection, or empty
   std::vector<float> k_norm;     // [head_dim] or [kv_dim] or empty
@@ -61,8 +68,10 @@ struct LayerWeights {
 
   // Every dense matrix of the layer (absent ones included; check present()).
   std::vector<const Matrix*> matrices() const {
-    return {&wq, &wk, &wv, &wo, &q_a, &q_b, &kv_a, &kv_b, &router, &shared.gate, &shared.up,
-            &shared.down, &shared_gate, &dense.gate, &dense.up, &dense.down};
+    return {&wq,          &wk,          &wv,          &wo,          &q_a,         &q_b,
+            &kv_a,        &kv_b,        &router,      &shared.gate, &shared.up,   &shared.down,
+            &shared_gate, &dense.gate,  &dense.up,    &dense.down,  &deltanet.qkvz, &deltanet.ba,
+            &deltanet.qkv, &deltanet.z, &deltanet.b,  &deltanet.a,  &deltanet.out};
   }
 };
 

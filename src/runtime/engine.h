@@ -92,7 +92,8 @@ class Engine {
   virtual int position() const = 0;
   virtual int n_ctx() const = 0;
   virtual void reset() = 0;
-  // Forgets every position from n on, to reuse a shared prefix. Precondition: 0 <= n.
+  // Forgets every position from n on, to reuse a shared prefix. Precondition: 0 <= n. A
+  // backend whose layers keep a recurrent state may forget more (position() says what stays).
   virtual void truncate(int n) = 0;
   // Runs `tokens` at the current position and advances it. If all_logits is given it is
   // resized to [tokens.size(), vocab] and filled; last_logits() always holds the last row.

@@ -101,6 +101,7 @@ Result<Generation> generate_on_cache(Engine& session, std::vector<int>& cached,
     ++common;
   if (common == prompt.size() && common > 0) --common;  // recompute the last token's logits
   session.truncate(int(common));
+  common = std::min(common, size_t(session.position()));  // a recurrent state starts again
   cached.resize(common);
   if (int64_t(prompt.size()) + g.max_tokens > session.n_ctx())
     return make_error("prompt of " + std::to_string(prompt.size()) + " tokens + " +

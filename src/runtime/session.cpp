@@ -67,7 +67,26 @@ Session::Session(const LoadedModel& model, ThreadPool& pool, SessionOptions opti
   xn_.resize(c * d);
   tmp_.resize(c * d);
   q_.resize(c * size_t(hp.q_dim()));
-  att_.resize(c * size_t(std::max(hp.q_dim(), hp.attn_out_dim())));
+  att_.resize(c * size_t(std::max({hp.q_dim(), hp.attn_out_dim(), hp.deltanet.value_dim()})));
+  if (hp.attn_output_gate) {
+    qg_.resize(c * size_t(hp.q_proj_rows()));
+    gate_.resize(c * size_t(hp.q_dim()));
+  }
+  dn_index_.assign(size_t(hp.n_layers), -1);
+  int n_dn = 0;
+  for (int l = 0; l < hp.n_layers; ++l)
+    if (hp.layer_mixer[size_t(l)] == model::MixerKind::kGatedDeltaNet) dn_index_[size_t(l)] = n_dn++;
+  clear_state(seqs_[0]);
+  if (n_dn > 0) {
+    const model::DeltaNetSpec& dn = hp.deltanet;
+    dn_qkv_.resize(c * size_t(dn.conv_dim()));
+    dn_x_.resize(c * size_t(dn.conv_dim()));
+    dn_z_.resize(c * size_t(dn.value_dim()));
+    dn_b_.resize(c * size_t(dn.n_v_heads));
+    dn_a_.resize(c * size_t(dn.n_v_heads));
+    if (dn.grouped_projection)
+      dn_proj_.resize(c * size_t(2 * dn.key_dim() + 2 * dn.value_dim()));
+  }
   if (mla) {
     lat_.resize(c * size_t(std::max(hp.mla.q_lora_rank, hp.cache_row())));
   } else {
@@ -118,6 +137,22 @@ void Session::layer_boundary(int layer, int n, bool last_chunk) {
 void Session::reset() {
   release_blocks(seqs_[0]);
   seqs_[0].pos = 0;
+  clear_state(seqs_[0]);
+}
+
+void Session::truncate(int n) {
+  Sequence& s = seqs_[0];
+  if (model_.hp().has_deltanet() && n < s.pos) {
+    s.pos = 0;
+    clear_state(s);
+    return;
+  }
+  s.pos = std::min(s.pos, std::max(0, n));
+}
+
+void Session::clear_state(Sequence& s) const {
+  const int64_t layers = std::count_if(dn_index_.begin(), dn_index_.end(), [](int i) { return i >= 0; });
+  s.state.assign(size_t(layers * model_.hp().deltanet.state_floats()), 0.0f);
 }
 
 void Session::release_blocks(Sequence& s) {
@@ -149,9 +184,12 @@ Result<int> Session::open_sequence(int max_tokens, std::span<const int> prefix) 
   if (id == seqs_.size()) seqs_.emplace_back();
   Sequence& s = seqs_[id];
   s = Sequence{.reserve = max_tokens, .open = true};
+  clear_state(s);
   // The prefix's whole blocks found in the cache, all but its last token, within the reserve.
-  const size_t most = prefix.empty() ? 0
-                                     : std::min(prefix.size() - 1, size_t(max_tokens)) / kKvBlock;
+  // A recurrent state is not in the blocks: with DeltaNet layers nothing is shared.
+  const size_t most = prefix.empty() || model_.hp().has_deltanet()
+                          ? 0
+                          : std::min(prefix.size() - 1, size_t(max_tokens)) / kKvBlock;
   for (size_t b = 0; b < most; ++b) {
     const int block = blocks_.find(b == 0 ? -1 : s.blocks.back(),
                                    prefix.subspan(b * kKvBlock, kKvBlock));
@@ -313,7 +351,8 @@ Status Session::run_rows(const int* tokens, int n, float* logits_out, bool last_
   for (const Span& sp : spans_) {
     Sequence& s = seqs_[size_t(sp.seq)];
     s.pos = sp.pos0 + sp.n;
-    if (sp.seq == 0) continue;  // truncate() rewrites its rows: never shared
+    // Sequence 0's rows are rewritten after truncate(); a recurrent state is not in blocks.
+    if (sp.seq == 0 || model_.hp().has_deltanet()) continue;
     s.tokens.insert(s.tokens.end(), tokens + sp.row0, tokens + sp.row0 + sp.n);
     for (int b = sp.pos0 / kKvBlock; (b + 1) * kKvBlock <= s.pos; ++b)
       blocks_.remember(s.blocks[size_t(b)], b == 0 ? -1 : s.blocks[size_t(b - 1)],
@@ -343,12 +382,17 @@ Status Session::run_rows(const int* tokens, int n, float* logits_out, bool last_
 
 void Session::attention_block(int layer, int n) {
   auto t0 = Clock::now();
-  if (model_.hp().attention == model::AttentionKind::kMla)
-    mla_attention(layer, n);
-  else
-    gqa_attention(layer, n);
   const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
-  linear(pool_, L.wo, att_.data(), n, tmp_.data());
+  const model::Matrix* out = &L.wo;
+  if (model_.hp().layer_mixer[size_t(layer)] == model::MixerKind::kGatedDeltaNet) {
+    deltanet(layer, n);
+    out = &L.deltanet.out;
+  } else if (model_.hp().attention == model::AttentionKind::kMla) {
+    mla_attention(layer, n);
+  } else {
+    gqa_attention(layer, n);
+  }
+  linear(pool_, *out, att_.data(), n, tmp_.data());
   const size_t d = size_t(model_.hp().d_model);
   for (size_t i = 0; i < size_t(n) * d; ++i) x_[i] += tmp_[i];
   phases_.attention_us += us_since(t0);
@@ -412,7 +456,17 @@ void Session::gqa_attention(int layer, int n) {
   const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
   const int d = hp.d_model, qd = hp.q_dim(), kvd = hp.kv_dim();
   cpu::rmsnorm_rows(x_.data(), L.attn_norm.data(), xn_.data(), n, d, hp.rms_eps);
-  linear(pool_, L.wq, xn_.data(), n, q_.data());
+  if (hp.attn_output_gate) {
+    // Per head: head_dim query values, then head_dim gate values.
+    linear(pool_, L.wq, xn_.data(), n, qg_.data());
+    const size_t hd = size_t(hp.head_dim);
+    for (size_t r = 0; r < size_t(n) * size_t(hp.n_heads); ++r) {
+      std::copy_n(qg_.data() + 2 * r * hd, hd, q_.data() + r * hd);
+      std::copy_n(qg_.data() + (2 * r + 1) * hd, hd, gate_.data() + r * hd);
+    }
+  } else {
+    linear(pool_, L.wq, xn_.data(), n, q_.data());
+  }
   linear(pool_, L.wk, xn_.data(), n, k_.data());
   linear(pool_, L.wv, xn_.data(), n, v_.data());
   add_bias(q_.data(), L.bq, n);
@@ -452,6 +506,76 @@ void Session::gqa_attention(int layer, int n) {
                            .n_kv_heads = hp.n_kv_heads,
                            .head_dim = hp.head_dim,
                            .scale = hp.attn_scale});
+  }
+  if (hp.attn_output_gate)
+    for (size_t i = 0; i < size_t(n) * size_t(qd); ++i)
+      att_[i] *= 1.0f / (1.0f + std::exp(-gate_[i]));
+}
+
+void Session::deltanet(int layer, int n) {
+  const model::HParams& hp = model_.hp();
+  const model::DeltaNetSpec& dn = hp.deltanet;
+  const model::LayerWeights::DeltaNet& W = model_.dense().layers[size_t(layer)].deltanet;
+  const model::LayerWeights& L = model_.dense().layers[size_t(layer)];
+  cpu::rmsnorm_rows(x_.data(), L.attn_norm.data(), xn_.data(), n, hp.d_model, hp.rms_eps);
+  const size_t conv_dim = size_t(dn.conv_dim()), key_dim = size_t(dn.key_dim());
+  const size_t value_dim = size_t(dn.value_dim()), nv = size_t(dn.n_v_heads);
+  if (dn.grouped_projection) {
+    // Rows grouped per key head g: q_g, k_g, then v and z of its value heads; b and a alike.
+    const size_t per_key = nv / size_t(dn.n_k_heads), dk = size_t(dn.k_dim);
+    const size_t vg = per_key * size_t(dn.v_dim), group = 2 * dk + 2 * vg;
+    linear(pool_, W.qkvz, xn_.data(), n, dn_proj_.data());
+    for (size_t t = 0; t < size_t(n); ++t) {
+      const float* src = dn_proj_.data() + t * size_t(dn.n_k_heads) * group;
+      float* qkv = dn_qkv_.data() + t * conv_dim;
+      for (size_t g = 0; g < size_t(dn.n_k_heads); ++g, src += group) {
+        std::copy_n(src, dk, qkv + g * dk);
+        std::copy_n(src + dk, dk, qkv + key_dim + g * dk);
+        std::copy_n(src + 2 * dk, vg, qkv + 2 * key_dim + g * vg);
+        std::copy_n(src + 2 * dk + vg, vg, dn_z_.data() + t * value_dim + g * vg);
+      }
+    }
+    linear(pool_, W.ba, xn_.data(), n, dn_proj_.data());
+    for (size_t t = 0; t < size_t(n); ++t)
+      for (size_t g = 0; g < size_t(dn.n_k_heads); ++g) {
+        const float* src = dn_proj_.data() + t * 2 * nv + g * 2 * per_key;
+        std::copy_n(src, per_key, dn_b_.data() + t * nv + g * per_key);
+        std::copy_n(src + per_key, per_key, dn_a_.data() + t * nv + g * per_key);
+      }
+  } else {
+    linear(pool_, W.qkv, xn_.data(), n, dn_qkv_.data());
+    linear(pool_, W.z, xn_.data(), n, dn_z_.data());
+    linear(pool_, W.b, xn_.data(), n, dn_b_.data());
+    linear(pool_, W.a, xn_.data(), n, dn_a_.data());
+  }
+  const int64_t state_floats = dn.state_floats();
+  const size_t conv_floats = conv_dim * size_t(dn.conv_kernel - 1);
+  for (const Span& sp : spans_) {
+    float* st = seqs_[size_t(sp.seq)].state.data() + size_t(dn_index_[size_t(layer)]) * state_floats;
+    const size_t r0 = size_t(sp.row0);
+    cpu::gated_delta_net(pool_, {.qkv = dn_qkv_.data() + r0 * conv_dim,
+                                 .b = dn_b_.data() + r0 * nv,
+                                 .a = dn_a_.data() + r0 * nv,
+                                 .conv = W.conv.data(),
+                                 .a_log = W.a_log.data(),
+                                 .dt_bias = W.dt_bias.data(),
+                                 .conv_state = st,
+                                 .state = st + conv_floats,
+                                 .x = dn_x_.data() + r0 * conv_dim,
+                                 .out = att_.data() + r0 * value_dim,
+                                 .n = sp.n,
+                                 .n_k_heads = dn.n_k_heads,
+                                 .n_v_heads = dn.n_v_heads,
+                                 .k_dim = dn.k_dim,
+                                 .v_dim = dn.v_dim,
+                                 .kernel = dn.conv_kernel});
+  }
+  // The gated RMSNorm per value head: w * norm(o) * SiLU(z).
+  for (size_t r = 0; r < size_t(n) * nv; ++r) {
+    float* o = att_.data() + r * size_t(dn.v_dim);
+    cpu::rmsnorm_rows(o, W.norm.data(), o, 1, dn.v_dim, hp.rms_eps);
+    const float* z = dn_z_.data() + r * size_t(dn.v_dim);
+    for (int j = 0; j < dn.v_dim; ++j) o[j] *= z[j] / (1.0f + std::exp(-z[j]));
   }
 }
 

@@ -67,8 +67,9 @@ class Session final : public Engine {
   int position() const override { return seqs_[0].pos; }
   int n_ctx() const override { return n_ctx_; }
   void reset() override;
-  // The KV rows from n on are overwritten by later tokens.
-  void truncate(int n) override { seqs_[0].pos = std::min(seqs_[0].pos, std::max(0, n)); }
+  // The KV rows from n on are overwritten by later tokens. A recurrent state cannot go back:
+  // with gated DeltaNet layers, anything short of the whole sequence starts again from 0.
+  void truncate(int n) override;
   Status forward(std::span<const int> tokens, std::vector<float>* all_logits) override;
   bool batches() const override { return true; }
   int step_tokens() const override { return chunk_; }
@@ -94,6 +95,8 @@ class Session final : public Engine {
     int reserve = 0;  // positions reserved at open (step sequences); 0: grows on demand
     bool open = false;
     std::vector<int> tokens;  // step sequences: the tokens at positions [0, pos)
+    // Gated DeltaNet layers' recurrent state (conv inputs, then S), one run per such layer.
+    std::vector<float> state;
   };
   // One sequence's rows [row0, row0 + n) of a pass, at positions pos0 ...
   struct Span {
@@ -114,6 +117,8 @@ class Session final : public Engine {
   void attention_block(int layer, int n);  // by hp.attention: gqa_attention or mla_attention
   void gqa_attention(int layer, int n);
   void mla_attention(int layer, int n);
+  void deltanet(int layer, int n);  // writes att_ [n, value_dim] for deltanet.out
+  void clear_state(Sequence& s) const;  // a fresh recurrent state (zeros), or none
   // RoPE of hp.rope over heads `head_stride` floats apart, from `offset` in each.
   cpu::RopeTable rope_table(int head_stride, int offset) const;
   Status moe_block(int layer, int n);
@@ -136,6 +141,11 @@ class Session final : public Engine {
   // Scratch, sized for one chunk.
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, router_, slots_, gather_, h1_, h2_, h3_;
   std::vector<float> lat_;  // MLA: the q LoRA's and the KV latent's rows
+  std::vector<float> qg_, gate_;  // attention output gate: q|gate rows, then the gates
+  // Gated DeltaNet: the projections' q|k|v (conv input), z, b, a rows, a grouped projection's
+  // rows before they are put in that order, the conv output.
+  std::vector<float> dn_qkv_, dn_z_, dn_b_, dn_a_, dn_proj_, dn_x_;
+  std::vector<int> dn_index_;  // [n_layers]: the layer's place in Sequence::state, or -1
   std::vector<int> sel_ids_;
   std::vector<float> sel_w_;
   std::vector<float> last_logits_;

@@ -192,9 +192,12 @@ TEST_P(Batch, ClosedBlocksReusedByANewSequenceAndThePoolRunsOut) {
 
 // The prefix cache: a sequence whose prompt starts with another's tokens shares that one's
 // whole blocks — while it runs and after it closed — and gets the logits it gets alone; the
-// one it shares with goes on unharmed; blocks given up for room are not found again.
+// one it shares with goes on unharmed; blocks given up for room are not found again. With
+// gated DeltaNet layers (a recurrent state, not in the blocks) nothing is shared, and the
+// logits are the same.
 TEST_P(Batch, PrefixBlocksAreSharedAndGiveTheAloneLogits) {
   ts::ThreadPool pool(2);
+  const int shared = model_->hp().has_deltanet() ? 0 : 2 * Session::kKvBlock;
   const std::vector<int>& p = prompts_[5];  // 36 tokens: 2 whole blocks
   std::vector<int> longer = p;
   longer.insert(longer.end(), prompts_[3].begin(), prompts_[3].end());
@@ -218,8 +221,8 @@ TEST_P(Batch, PrefixBlocksAreSharedAndGiveTheAloneLogits) {
   // While a runs: b finds a's two whole blocks.
   auto b = s.open_sequence(int(longer.size()), longer);
   ASSERT_TRUE(b.ok());
-  ASSERT_EQ(s.sequence_position(*b), 2 * Session::kKvBlock);
-  std::vector<float> got = run(s, *b, std::span<const int>(longer).subspan(32));
+  ASSERT_EQ(s.sequence_position(*b), shared);
+  std::vector<float> got = run(s, *b, std::span<const int>(longer).subspan(size_t(shared)));
   EXPECT_EQ(0, std::memcmp(got.data(), alone_last(longer).data(), vocab_ * sizeof(float)));
   // a goes on past the shared blocks, unharmed.
   std::vector<int> a_next = p;
@@ -228,13 +231,13 @@ TEST_P(Batch, PrefixBlocksAreSharedAndGiveTheAloneLogits) {
   EXPECT_EQ(0, std::memcmp(got.data(), alone_last(a_next).data(), vocab_ * sizeof(float)));
   s.close_sequence(*a);
   s.close_sequence(*b);
-  EXPECT_GT(s.kv_stats().cached, 0);
-  EXPECT_EQ(s.kv_stats().reused_tokens, uint64_t(2 * Session::kKvBlock));
+  EXPECT_EQ(s.kv_stats().cached > 0, shared > 0);
+  EXPECT_EQ(s.kv_stats().reused_tokens, uint64_t(shared));
   // After both closed: found again (the prompt itself: all but its last token, 2 blocks).
   auto c = s.open_sequence(int(p.size()), p);
   ASSERT_TRUE(c.ok());
-  EXPECT_EQ(s.sequence_position(*c), 2 * Session::kKvBlock);
-  got = run(s, *c, std::span<const int>(p).subspan(32));
+  EXPECT_EQ(s.sequence_position(*c), shared);
+  got = run(s, *c, std::span<const int>(p).subspan(size_t(shared)));
   EXPECT_EQ(0, std::memcmp(got.data(), alone_last(p).data(), vocab_ * sizeof(float)));
   s.close_sequence(*c);
   // A sequence that needs the whole pool takes the cached blocks; p's are then gone.
@@ -281,5 +284,42 @@ TEST_P(Batch, BadStepsAreRefusedAndChangeNothing) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Batch, ::testing::ValuesIn(ts_test::fixture_names()),
                          [](const auto& info) { return info.param; });
+
+}  // namespace
+
+namespace {
+
+// A recurrent state cannot be cut back like KV rows: on a model with gated DeltaNet layers,
+// truncate() short of the whole sequence starts again from 0 (position() says so, and
+// generate() then prefills everything), while going on from the exact end reuses the state.
+// Either way the logits are those of one fresh prefill.
+TEST(RecurrentState, TruncateStartsAgainAndContinuingReusesTheState) {
+  for (const char* name : {"qwen3_next", "qwen3_5_moe"}) {
+    auto m = ts::runtime::LoadedModel::load((ts_test::data_dir() / "models" / name).string());
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    ASSERT_TRUE((*m)->hp().has_deltanet());
+    ts::ThreadPool pool(2);
+    std::vector<int> all(30);
+    for (size_t i = 0; i < all.size(); ++i) all[i] = int((i * 31 + 7) % 500);
+    const std::span<const int> head(all.data(), 20), tail(all.data() + 20, 10);
+    Session fresh(**m, pool, {.n_ctx = 64});
+    ASSERT_TRUE(fresh.forward(all, nullptr).ok());
+    const std::vector<float> want(fresh.last_logits().begin(), fresh.last_logits().end());
+    const auto same = [&](const Session& s) {
+      return std::memcmp(s.last_logits().data(), want.data(), want.size() * sizeof(float)) == 0;
+    };
+
+    Session s(**m, pool, {.n_ctx = 64});
+    ASSERT_TRUE(s.forward(head, nullptr).ok());
+    s.truncate(20);  // the whole sequence: kept
+    EXPECT_EQ(s.position(), 20) << name;
+    ASSERT_TRUE(s.forward(tail, nullptr).ok());
+    EXPECT_TRUE(same(s)) << name << ": continuing from the state";
+    s.truncate(25);  // short of the end: starts again
+    EXPECT_EQ(s.position(), 0) << name;
+    ASSERT_TRUE(s.forward(all, nullptr).ok());
+    EXPECT_TRUE(same(s)) << name << ": after starting again";
+  }
+}
 
 }  // namespace

@@ -112,6 +112,32 @@ TEST(Families, GlmAndMinimaxRopeWidths) {
   EXPECT_EQ(m.value().router.scoring, ts::model::ScoreFn::kSigmoid);
 }
 
+// A 3-layer qwen3_next config with `extra` keys spliced in.
+std::string qwen3_next(const std::string& extra) {
+  return R"({"model_type":"qwen3_next","hidden_size":64,"num_hidden_layers":3,
+    "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":256,
+    "num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":16,
+    "shared_expert_intermediate_size":32,"linear_num_key_heads":2,"linear_num_value_heads":4,
+    "linear_key_head_dim":8,"linear_value_head_dim":8,"linear_conv_kernel_dim":4,
+    "partial_rotary_factor":0.25,)" +
+         extra + "}";
+}
+
+TEST(Families, Qwen3NextLayerScheduleAndDeltaNetShapes) {
+  auto hp = parse_hparams(qwen3_next(R"("full_attention_interval":3)"), "c.json");
+  ASSERT_TRUE(hp.ok()) << hp.error().message;
+  using ts::model::MixerKind;
+  EXPECT_EQ(hp->layer_mixer, (std::vector<MixerKind>{MixerKind::kGatedDeltaNet,
+                                                      MixerKind::kGatedDeltaNet,
+                                                      MixerKind::kAttention}));
+  EXPECT_TRUE(hp->attn_output_gate);
+  EXPECT_TRUE(hp->norm_plus_one);
+  EXPECT_TRUE(hp->deltanet.grouped_projection);
+  EXPECT_EQ(hp->deltanet.conv_dim(), 2 * 16 + 32);
+  EXPECT_EQ(hp->q_proj_rows(), 2 * 4 * 16);
+  EXPECT_EQ(hp->rope.dim, 4);  // a quarter of head_dim turns
+}
+
 TEST(Families, BadConfigsNameTheKey) {
   struct BadCase {
     std::string json, key;
@@ -134,6 +160,12 @@ TEST(Families, BadConfigsNameTheKey) {
           "topk_method":"noaux"})",
        "topk_method"},
       {R"({"model_type":"gpt_oss","hidden_size":64})", "deepseek_v3"},  // names the supported list
+      {qwen3_next(R"("layer_types":["linear_attention","full_attention"])"), "layer_types"},
+      {qwen3_next(R"("layer_types":["linear_attention","full_attention","sliding_attention"])"),
+       "sliding_attention"},
+      {qwen3_next(R"("layer_types":["full_attention","full_attention","full_attention"],
+                     "linear_num_value_heads":5)"),
+       "linear_num_value_heads"},
   };
   for (const BadCase& c : cases) {
     auto r = parse_hparams(c.json, "dir/config.json");

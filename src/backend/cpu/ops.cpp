@@ -158,4 +158,71 @@ void mla_attention(ThreadPool& pool, const MlaArgs& a) {
   });
 }
 
+void gated_delta_net(ThreadPool& pool, const DeltaNetArgs& a) {
+  const int key_dim = a.n_k_heads * a.k_dim, value_dim = a.n_v_heads * a.v_dim;
+  const int conv_dim = 2 * key_dim + value_dim, taps = a.kernel, hist = a.kernel - 1;
+  // The conv, channel by channel over the tokens; the state keeps each channel's last inputs.
+  pool.parallel_for(conv_dim, 16, [&](int64_t c0, int64_t c1) {
+    std::vector<float> win(size_t(hist) + size_t(a.n));
+    for (int64_t c = c0; c < c1; ++c) {
+      float* st = a.conv_state + size_t(c) * size_t(hist);
+      std::copy_n(st, hist, win.begin());
+      for (int t = 0; t < a.n; ++t) win[size_t(hist + t)] = a.qkv[size_t(t) * conv_dim + size_t(c)];
+      const float* w = a.conv + size_t(c) * size_t(taps);
+      for (int t = 0; t < a.n; ++t) {
+        float acc = 0;
+        for (int i = 0; i < taps; ++i) acc += w[i] * win[size_t(t + i)];
+        a.x[size_t(t) * conv_dim + size_t(c)] = acc / (1.0f + std::exp(-acc));  // SiLU
+      }
+      std::copy_n(win.end() - hist, hist, st);
+    }
+  });
+  // The gated delta rule, head by head over the tokens.
+  const int per_key = a.n_v_heads / a.n_k_heads;
+  const float q_scale = 1.0f / std::sqrt(float(a.k_dim));
+  pool.parallel_for(a.n_v_heads, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> q(size_t(a.k_dim)), k(size_t(a.k_dim)), kv(size_t(a.v_dim));
+    const auto l2 = [](const float* src, float* dst, int n) {
+      float ss = 0;
+      for (int i = 0; i < n; ++i) ss += src[i] * src[i];
+      const float inv = 1.0f / std::sqrt(ss + 1e-6f);
+      for (int i = 0; i < n; ++i) dst[i] = src[i] * inv;
+    };
+    for (int64_t h = h0; h < h1; ++h) {
+      const int kh = int(h) / per_key;
+      float* S = a.state + size_t(h) * size_t(a.k_dim) * size_t(a.v_dim);
+      const float a_coef = -std::exp(a.a_log[h]);
+      for (int t = 0; t < a.n; ++t) {
+        const float* xt = a.x + size_t(t) * conv_dim;
+        l2(xt + size_t(kh) * a.k_dim, q.data(), a.k_dim);
+        for (float& v : q) v *= q_scale;
+        l2(xt + key_dim + size_t(kh) * a.k_dim, k.data(), a.k_dim);
+        const float* v = xt + 2 * key_dim + size_t(h) * a.v_dim;
+        const float z = a.a[size_t(t) * a.n_v_heads + size_t(h)] + a.dt_bias[h];
+        const float softplus = z > 20.0f ? z : std::log1p(std::exp(z));  // torch's threshold
+        const float decay = std::exp(a_coef * softplus);
+        const float beta = 1.0f / (1.0f + std::exp(-a.b[size_t(t) * a.n_v_heads + size_t(h)]));
+        std::fill(kv.begin(), kv.end(), 0.0f);
+        for (int i = 0; i < a.k_dim; ++i) {
+          float* row = S + size_t(i) * a.v_dim;
+          for (int j = 0; j < a.v_dim; ++j) {
+            row[j] *= decay;
+            kv[size_t(j)] += row[j] * k[size_t(i)];
+          }
+        }
+        for (int j = 0; j < a.v_dim; ++j) kv[size_t(j)] = (v[j] - kv[size_t(j)]) * beta;  // delta
+        float* o = a.out + size_t(t) * value_dim + size_t(h) * a.v_dim;
+        std::fill(o, o + a.v_dim, 0.0f);
+        for (int i = 0; i < a.k_dim; ++i) {
+          float* row = S + size_t(i) * a.v_dim;
+          for (int j = 0; j < a.v_dim; ++j) {
+            row[j] += k[size_t(i)] * kv[size_t(j)];
+            o[j] += row[j] * q[size_t(i)];
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace ts::cpu

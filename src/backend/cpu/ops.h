@@ -95,4 +95,27 @@ struct MlaArgs {
 };
 void mla_attention(ThreadPool& pool, const MlaArgs& a);
 
+// Gated DeltaNet's token mixing (model::DeltaNetSpec) over one sequence's n tokens, in
+// order, from the state its earlier tokens left (zeros at the start), which it updates:
+//   x = SiLU(causal depthwise conv of q|k|v over the conv state and the new rows);
+//   per value head h (key head h / (n_v_heads / n_k_heads)): q, k L2-normalised (eps 1e-6),
+//   q / sqrt(k_dim); decay = exp(-exp(a_log) * softplus(a + dt_bias)), beta = sigmoid(b);
+//   S *= decay; S += k (beta (v - S^T k))^T; out = S^T q.
+// One thread per channel (the conv) and per head (the rule): the same bits on any pool.
+struct DeltaNetArgs {
+  const float* qkv;      // [n, conv_dim]: q | k | v rows before the conv
+  const float* b;        // [n, n_v_heads]
+  const float* a;        // [n, n_v_heads]
+  const float* conv;     // [conv_dim, kernel] taps
+  const float* a_log;    // [n_v_heads]
+  const float* dt_bias;  // [n_v_heads]
+  float* conv_state;     // [conv_dim, kernel - 1]: each channel's last inputs, oldest first
+  float* state;          // [n_v_heads, k_dim, v_dim]
+  float* x;              // [n, conv_dim] scratch: the conv's output
+  float* out;            // [n, n_v_heads * v_dim]
+  int n;
+  int n_k_heads, n_v_heads, k_dim, v_dim, kernel;
+};
+void gated_delta_net(ThreadPool& pool, const DeltaNetArgs& a);
+
 }  // namespace ts::cpu

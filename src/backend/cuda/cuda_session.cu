@@ -1246,6 +1246,8 @@ Status check_weights_fit(const std::string& what, uint64_t bytes, bool at_least,
 Status check_cuda_runs(const model::HParams& hp) {
   std::string missing;
   if (hp.attention == model::AttentionKind::kMla) missing = "multi-head latent attention (MLA)";
+  else if (hp.has_deltanet()) missing = "gated DeltaNet linear attention";
+  else if (hp.attn_output_gate) missing = "an attention output gate";
   else if (hp.rope.layout != model::RopeLayout::kHalf) missing = "interleaved RoPE";
   else if (hp.rope.yarn) missing = "YaRN RoPE";
   else if (hp.n_experts > kMaxExperts) missing = "more than 512 experts";
