@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -42,7 +43,9 @@ struct ApiError {
 template <class T>
 using Parsed = std::variant<ApiError, T>;
 
-enum class Api { kChat, kCompletion, kMessages };
+// The wire format of a generating route. Ollama's two (/api/chat, /api/generate) are read as
+// OpenAI chat / completion bodies (ollama_to_openai) and answered in Ollama's objects.
+enum class Api { kChat, kCompletion, kMessages, kOllamaChat, kOllamaGenerate };
 
 // A generating request, validated, before tokenization.
 struct GenRequest {
@@ -147,5 +150,19 @@ struct StreamSpec {
   std::vector<std::string> stops;  // Anthropic reports which one matched
 };
 std::unique_ptr<SseWriter> make_sse_writer(Api api, const StreamSpec& spec);
+
+// Ollama: a /api/chat or /api/generate body as the OpenAI chat body (generate: its prompt as a
+// user turn after `system`) or, with raw: true, the completion body. stream defaults to true;
+// options (temperature, top_p, top_k, min_p, seed, presence / frequency_penalty, num_predict,
+// stop) and format "json" map to their OpenAI fields; "NAME:latest" names NAME. Images,
+// template, suffix, context and a schema format are refused.
+Parsed<json> ollama_to_openai(const json& body, Api api, const std::string& model_id);
+// NDJSON lines ({"model", "created_at", "message": {...} | "response", "done": false}, then a
+// last object with done_reason, token counts and nanosecond durations); reasoning goes to
+// "thinking", tool calls to message.tool_calls with object arguments.
+std::unique_ptr<SseWriter> make_ollama_writer(Api api, const StreamSpec& spec);
+json ollama_response(Api api, const ResponseInfo& info, const runtime::Generation& gen,
+                     const ReplyParts& reply);
+json ollama_error_body(const ApiError& e);  // {"error": message}
 
 }  // namespace ts::server

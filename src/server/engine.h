@@ -109,6 +109,7 @@ class Engine {
   int running() const { return running_; }
   int parallel() const { return parallel_; }
   std::string device_name() const { return session_->device_name(); }
+  const runtime::LoadedModel& model() const { return *opt_.model; }
   Metrics& metrics() { return metrics_; }
 
  private:

@@ -31,8 +31,13 @@ void send_json(httplib::Response& res, int status, const json& body) {
   res.set_content(dump_json(body), "application/json");
 }
 
+bool is_ollama(const httplib::Request& req) { return req.path.rfind("/api/", 0) == 0; }
+
 void send_error(const httplib::Request& req, httplib::Response& res, const ApiError& e) {
-  send_json(res, e.status, is_anthropic(req) ? anthropic_error_body(e) : openai_error_body(e));
+  send_json(res, e.status,
+            is_anthropic(req) ? anthropic_error_body(e)
+            : is_ollama(req)  ? ollama_error_body(e)
+                              : openai_error_body(e));
 }
 
 // A request body as JSON: too deep a nesting is refused before nlohmann sees it (its parser
@@ -96,7 +101,8 @@ std::string_view host_name(std::string_view host) {
 const char* route_label(const std::string& path) {
   for (const char* r :
        {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health",
-        "/metrics", "/tokenize", "/detokenize", "/v1/messages/count_tokens"})
+        "/metrics", "/tokenize", "/detokenize", "/v1/messages/count_tokens", "/api/chat",
+        "/api/generate", "/api/tags", "/api/ps", "/api/show", "/api/version"})
     if (path == r) return r;
   return path.rfind("/v1/models/", 0) == 0 ? "/v1/models/{id}" : "other";
 }
@@ -150,6 +156,7 @@ struct Server::Impl {
   size_t max_token_bytes = 1;  // of the vocabulary's longest token
 
   void setup();
+  void setup_ollama();
   void handle_generate(Api api, const httplib::Request& req, httplib::Response& res);
   Parsed<std::vector<int>> tokenize(const GenRequest& r, Api api);
 };
@@ -373,6 +380,83 @@ void Server::Impl::setup() {
   http.Post("/v1/messages", [this](const httplib::Request& req, httplib::Response& res) {
     handle_generate(Api::kMessages, req, res);
   });
+  setup_ollama();
+}
+
+// Ollama's routes: the two generating ones through handle_generate, and what its clients ask
+// about the model. /api/version reports the Ollama API version whose routes these follow.
+void Server::Impl::setup_ollama() {
+  http.Post("/api/chat", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_generate(Api::kOllamaChat, req, res);
+  });
+  http.Post("/api/generate", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_generate(Api::kOllamaGenerate, req, res);
+  });
+  http.Get("/api/version", [](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200, {{"version", "0.12.0"}});
+  });
+  const auto details = [this] {
+    const runtime::LoadedModel& m = engine.model();
+    const model::WeightCounts& c = m.counts();
+    char params[32];
+    const double n = double(c.params_total);
+    std::snprintf(params, sizeof params, n >= 1e9 ? "%.1fB" : "%.1fM", n >= 1e9 ? n / 1e9 : n / 1e6);
+    return json{{"format", m.dir().size() > 5 && m.dir().ends_with(".gguf") ? "gguf" : "safetensors"},
+                {"family", std::string(model::family_name(m.hp().family))},
+                {"families", json::array({std::string(model::family_name(m.hp().family))})},
+                {"parameter_size", params},
+                {"quantization_level", std::string(dtype_name(m.dense().lm_head.dtype))}};
+  };
+  const auto entry = [this, details] {
+    const model::WeightCounts& c = engine.model().counts();
+    return json{{"name", opt.model_id},
+                {"model", opt.model_id},
+                {"modified_at", "1970-01-01T00:00:00Z"},
+                {"size", c.dense_bytes + c.routed_bytes},
+                {"digest", ""},
+                {"details", details()}};
+  };
+  http.Get("/api/tags", [entry](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200, {{"models", json::array({entry()})}});
+  });
+  http.Get("/api/ps", [this, entry](const httplib::Request&, httplib::Response& res) {
+    json e = entry();
+    e["expires_at"] = "2318-01-01T00:00:00Z";  // loaded for as long as the server runs
+    e["size_vram"] = 0;
+    e["context_length"] = engine.n_ctx();
+    send_json(res, 200, {{"models", json::array({e})}});
+  });
+  http.Post("/api/show", [this, details](const httplib::Request& req, httplib::Response& res) {
+    Parsed<json> parsed = parse_body(req);
+    if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(req, res, *e);
+    const json& body = std::get<json>(parsed);
+    const json* name = body.is_object() && body.contains("model") ? &body["model"]
+                       : body.is_object() && body.contains("name") ? &body["name"]
+                                                                    : nullptr;
+    const std::string id = name && name->is_string() ? name->get<std::string>() : "";
+    if (id != opt.model_id && id != opt.model_id + ":latest")
+      return send_error(req, res,
+                        {.status = 404,
+                         .message = "model '" + id + "' not found; this server serves '" +
+                                    opt.model_id + "'",
+                         .param = "model"});
+    const model::HParams& hp = engine.model().hp();
+    const std::string arch(model::family_name(hp.family));
+    send_json(res, 200,
+              {{"modelfile", ""},
+               {"parameters", ""},
+               {"template", tmpl.source()},
+               {"details", details()},
+               {"model_info",
+                {{"general.architecture", arch},
+                 {"general.parameter_count", engine.model().counts().params_total},
+                 {arch + ".context_length", engine.n_ctx()},
+                 {arch + ".embedding_length", hp.d_model},
+                 {arch + ".block_count", hp.n_layers},
+                 {arch + ".expert_count", hp.n_experts},
+                 {arch + ".expert_used_count", hp.top_k}}},
+               {"capabilities", json::array({"completion", "tools"})}});
+  });
 }
 
 Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
@@ -422,16 +506,25 @@ Parsed<std::vector<int>> Server::Impl::tokenize(const GenRequest& r, Api api) {
 void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib::Response& res) {
   Parsed<json> parsed_body = parse_body(req);
   if (auto* e = std::get_if<ApiError>(&parsed_body)) return send_error(req, res, *e);
+  const bool ollama = api == Api::kOllamaChat || api == Api::kOllamaGenerate;
+  if (ollama) {
+    parsed_body = ollama_to_openai(std::get<json>(parsed_body), api, opt.model_id);
+    if (auto* e = std::get_if<ApiError>(&parsed_body)) return send_error(req, res, *e);
+  }
   const json& body = std::get<json>(parsed_body);
-  Parsed<GenRequest> parsed = api == Api::kChat ? parse_chat_request(body, tmpl, opt.model_id)
-                              : api == Api::kCompletion
+  // The OpenAI form a request is read as (Ollama's generate without raw is a chat turn).
+  const Api form = !ollama               ? api
+                   : body.contains("prompt") ? Api::kCompletion
+                                             : Api::kChat;
+  Parsed<GenRequest> parsed = form == Api::kChat ? parse_chat_request(body, tmpl, opt.model_id)
+                              : form == Api::kCompletion
                                   ? parse_completion_request(body, opt.model_id)
                                   : parse_messages_request(body, tmpl, opt.model_id);
   if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(req, res, *e);
   GenRequest& r = std::get<GenRequest>(parsed);
   // A JSON-mode reply is the object itself: not read for tool calls or reasoning.
   if (r.json_object) r.parse_tools = false;
-  Parsed<std::vector<int>> ids = tokenize(r, api);
+  Parsed<std::vector<int>> ids = tokenize(r, form);
   if (auto* e = std::get_if<ApiError>(&ids)) return send_error(req, res, *e);
 
   const std::vector<int> prompt = std::move(std::get<std::vector<int>>(ids));
@@ -451,11 +544,11 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
   };
   auto job = make_job(0);
   const int64_t prompt_tokens = int64_t(prompt.size());
-  const char* prefix = api == Api::kChat ? "chatcmpl-" : api == Api::kCompletion ? "cmpl-" : "msg_";
+  const char* prefix = form == Api::kChat ? "chatcmpl-" : form == Api::kCompletion ? "cmpl-" : "msg_";
   const ResponseInfo info{
       .id = make_id(prefix), .model = opt.model_id, .created = std::time(nullptr)};
   const bool in_reasoning =
-      api != Api::kCompletion && !r.json_object && prompt_opens_reasoning(r.prompt_text);
+      form != Api::kCompletion && !r.json_object && prompt_opens_reasoning(r.prompt_text);
   const ApiError busy{.status = 503, .code = "queue_full", .type = "server_error"};
 
   if (!r.stream) {
@@ -488,6 +581,10 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
                            .message = "generation failed: " + gen.error().message,
                            .type = "server_error"});
       // (The engine is done with the job: its logprobs are complete.)
+      if (ollama)
+        return send_json(res, 200,
+                         ollama_response(api, info, *gen,
+                                         split_reply(gen->text, r.parse_tools, in_reasoning)));
       if (api == Api::kCompletion) {
         if (r.echo)
           gen->text =
@@ -533,15 +630,18 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
     res.set_header("Retry-After", "1");
     return send_error(req, res, e);
   }
-  std::shared_ptr<SseWriter> writer = make_sse_writer(api, {.info = info,
-                                                            .include_usage = r.include_usage,
-                                                            .parse_tools = r.parse_tools,
-                                                            .starts_in_reasoning = in_reasoning,
-                                                            .stops = r.stops});
+  const StreamSpec spec{.info = info,
+                        .include_usage = r.include_usage,
+                        .parse_tools = r.parse_tools,
+                        .starts_in_reasoning = in_reasoning,
+                        .stops = r.stops};
+  std::shared_ptr<SseWriter> writer =
+      ollama ? make_ollama_writer(api, spec) : make_sse_writer(api, spec);
+  const char* content_type = ollama ? "application/x-ndjson" : "text/event-stream";
   const bool anthropic = api == Api::kMessages;
   res.set_header("Cache-Control", "no-cache");
-  auto provider = [this, channel, job, writer, prompt_tokens, anthropic](size_t,
-                                                                         httplib::DataSink& sink) {
+  auto provider = [this, channel, job, writer, prompt_tokens, anthropic, ollama](
+                      size_t, httplib::DataSink& sink) {
     auto send = [&](const std::string& frame) {
       if (frame.empty()) return true;
       if (!sink.write(frame.data(), frame.size())) {
@@ -572,6 +672,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
                  .message = "generation failed: " + gen.error().message,
                  .type = "server_error"};
       if (!send(anthropic ? "event: error\ndata: " + dump_json(anthropic_error_body(e)) + "\n\n"
+                : ollama  ? dump_json(ollama_error_body(e)) + "\n"
                           : "data: " + dump_json(openai_error_body(e)) + "\n\n"))
         return false;
     } else if (!send(writer->end(*gen))) {
@@ -589,9 +690,9 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
     if (iequals(req.get_header_value("Connection"), "keep-alive"))
       res.set_header("Connection", "close");
     close_current_connection_after_response();
-    res.set_content_provider("text/event-stream", std::move(provider), std::move(release));
+    res.set_content_provider(content_type, std::move(provider), std::move(release));
   } else {
-    res.set_chunked_content_provider("text/event-stream", std::move(provider), std::move(release));
+    res.set_chunked_content_provider(content_type, std::move(provider), std::move(release));
   }
 }
 

@@ -18,6 +18,7 @@ import { fileURLToPath } from 'node:url';
 import { post, stopServer } from './http_helpers.mjs';
 import OpenAI from 'openai';
 import Anthropic from '@anthropic-ai/sdk';
+import { Ollama } from 'ollama';
 
 const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const BIN = process.env.TURBOSPARK_BIN ?? path.join(ROOT, 'build/turbospark');
@@ -711,6 +712,51 @@ async function streamText(client, messages, maxTokens) {
   }
   return { text, finish, usage };
 }
+
+test('ollama: chat and generate, streamed or not, equal the CLI; list, show, version; errors', async () => {
+  const ollama = new Ollama({ host: main.base });
+  const options = { temperature: 0, num_predict: 8 };
+  const want = cliRun(['--messages', messagesFile(HELLO), '-n', '8']);
+  const chat = await ollama.chat({ model: MODEL, messages: HELLO, stream: false, options });
+  assert.equal(chat.message.role, 'assistant');
+  assert.equal(chat.message.content, want);
+  assert.equal(chat.done, true);
+  assert.ok(['stop', 'length'].includes(chat.done_reason));
+  assert.ok(chat.eval_count <= 8 && chat.prompt_eval_count > 0 && chat.eval_duration > 0);
+  let streamed = '', last = null;
+  for await (const part of await ollama.chat({ model: MODEL, messages: HELLO, stream: true, options })) {
+    streamed += part.message.content;
+    last = part;
+  }
+  assert.equal(streamed, want);
+  assert.equal(last.done, true);
+  assert.equal(last.eval_count, chat.eval_count);
+  // generate: raw is the prompt as it is (as `run --prompt`), else a user turn of the template.
+  const prompt = 'the cat is on the mat';
+  const raw = await ollama.generate({ model: `${MODEL}:latest`, prompt, raw: true, stream: false, options });
+  assert.equal(raw.response, cliRun(['--prompt', prompt, '-n', '8']));
+  const turn = await ollama.generate({ model: MODEL, prompt: 'Hello!', stream: false, options });
+  const userTurn = [{ role: 'user', content: 'Hello!' }];
+  assert.equal(turn.response, cliRun(['--messages', messagesFile(userTurn), '-n', '8']));
+  // format json: the reply is one JSON object.
+  const js = await ollama.chat({ model: MODEL, messages: HELLO, format: 'json', stream: false, options: { temperature: 0, num_predict: 64 } });
+  if (js.done_reason === 'stop') assert.equal(typeof JSON.parse(js.message.content), 'object');
+  const tags = await ollama.list();
+  assert.equal(tags.models.length, 1);
+  assert.equal(tags.models[0].name, MODEL);
+  assert.equal(tags.models[0].details.family, 'qwen3_moe');
+  const show = await ollama.show({ model: MODEL });
+  assert.equal(show.model_info['general.architecture'], 'qwen3_moe');
+  assert.ok(show.template.length > 0);
+  assert.ok((await ollama.version()).version);
+  await assert.rejects(ollama.chat({ model: 'nope', messages: HELLO, stream: false }),
+    (e) => e.status_code === 404 && /nope/.test(e.error));
+  await assert.rejects(ollama.chat({ model: MODEL, messages: [{ role: 'user', content: 'x', images: ['aGk='] }], stream: false }),
+    (e) => e.status_code === 400 && /images/.test(e.error));
+  const r = await fetch(main.base + '/api/generate', { method: 'POST', body: JSON.stringify({ model: MODEL, prompt: 'x', suffix: 'y' }) });
+  assert.equal(r.status, 400);
+  assert.match((await r.json()).error, /suffix/);
+});
 
 test('prefix cache: a chat that goes on shares the earlier request\'s KV blocks; the reply is the one without them', async () => {
   const first = [{ role: 'user', content: 'Tell me about the sea, the wind, the ships and the long grey harbour walls.' }];
