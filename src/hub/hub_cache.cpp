@@ -66,11 +66,13 @@ Result<RepoRef> parse_repo_ref(std::string_view text) {
   if (const size_t at = text.find('@'); at != std::string_view::npos) {
     id = text.substr(0, at);
     ref.revision = std::string(text.substr(at + 1));
-    if (ref.revision.empty()) return make_error("'" + std::string(text) + "': empty revision after '@'");
+    if (ref.revision.empty())
+      return make_error("'" + std::string(text) + "': empty revision after '@'");
     for (char c : ref.revision)
       if (c <= ' ' || c == 0x7f || c == '\\' || c == '~' || c == '^' || c == ':' || c == '?' ||
           c == '*' || c == '[')
-        return make_error("'" + std::string(text) + "': the revision holds a character git refuses");
+        return make_error("'" + std::string(text) +
+                          "': the revision holds a character git refuses");
     if (ref.revision.find("..") != std::string::npos || ref.revision.front() == '/' ||
         ref.revision.back() == '/' || ref.revision.find("//") != std::string::npos)
       return make_error("'" + std::string(text) + "': not a valid revision");
@@ -94,7 +96,8 @@ bool is_sha256_hex(std::string_view s) { return all_hex(s, 64); }
 
 std::string normalize_etag(std::string_view h) {
   while (!h.empty() && (h.front() == ' ' || h.front() == '\t')) h.remove_prefix(1);
-  while (!h.empty() && (h.back() == ' ' || h.back() == '\t' || h.back() == '\r' || h.back() == '\n'))
+  while (!h.empty() &&
+         (h.back() == ' ' || h.back() == '\t' || h.back() == '\r' || h.back() == '\n'))
     h.remove_suffix(1);
   if (h.size() >= 2 && (h[0] == 'W' || h[0] == 'w') && h[1] == '/') h.remove_prefix(2);
   if (h.size() >= 2 && h.front() == '"' && h.back() == '"') h = h.substr(1, h.size() - 2);
@@ -117,8 +120,10 @@ HubEnv read_hub_env() {
 std::string repo_folder_name(std::string_view repo_id) {
   std::string out = "models--";
   for (char c : repo_id) {
-    if (c == '/') out += "--";
-    else out += c;
+    if (c == '/')
+      out += "--";
+    else
+      out += c;
   }
   return out;
 }
@@ -164,11 +169,19 @@ bool is_safe_rfilename(std::string_view name) {
 }
 
 const std::vector<std::string>& default_includes() {
-  static const std::vector<std::string> k = {
-      "config.json",         "generation_config.json", "tokenizer.json",     "tokenizer_config.json",
-      "special_tokens_map.json", "added_tokens.json",  "vocab.json",         "merges.txt",
-      "tokenizer.model",     "chat_template.jinja",    "chat_template.json", "model*.safetensors",
-      "model.safetensors.index.json"};
+  static const std::vector<std::string> k = {"config.json",
+                                             "generation_config.json",
+                                             "tokenizer.json",
+                                             "tokenizer_config.json",
+                                             "special_tokens_map.json",
+                                             "added_tokens.json",
+                                             "vocab.json",
+                                             "merges.txt",
+                                             "tokenizer.model",
+                                             "chat_template.jinja",
+                                             "chat_template.json",
+                                             "model*.safetensors",
+                                             "model.safetensors.index.json"};
   return k;
 }
 
@@ -183,9 +196,9 @@ bool matches_any(const std::vector<std::string>& globs, std::string_view rfilena
 
 Result<fs::path> resolve_cached(const fs::path& cache_dir, const RepoRef& ref) {
   const RepoCache repo(cache_dir, ref.repo_id);
-  const std::string pull_hint =
-      "run `turbospark pull " + ref.repo_id +
-      (ref.revision == "main" ? std::string() : "@" + ref.revision) + "` first";
+  const std::string pull_hint = "run `turbospark pull " + ref.repo_id +
+                                (ref.revision == "main" ? std::string() : "@" + ref.revision) +
+                                "` first";
   std::string commit;
   std::error_code ec;
   if (fs::is_regular_file(repo.ref(ref.revision), ec)) {
@@ -201,7 +214,8 @@ Result<fs::path> resolve_cached(const fs::path& cache_dir, const RepoRef& ref) {
   const fs::path snap = repo.snapshot(commit);
   if (!fs::is_directory(snap, ec))
     return make_error(ref.repo_id + "@" + ref.revision + ": snapshot " + commit +
-                      " is not in the Hugging Face cache (" + cache_dir.string() + "): " + pull_hint);
+                      " is not in the Hugging Face cache (" + cache_dir.string() +
+                      "): " + pull_hint);
   return snap;
 }
 

@@ -12,8 +12,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "core/sha256.h"
@@ -38,10 +38,14 @@ std::string lower(std::string s) {
 
 std::string human_bytes(uint64_t b) {
   char buf[32];
-  if (b >= 1000000000ull) std::snprintf(buf, sizeof buf, "%.2f GB", double(b) / 1e9);
-  else if (b >= 1000000ull) std::snprintf(buf, sizeof buf, "%.1f MB", double(b) / 1e6);
-  else if (b >= 1000ull) std::snprintf(buf, sizeof buf, "%.1f kB", double(b) / 1e3);
-  else std::snprintf(buf, sizeof buf, "%llu B", (unsigned long long)b);
+  if (b >= 1000000000ull)
+    std::snprintf(buf, sizeof buf, "%.2f GB", double(b) / 1e9);
+  else if (b >= 1000000ull)
+    std::snprintf(buf, sizeof buf, "%.1f MB", double(b) / 1e6);
+  else if (b >= 1000ull)
+    std::snprintf(buf, sizeof buf, "%.1f kB", double(b) / 1e3);
+  else
+    std::snprintf(buf, sizeof buf, "%llu B", (unsigned long long)b);
   return buf;
 }
 
@@ -246,8 +250,8 @@ Result<Listing> list_repo(Http& http, const HubEnv& env, const RepoRef& ref) {
 // repo) are followed; an absolute one is the CDN location and is not.
 Result<RemoteFile> file_metadata(Http& http, const HubEnv& env, const RepoRef& ref,
                                  const std::string& commit, const std::string& rfilename) {
-  std::string url = env.endpoint + "/" + ref.repo_id + "/resolve/" + commit + "/" +
-                    url_quote(rfilename, "/");
+  std::string url =
+      env.endpoint + "/" + ref.repo_id + "/resolve/" + commit + "/" + url_quote(rfilename, "/");
   for (int hop = 0; hop < 10; ++hop) {
     Response r;
     CURL* c = http.reset(url, false);
@@ -276,7 +280,8 @@ Result<RemoteFile> file_metadata(Http& http, const HubEnv& env, const RepoRef& r
     f.etag = normalize_etag(etag);
     // The ETag names a file in blobs/: only plain names.
     if (f.etag.empty() || f.etag == "." || f.etag == ".." ||
-        f.etag.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.") !=
+        f.etag.find_first_not_of(
+            "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.") !=
             std::string::npos)
       return make_error(rfilename + ": the server gave no usable ETag ('" + etag + "')");
     std::string size = r.header("x-linked-size");
@@ -316,7 +321,8 @@ class BlobLock {
     std::error_code ec;
     fs::create_directories(path.parent_path(), ec);
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) return make_error("cannot open lock file " + path.string() + ": " + errno_text(errno));
+    if (fd < 0)
+      return make_error("cannot open lock file " + path.string() + ": " + errno_text(errno));
     if (::flock(fd, LOCK_EX) != 0) {
       const int e = errno;
       ::close(fd);
@@ -338,7 +344,7 @@ class BlobLock {
 struct Transfer {
   int fd = -1;
   Sha256 sha;
-  uint64_t have = 0;       // bytes in the file, all hashed
+  uint64_t have = 0;  // bytes in the file, all hashed
   bool checked_status = false;
   int write_errno = 0;
   std::string error_body;  // the body of an error status, for its message
@@ -367,7 +373,8 @@ size_t on_blob_bytes(char* data, size_t size, size_t n, void* user) {
   long status = 0;
   curl_easy_getinfo(t->curl, CURLINFO_RESPONSE_CODE, &status);
   if (status != 200 && status != 206) {
-    if (t->error_body.size() < kMaxErrorBody) t->error_body.append(data, std::min(len, kMaxErrorBody));
+    if (t->error_body.size() < kMaxErrorBody)
+      t->error_body.append(data, std::min(len, kMaxErrorBody));
     return len;
   }
   size_t off = 0;
@@ -397,7 +404,8 @@ Status hash_prefix(int fd, uint64_t n, Sha256& sha, const fs::path& path) {
   uint64_t off = 0;
   while (off < n) {
     const ssize_t r = ::pread(fd, buf.data(), std::min<uint64_t>(buf.size(), n - off), off_t(off));
-    if (r <= 0) return make_error("reading " + path.string() + ": " + errno_text(r < 0 ? errno : EIO));
+    if (r <= 0)
+      return make_error("reading " + path.string() + ": " + errno_text(r < 0 ? errno : EIO));
     sha.update(buf.data(), size_t(r));
     off += uint64_t(r);
   }
@@ -412,8 +420,8 @@ std::string write_error_text(const fs::path& path, int e) {
 
 // Fetches `f` into blobs/<etag> through blobs/<etag>.incomplete, resuming what is there.
 // Returns how many bytes were there to resume from.
-Result<uint64_t> fetch_blob(Http& http, const HubEnv& env, const RepoRef& ref, const RepoCache& cache,
-                  const RemoteFile& f, PullState& state) {
+Result<uint64_t> fetch_blob(Http& http, const HubEnv& env, const RepoRef& ref,
+                            const RepoCache& cache, const RemoteFile& f, PullState& state) {
   const fs::path part = cache.incomplete(f.etag);
   const int fd = ::open(part.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return make_error("cannot create " + part.string() + ": " + errno_text(errno));
@@ -476,11 +484,11 @@ Result<uint64_t> fetch_blob(Http& http, const HubEnv& env, const RepoRef& ref, c
       return network_error(f.location, f.rfilename, rc, http.error_text(rc));
     }
     if (attempt + 1 >= kAttempts) {
-      const std::string why = rc != CURLE_OK ? http.error_text(rc)
-                                             : "HTTP " + std::to_string(r.status);
+      const std::string why =
+          rc != CURLE_OK ? http.error_text(rc) : "HTTP " + std::to_string(r.status);
       return make_error(f.rfilename + ": the download failed " + std::to_string(kAttempts) +
-                        " times (" + why + "); " + std::to_string(t.have) +
-                        " bytes are kept in " + part.string() + " and the next pull resumes there");
+                        " times (" + why + "); " + std::to_string(t.have) + " bytes are kept in " +
+                        part.string() + " and the next pull resumes there");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(500 << attempt));
   }
@@ -505,7 +513,8 @@ Status link_pointer(const RepoCache& cache, const std::string& commit, const Rem
   const fs::path pointer = cache.pointer(commit, f.rfilename);
   std::error_code ec;
   fs::create_directories(pointer.parent_path(), ec);
-  if (ec) return make_error("cannot create " + pointer.parent_path().string() + ": " + ec.message());
+  if (ec)
+    return make_error("cannot create " + pointer.parent_path().string() + ": " + ec.message());
   const fs::path tmp = pointer.parent_path() /
                        ("." + pointer.filename().string() + ".tmp" + std::to_string(::getpid()));
   fs::remove(tmp, ec);
@@ -563,11 +572,13 @@ Status pull_file(Http& http, const PullOptions& opt, const RepoRef& ref, const R
   TS_TRY(link_pointer(cache, commit, f));
   if (fetched) ++state.downloaded;
   if (!opt.log || opt.tty_progress) return {};
-  if (!fetched) opt.log(rfilename + ": blob already in the cache, linked");
+  if (!fetched)
+    opt.log(rfilename + ": blob already in the cache, linked");
   else if (resumed_from > 0)
     opt.log(rfilename + ": " + human_bytes(uint64_t(std::max<int64_t>(f.size, 0))) +
             ", resumed after " + std::to_string(resumed_from) + " bytes");
-  else opt.log(rfilename + ": " + human_bytes(uint64_t(std::max<int64_t>(f.size, 0))));
+  else
+    opt.log(rfilename + ": " + human_bytes(uint64_t(std::max<int64_t>(f.size, 0))));
   return {};
 }
 
@@ -584,7 +595,8 @@ void progress_line(const PullState& s, int total, double seconds, bool last) {
 
 Result<PullResult> pull(const RepoRef& ref, const PullOptions& opt) {
   static const CURLcode global = curl_global_init(CURL_GLOBAL_DEFAULT);
-  if (global != CURLE_OK) return make_error("libcurl failed to start: " + std::string(curl_easy_strerror(global)));
+  if (global != CURLE_OK)
+    return make_error("libcurl failed to start: " + std::string(curl_easy_strerror(global)));
   Http http(opt.env);
   TS_ASSIGN(Listing listing, list_repo(http, opt.env, ref));
 
@@ -601,8 +613,10 @@ Result<PullResult> pull(const RepoRef& ref, const PullOptions& opt) {
       if (n++ < 12) all += (all.empty() ? "" : ", ") + name;
     }
     if (defaults && !ggufs.empty())
-      return make_error(ref.repo_id + " holds GGUF files; pick one with --include, e.g. --include "
-                        "'*Q4_K_M*' (its split parts come with it): " + ggufs);
+      return make_error(ref.repo_id +
+                        " holds GGUF files; pick one with --include, e.g. --include "
+                        "'*Q4_K_M*' (its split parts come with it): " +
+                        ggufs);
     return make_error(ref.repo_id + "@" + ref.revision + ": no file matches " +
                       (defaults ? std::string("the model files pull takes by default (config.json, "
                                               "tokenizer, *.safetensors); give --include GLOB")
@@ -619,8 +633,10 @@ Result<PullResult> pull(const RepoRef& ref, const PullOptions& opt) {
     Http own(opt.env);
     for (size_t i; !state.stop && (i = next++) < files.size();) {
       Status st = pull_file(own, opt, ref, cache, listing.commit, files[i], state);
-      if (!st.ok()) state.fail(st.error());
-      else ++state.done;
+      if (!st.ok())
+        state.fail(st.error());
+      else
+        ++state.done;
     }
   };
   std::vector<std::thread> threads;
@@ -633,9 +649,9 @@ Result<PullResult> pull(const RepoRef& ref, const PullOptions& opt) {
     progress = std::thread([&] {
       std::unique_lock<std::mutex> lock(mu);
       while (!cv.wait_for(lock, std::chrono::milliseconds(250), [&] { return finished; }))
-        progress_line(state, int(files.size()),
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-                      false);
+        progress_line(
+            state, int(files.size()),
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), false);
     });
   for (std::thread& t : threads) t.join();
   if (progress.joinable()) {

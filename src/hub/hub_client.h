@@ -44,8 +44,8 @@ struct PullOptions {
 struct PullResult {
   std::string commit;
   std::filesystem::path snapshot;
-  int files = 0;             // files of the snapshot that the pull covers
-  int downloaded = 0;        // of which fetched now (the rest were in the cache)
+  int files = 0;       // files of the snapshot that the pull covers
+  int downloaded = 0;  // of which fetched now (the rest were in the cache)
   uint64_t bytes_fetched = 0;
 };
 

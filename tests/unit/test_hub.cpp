@@ -26,9 +26,9 @@ TEST(HubRepoRef, ParsesOrgNameAndRevision) {
 }
 
 TEST(HubRepoRef, RefusesWhatTheHubRefuses) {
-  for (const char* bad : {"noslash", "a/b/c", "/name", "org/", "org/-name", "org/name.", "org/na--me",
-                          "org/na..me", "org/na me", "org/name@", "org/name@a..b", "org/name@x y",
-                          "../etc", "org/name@/x"})
+  for (const char* bad :
+       {"noslash", "a/b/c", "/name", "org/", "org/-name", "org/name.", "org/na--me", "org/na..me",
+        "org/na me", "org/name@", "org/name@a..b", "org/name@x y", "../etc", "org/name@/x"})
     EXPECT_FALSE(parse_repo_ref(bad).ok()) << bad;
   EXPECT_FALSE(parse_repo_ref("o/" + std::string(95, 'n')).ok());  // 97 characters
   EXPECT_TRUE(parse_repo_ref("o/" + std::string(94, 'n')).ok());   // 96
@@ -52,7 +52,8 @@ TEST(HubCachePaths, MatchThePythonLayout) {
   EXPECT_EQ(c.blob("e1").string(), "/cache/models--org--name/blobs/e1");
   EXPECT_EQ(c.incomplete("e1").string(), "/cache/models--org--name/blobs/e1.incomplete");
   EXPECT_EQ(c.lock("e1").string(), "/cache/.locks/models--org--name/e1.lock");
-  EXPECT_EQ(c.pointer("abc", "sub/f.json").string(), "/cache/models--org--name/snapshots/abc/sub/f.json");
+  EXPECT_EQ(c.pointer("abc", "sub/f.json").string(),
+            "/cache/models--org--name/snapshots/abc/sub/f.json");
   EXPECT_EQ(c.ref("main").string(), "/cache/models--org--name/refs/main");
   EXPECT_EQ(pointer_target("config.json", "e1"), "../../blobs/e1");
   EXPECT_EQ(pointer_target("a/b/c.bin", "e1"), "../../../../blobs/e1");
@@ -67,9 +68,10 @@ TEST(HubCachePaths, UnsafeFileNamesAreRefused) {
 
 TEST(HubIncludes, DefaultsTakeTheModelFilesOnly) {
   const auto& d = default_includes();
-  for (const char* yes : {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
-                          "model-00001-of-00003.safetensors", "model.safetensors.index.json",
-                          "generation_config.json", "chat_template.jinja"})
+  for (const char* yes :
+       {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
+        "model-00001-of-00003.safetensors", "model.safetensors.index.json",
+        "generation_config.json", "chat_template.jinja"})
     EXPECT_TRUE(matches_any(d, yes)) << yes;
   for (const char* no : {"README.md", "pytorch_model.bin", "consolidated.safetensors",
                          "onnx/model.safetensors", "model-q4_k_m.gguf", ".gitattributes"})
@@ -158,7 +160,9 @@ TEST_F(HubCacheDir, EnvironmentPicksTheCacheAsPythonDoes) {
   EXPECT_EQ(resolve_model_arg(dir_.string()).value(), dir_.string());
   EXPECT_EQ(resolve_model_arg("not a repo").value(), "not a repo");
   for (auto& [k, v] : saved) {
-    if (v) ::setenv(k.c_str(), v->c_str(), 1);
-    else ::unsetenv(k.c_str());
+    if (v)
+      ::setenv(k.c_str(), v->c_str(), 1);
+    else
+      ::unsetenv(k.c_str());
   }
 }

@@ -13,8 +13,9 @@ namespace ts::cli {
 
 Status cmd_pull(const Args& args) {
   if (args.positional().size() != 1)
-    return make_error("usage: turbospark pull ORG/NAME[@REVISION] [--include GLOB ...] "
-                      "[--parallel N]");
+    return make_error(
+        "usage: turbospark pull ORG/NAME[@REVISION] [--include GLOB ...] "
+        "[--parallel N]");
   TS_ASSIGN(hub::RepoRef ref, hub::parse_repo_ref(args.positional()[0]));
   hub::PullOptions opt;
   opt.includes = args.all("include");
@@ -23,13 +24,16 @@ Status cmd_pull(const Args& args) {
   TS_TRY(args.check_all_used());
   opt.env = hub::read_hub_env();
   opt.tty_progress = isatty(fileno(stderr));
-  opt.log = [](const std::string& line) { std::fprintf(stderr, "turbospark pull: %s\n", line.c_str()); };
+  opt.log = [](const std::string& line) {
+    std::fprintf(stderr, "turbospark pull: %s\n", line.c_str());
+  };
   // A file-size limit (ulimit -f) then fails the write with EFBIG, reported like a full disk,
   // instead of killing the process mid-file.
   std::signal(SIGXFSZ, SIG_IGN);
 
   TS_ASSIGN(hub::PullResult r, hub::pull(ref, opt));
-  std::fprintf(stderr, "turbospark pull: %s@%s: %d files (%d downloaded, %.1f MB fetched), commit %s\n",
+  std::fprintf(stderr,
+               "turbospark pull: %s@%s: %d files (%d downloaded, %.1f MB fetched), commit %s\n",
                ref.repo_id.c_str(), ref.revision.c_str(), r.files, r.downloaded,
                double(r.bytes_fetched) / 1e6, r.commit.c_str());
   // The snapshot's path on stdout, for scripts.
