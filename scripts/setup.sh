@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake ninja-build libgtest-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev
-  libcpp-httplib-dev)
+  libcpp-httplib-dev libcurl4-openssl-dev)
 command -v npm >/dev/null 2>&1 || packages+=(npm)
 missing=()
 for p in "${packages[@]}"; do

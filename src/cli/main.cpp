@@ -32,9 +32,12 @@ constexpr const char* kUsage =
     "  pack     --model HF_DIR|FILE.gguf --out PACK_DIR [--experts-quant q8_0|q4_k] [--dense-quant q8_0|q4_k]\n"
     "  verify   PACK_DIR                                     check files against manifest\n"
     "  analyze-router HIST_OR_TRACE [--slots N,..] [--json]  routing entropy, cache hit rates\n"
+    "  pull     ORG/NAME[@REV] [--include GLOB ...] [--parallel N]  from the Hugging Face Hub\n"
+    "           into its cache (HF_HUB_CACHE; HF_TOKEN, HF_ENDPOINT); then --model ORG/NAME\n"
     "  bench --device cuda [--model DIR | --synthetic CONFIG.json --dtype bf16|q8_0] [--quant q8_0]\n"
     "           [--contexts 128,4096 --prompts 512,4096 --gen-tokens N --no-warmup --profile --json]\n"
-    "DIR: a Hugging Face model directory, a pack, or a GGUF file (llama.cpp's; split: its first file)\n"
+    "DIR: a Hugging Face model directory, a pack, or a GGUF file (llama.cpp's; split: its first file),\n"
+    "     or ORG/NAME[@REV] from the Hugging Face cache (see pull)\n"
     "common flags: --threads N  --device cpu|cuda[:N]  --quant q8_0 (cuda: quantize at load)\n"
     "  --prefill-chunk N   tokens per prefill chunk (default: cpu 256; cuda 4096, 2048 if tight)\n"
     "  --residency resident|mapped|streamed   where routed experts live (default mapped)\n"
@@ -72,6 +75,7 @@ int main(int argc, char** argv) {
       {"chat-template", ts::cli::cmd_chat_template, {"add-generation-prompt"}},
       {"tokenize", ts::cli::cmd_tokenize, {"add-special"}},
       {"serve", ts::cli::cmd_serve, {"direct-io", "stats", "no-warmup"}},
+      {"pull", ts::cli::cmd_pull, {}},
   };
   std::string name = argv[1];
   std::vector<std::string> rest;

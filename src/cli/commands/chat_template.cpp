@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "cli/commands/commands.h"
+#include "hub/hub_cache.h"
 
 namespace ts::cli {
 
@@ -30,7 +31,8 @@ Result<ojson> read_json_file(const std::string& path, const char* flag) {
 }  // namespace
 
 Status cmd_chat_template(const Args& args) {
-  TS_ASSIGN(std::string dir, args.str("model"));
+  TS_ASSIGN(std::string model, args.str("model"));
+  TS_ASSIGN(std::string dir, hub::resolve_model_arg(model));
   TS_ASSIGN(std::string messages_path, args.str("messages"));
   std::string tools_path = args.str_or("tools", "");
   std::string kwargs_path = args.str_or("kwargs", "");

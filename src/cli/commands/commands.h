@@ -21,5 +21,6 @@ Status cmd_chat(const Args& args);
 Status cmd_chat_template(const Args& args);
 Status cmd_tokenize(const Args& args);
 Status cmd_serve(const Args& args);
+Status cmd_pull(const Args& args);
 
 }  // namespace ts::cli

@@ -9,6 +9,7 @@
 
 #include "cli/args.h"
 #include "core/thread_pool.h"
+#include "hub/hub_cache.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/sampler.h"
@@ -24,7 +25,8 @@ struct Loaded {
 // The flags every model-running command takes. Read them (with the command's own flags)
 // before Args::check_all_used(), so a typo is reported before a slow load.
 struct ModelFlags {
-  std::string dir;
+  std::string dir;   // the path to load (an ORG/NAME resolved to its cached snapshot)
+  std::string name;  // --model as given
   int threads = 1;
   runtime::Device device;  // --device cpu|cuda[:N]
   bool quantize_q8_0 = false;  // --quant q8_0 (CUDA: quantize float matrices at load)
@@ -42,9 +44,17 @@ struct ModelFlags {
   std::string router_trace;        // --router-trace FILE.jsonl
 };
 
+// --model: a directory, a .gguf file or a pack, or ORG/NAME[@REV] from the Hugging Face
+// cache (hub::resolve_model_arg), read offline.
+inline Result<std::string> model_path(const Args& args) {
+  TS_ASSIGN(std::string arg, args.str("model"));
+  return hub::resolve_model_arg(arg);
+}
+
 inline Result<ModelFlags> read_model_flags(const Args& args) {
   ModelFlags f;
-  TS_ASSIGN(f.dir, args.str("model"));
+  TS_ASSIGN(f.name, args.str("model"));
+  TS_ASSIGN(f.dir, hub::resolve_model_arg(f.name));
   TS_ASSIGN(int64_t threads,
             args.integer_or("threads", std::max(1u, std::thread::hardware_concurrency()), 1, 1024));
   f.threads = int(threads);

@@ -28,6 +28,7 @@
 #include "cli/commands/commands.h"
 #include "core/sha256.h"
 #include "core/thread_pool.h"
+#include "hub/hub_cache.h"
 #include "io/gguf.h"
 #include "io/mapped_file.h"
 #include "model/gguf_model.h"
@@ -158,7 +159,8 @@ Status write_tokenizer_files(const std::string& src, bool gguf, const std::strin
 }  // namespace
 
 Status cmd_pack(const Args& args) {
-  TS_ASSIGN(std::string src, args.str("model"));
+  TS_ASSIGN(std::string model, args.str("model"));
+  TS_ASSIGN(std::string src, hub::resolve_model_arg(model));
   TS_ASSIGN(std::string out, args.str("out"));
   const std::string experts_quant = args.str_or("experts-quant", "none");
   const std::string dense_quant = args.str_or("dense-quant", "none");

@@ -57,7 +57,7 @@ Status cmd_serve(const Args& args) {
   TS_ASSIGN(int64_t request_timeout, args.integer_or("request-timeout-s", 30, 1, 3600));
   opt.request_timeout_s = int(request_timeout);
   opt.cors_origins = args.all("cors-origin");
-  opt.model_id = args.str_or("model-name", default_model_id(flags.dir));
+  opt.model_id = args.str_or("model-name", default_model_id(flags.name));
   // Running and queued streams hold an HTTP thread each; a few more serve /health, /metrics
   // and idle keep-alive connections.
   opt.http_threads = int(max_queue + parallel) + 16;

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "cli/commands/commands.h"
+#include "hub/hub_cache.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 
@@ -105,7 +106,8 @@ Result<std::string> parse_json_string_line(std::string_view line, const std::str
 }  // namespace
 
 Status cmd_tokenize(const Args& args) {
-  TS_ASSIGN(std::string dir, args.str("model"));
+  TS_ASSIGN(std::string model, args.str("model"));
+  TS_ASSIGN(std::string dir, hub::resolve_model_arg(model));
   TS_ASSIGN(std::string input, args.str("input"));
   const bool add_special = args.has("add-special");
   TS_TRY(args.check_all_used());
