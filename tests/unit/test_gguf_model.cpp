@@ -139,11 +139,9 @@ TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
         << "position " << t;
 }
 
-// Every fixture: the families whose GGUF architectures the loader maps are all of them
-// (llama = mixtral, qwen2moe, qwen3moe, olmoe, deepseek2 = deepseek_v2 / v3, glm4moe,
-// minimax-m2).
-// The fixtures whose family has a GGUF mapping (model/gguf_arch.cpp); Qwen3-Next / Qwen3.5
-// (llama.cpp's qwen3next / qwen35moe) have none yet.
+// The fixtures whose family has a GGUF mapping (model/gguf_arch.cpp: llama = mixtral,
+// qwen2moe, qwen3moe, olmoe, deepseek2 = deepseek_v2 / v3, glm4moe, minimax-m2); Qwen3-Next
+// and Qwen3.5 (llama.cpp's qwen3next / qwen35moe) have none yet.
 std::vector<std::string> gguf_fixture_names() {
   std::vector<std::string> out;
   for (const std::string& name : ts_test::fixture_names()) {
