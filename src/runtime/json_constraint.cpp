@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/thread_pool.h"
+#include "runtime/json_schema.h"
 
 namespace ts::runtime {
 
@@ -210,11 +211,13 @@ bool JsonPrefix::step(uint8_t c) {
   return false;
 }
 
-JsonConstraint::JsonConstraint(std::span<const std::string> token_bytes, std::vector<int> eos)
+JsonConstraint::JsonConstraint(std::span<const std::string> token_bytes, std::vector<int> eos,
+                               const JsonSchema* schema)
     : bytes_(token_bytes),
       eos_(std::move(eos)),
       is_eos_(token_bytes.size()),
-      plain_(token_bytes.size()) {
+      plain_(token_bytes.size()),
+      state_(std::make_unique<SchemaPrefix>(schema)) {
   for (int e : eos_)
     if (e >= 0 && size_t(e) < is_eos_.size()) is_eos_[size_t(e)] = true;
   JsonPrefix in_string;
@@ -229,17 +232,23 @@ JsonConstraint::JsonConstraint(std::span<const std::string> token_bytes, std::ve
   }
 }
 
+JsonConstraint::~JsonConstraint() = default;
+JsonConstraint::JsonConstraint(JsonConstraint&&) noexcept = default;
+JsonConstraint& JsonConstraint::operator=(JsonConstraint&&) noexcept = default;
+
+bool JsonConstraint::complete() const { return state_->complete(); }
+
 bool JsonConstraint::is_eos(int token) const {
   if (token >= 0 && size_t(token) < is_eos_.size()) return is_eos_[size_t(token)];
   return std::find(eos_.begin(), eos_.end(), token) != eos_.end();
 }
 
 bool JsonConstraint::allowed(int token) const {
-  if (is_eos(token)) return state_.complete();
-  if (token < 0 || size_t(token) >= bytes_.size() || state_.complete()) return false;
+  if (is_eos(token)) return state_->complete();
+  if (token < 0 || size_t(token) >= bytes_.size() || state_->complete()) return false;
   const std::string& b = bytes_[size_t(token)];
   if (b.empty()) return false;
-  JsonPrefix s = state_;
+  SchemaPrefix s = *state_;
   return s.feed_all(b);
 }
 
@@ -248,11 +257,11 @@ void JsonConstraint::mask(std::span<const float> logits, std::vector<float>& out
   out.assign(logits.begin(), logits.end());
   // Shortcuts, each giving allowed()'s answer: inside a string most tokens are plain
   // content; elsewhere most fail on their first byte, tested once per byte value.
-  const bool in_string = state_.in_plain_string();
+  const bool in_string = state_->in_plain_string();
   std::array<bool, 256> first_ok;
   for (int b = 0; b < 256; ++b) {
-    JsonPrefix s = state_;
-    first_ok[size_t(b)] = !state_.complete() && s.feed(uint8_t(b));
+    SchemaPrefix s = *state_;
+    first_ok[size_t(b)] = !state_->complete() && s.feed(uint8_t(b));
   }
   const auto range = [&](int64_t i0, int64_t i1) {
     for (size_t i = size_t(i0); i < size_t(i1); ++i) {
@@ -274,7 +283,7 @@ void JsonConstraint::mask(std::span<const float> logits, std::vector<float>& out
 
 bool JsonConstraint::accept(int token) {
   if (!allowed(token)) return false;
-  if (!is_eos(token)) state_.feed_all(bytes_[size_t(token)]);
+  if (!is_eos(token)) state_->feed_all(bytes_[size_t(token)]);
   return true;
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -21,6 +22,9 @@ class ThreadPool;
 }
 
 namespace ts::runtime {
+
+class SchemaPrefix;
+struct JsonSchema;
 
 class JsonPrefix {
  public:
@@ -66,6 +70,7 @@ class JsonPrefix {
   bool number_ends(Num n) const;  // whether a number may end in this sub-state
   bool close(uint8_t c);          // ']' or '}' ending the innermost container
 
+  friend class SchemaPrefix;  // reads where the automaton is, to apply a schema's rules
   Mode mode_ = Mode::kStart;
   Num num_ = Num::kInt;
   uint8_t int_digits_ = 0, exp_digits_ = 0;  // of the number being read
@@ -84,14 +89,19 @@ class JsonConstraint {
  public:
   // token_bytes[id]: each token's bytes as a piece of text (Tokenizer::token_bytes); empty
   // for tokens that never belong in JSON text. eos: the end-of-generation tokens.
-  JsonConstraint(std::span<const std::string> token_bytes, std::vector<int> eos);
+  // With a schema (json_schema.h; kept alive by the caller), the object is one it accepts.
+  JsonConstraint(std::span<const std::string> token_bytes, std::vector<int> eos,
+                 const JsonSchema* schema = nullptr);
+  ~JsonConstraint();
+  JsonConstraint(JsonConstraint&&) noexcept;
+  JsonConstraint& operator=(JsonConstraint&&) noexcept;
   // logits with every token that cannot come next at -inf, into out; with a pool, over ranges
   // of the vocabulary on its threads (the same out either way).
   void mask(std::span<const float> logits, std::vector<float>& out,
             ThreadPool* pool = nullptr) const;
   // The chosen token: its bytes go into the automaton (false if it was not allowed).
   bool accept(int token);
-  bool complete() const { return state_.complete(); }
+  bool complete() const;
   // Whether the token may come next.
   bool allowed(int token) const;
 
@@ -105,7 +115,7 @@ class JsonConstraint {
   // Per token: its bytes are whole characters of string content (no quote, backslash or
   // control character), so inside a string, between characters, it is always allowed.
   std::vector<bool> plain_;
-  JsonPrefix state_;
+  std::unique_ptr<SchemaPrefix> state_;
 };
 
 }  // namespace ts::runtime

@@ -27,6 +27,9 @@
 namespace ts::tokenizer {
 class ChatTemplate;
 }
+namespace ts::runtime {
+struct JsonSchema;
+}
 
 namespace ts::server {
 
@@ -70,6 +73,8 @@ struct GenRequest {
   // response_format {"type": "json_object"}: the reply is one JSON object (constrained
   // decoding, runtime/json_constraint.h).
   bool json_object = false;
+  // response_format json_schema: the object is also one the schema accepts.
+  std::shared_ptr<const runtime::JsonSchema> schema;
   // OpenAI's n: choices generated one after another from the same prompt (choice i samples
   // with seed + i; without a seed, from a fresh random one); not with stream.
   int n = 1;
@@ -154,8 +159,8 @@ std::unique_ptr<SseWriter> make_sse_writer(Api api, const StreamSpec& spec);
 // Ollama: a /api/chat or /api/generate body as the OpenAI chat body (generate: its prompt as a
 // user turn after `system`) or, with raw: true, the completion body. stream defaults to true;
 // options (temperature, top_p, top_k, min_p, seed, presence / frequency_penalty, num_predict,
-// stop) and format "json" map to their OpenAI fields; "NAME:latest" names NAME. Images,
-// template, suffix, context and a schema format are refused.
+// stop), format "json" and a format schema map to their OpenAI fields (JSON mode,
+// json_schema); "NAME:latest" names NAME. Images, template, suffix and context are refused.
 Parsed<json> ollama_to_openai(const json& body, Api api, const std::string& model_id);
 // NDJSON lines ({"model", "created_at", "message": {...} | "response", "done": false}, then a
 // last object with done_reason, token counts and nanosecond durations); reasoning goes to

@@ -47,15 +47,19 @@ std::optional<ApiError> copy_options(const json& body, json& out) {
   return std::nullopt;
 }
 
-// format "json" is JSON mode; a schema object is not constrained yet (as response_format
-// json_schema on the OpenAI routes).
+// format "json" is JSON mode; a schema object is response_format json_schema.
 std::optional<ApiError> copy_format(const json& body, json& out) {
   if (!body.contains("format") || body["format"].is_null() || body["format"] == "") return std::nullopt;
   if (body["format"] == "json") {
     out["response_format"] = {{"type", "json_object"}};
     return std::nullopt;
   }
-  return bad("format", "'format' must be \"json\"; a JSON schema is not supported yet");
+  if (body["format"].is_object()) {
+    out["response_format"] = {{"type", "json_schema"},
+                              {"json_schema", {{"name", "format"}, {"schema", body["format"]}}}};
+    return std::nullopt;
+  }
+  return bad("format", "'format' must be \"json\" or a JSON schema object");
 }
 
 // Ollama's message fields -> OpenAI's: tool calls with object arguments, images refused.

@@ -3,6 +3,8 @@
 #include <random>
 
 #include "server/api.h"
+
+#include "runtime/json_schema.h"
 #include "tokenizer/chat_template.h"
 
 namespace ts::server {
@@ -154,8 +156,10 @@ void read_logit_bias(Fields& f, GenRequest& r) {
   }
 }
 
-// "response_format": {"type": "text"} or {"type": "json_object"} (the reply constrained to one
-// JSON object); "json_schema" is refused by name rather than ignored.
+// "response_format": {"type": "text"}, {"type": "json_object"} (the reply constrained to one
+// JSON object) or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (to an
+// object the schema accepts: runtime/json_schema.h's subset; others are refused, naming the
+// schema keyword).
 void read_response_format(Fields& f, GenRequest& r) {
   const json* v = f.get("response_format");
   if (!v) return;
@@ -166,11 +170,16 @@ void read_response_format(Fields& f, GenRequest& r) {
   if (t == "json_object") {
     r.json_object = true;
   } else if (t == "json_schema") {
-    f.fail("response_format",
-           "type 'json_schema' is not supported; 'json_object' constrains the reply to a JSON "
-           "object");
+    const json* js = v->contains("json_schema") ? &(*v)["json_schema"] : nullptr;
+    if (!js || !js->is_object() || !js->contains("schema"))
+      return f.fail("response_format",
+                    "type 'json_schema' needs 'json_schema': {\"name\": ..., \"schema\": {...}}");
+    auto schema = runtime::compile_schema((*js)["schema"]);
+    if (!schema.ok()) return f.fail("response_format", schema.error().message);
+    r.json_object = true;
+    r.schema = std::move(schema.value());
   } else if (t != "text") {
-    f.fail("response_format", "type '" + t + "' is not one of text, json_object");
+    f.fail("response_format", "type '" + t + "' is not one of text, json_object, json_schema");
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "core/thread_pool.h"
 #include "runtime/json_constraint.h"
+#include "runtime/json_schema.h"
 #include "tokenizer/tokenizer.h"
 
 namespace ts::server {
@@ -198,7 +199,7 @@ struct Engine::Picker {
         for (int id = 0; id < t.vocab_size(); ++id)
           if (!t.is_special(id)) e.token_bytes_[size_t(id)] = t.token_bytes(id);
       }
-      json_.emplace(e.token_bytes_, e.opt_.tokenizer->eos_ids());
+      json_.emplace(e.token_bytes_, e.opt_.tokenizer->eos_ids(), job.schema.get());
     }
   }
   // Plain greedy with nothing read from the logits but the argmax: the session may pick.

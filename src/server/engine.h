@@ -54,6 +54,7 @@ struct Job {
   // response_format json_object: the reply is constrained to one JSON object
   // (runtime/json_constraint.h) and ends with it.
   bool json_object = false;
+  std::shared_ptr<const runtime::JsonSchema> schema;  // with json_object: json_schema's rules
   // Each piece of final text (may be empty); returning false cancels. May be unset.
   std::function<bool(std::string_view)> on_text;
   std::function<void(Result<runtime::Generation>)> on_done;

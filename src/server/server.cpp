@@ -540,6 +540,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
     j->top_logprobs = r.logprobs;
     j->echo = r.echo;
     j->json_object = r.json_object;
+    j->schema = r.schema;
     return j;
   };
   auto job = make_job(0);

@@ -318,7 +318,7 @@ test('logit_bias: the same reply as the CLI with the same biases; ids past the v
   }
 });
 
-test('response_format json_object: the reply is a JSON object, streamed alike; json_schema is a 400', async () => {
+test('response_format json_object: the reply is a JSON object, streamed alike', async () => {
   // The fixture's tokenizer: '}' is 125, <|im_end|> (EOS) 402. Biases toward them make the
   // noise model close its object at once; without them it must still keep to JSON.
   const ask = (extra) => openai.chat.completions.create({
@@ -341,11 +341,54 @@ test('response_format json_object: the reply is a JSON object, streamed alike; j
       streamed += c.choices[0]?.delta?.content ?? '';
     assert.equal(streamed, text);
   }
+});
+
+test('response_format json_schema: replies the schema accepts, streamed alike; unsupported rules are a 400 naming them', async () => {
+  const schema = {
+    type: 'object',
+    properties: {
+      city: { type: 'string' }, days: { type: 'integer' },
+      unit: { enum: ['C', 'F'] }, tags: { type: 'array', items: { type: 'string' }, maxItems: 2 },
+    },
+    required: ['city', 'days', 'unit'], additionalProperties: false,
+  };
+  const format = { type: 'json_schema', json_schema: { name: 'weather', strict: true, schema } };
+  // The fixture's '"' (34), ',' (44), '}' (125) and EOS (402) a little likelier, so the noise
+  // model closes its strings and its object within the budget; the schema still decides.
+  const logit_bias = { 34: 4, 44: 3, 125: 3, 402: 8 };
+  let stopped = 0;
+  for (const seed of [1, 2, 3, 4]) {
+    const ask = (extra) => openai.chat.completions.create({
+      model: MODEL, messages: HELLO, max_tokens: 96, temperature: 1.0, seed,
+      response_format: format, logit_bias, ...extra });
+    const r = await ask({});
+    const text = r.choices[0].message.content;
+    if (r.choices[0].finish_reason === 'stop') {
+      stopped++;
+      const v = JSON.parse(text);
+      assert.deepEqual(Object.keys(v).filter((k) => !(k in schema.properties)), [], text);
+      assert.equal(typeof v.city, 'string', text);
+      assert.ok(Number.isInteger(v.days), text);
+      assert.ok(['C', 'F'].includes(v.unit), text);
+      if ('tags' in v) assert.ok(Array.isArray(v.tags) && v.tags.length <= 2, text);
+    }
+    let streamed = '';
+    for await (const c of await ask({ stream: true })) streamed += c.choices[0]?.delta?.content ?? '';
+    assert.equal(streamed, text);
+  }
+  assert.ok(stopped > 0, 'no reply finished its object within 96 tokens');
+  // Ollama's format takes the same schemas.
+  const ollama = new Ollama({ host: main.base });
+  const o = await ollama.chat({ model: MODEL, messages: HELLO, format: schema, stream: false,
+    options: { temperature: 1.0, seed: 5, num_predict: 96 } });
+  if (o.done_reason === 'stop') assert.ok(['C', 'F'].includes(JSON.parse(o.message.content).unit));
   const bad = await post(main.base, '/v1/chat/completions', {
-    messages: HELLO, response_format: { type: 'json_schema', json_schema: { name: 'x', schema: {} } },
+    messages: HELLO,
+    response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'object', properties: { a: { type: 'string', pattern: '^a' } } } } },
   });
   assert.equal(bad.status, 400, bad.text);
   assert.equal(bad.json.error.param, 'response_format');
+  assert.match(bad.json.error.message, /pattern/);
 });
 
 test('n: choices one after another, choice i as a request with seed + i; usage summed; not streamed', async () => {
