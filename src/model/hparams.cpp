@@ -221,6 +221,7 @@ Result<HParams> parse_hparams(const std::string& text, const std::string& source
     return c.err("hidden_act", "= " + j.at("hidden_act").dump() + " is not supported (silu)");
 
   hp.layer_is_moe.assign(size_t(hp.n_layers), true);
+  hp.layer_window.assign(size_t(hp.n_layers), 0);
   TS_TRY(def->parse(c, hp));
 
   const bool mla = hp.attention == AttentionKind::kMla;

@@ -9,6 +9,7 @@
 #include "io/pack.h"
 #include "io/safetensors.h"
 #include "model/gguf_model.h"
+#include "model/stacked_experts.h"
 
 namespace ts::runtime {
 namespace {
@@ -129,6 +130,7 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
   } else {
     TS_ASSIGN(m->hp_, model::load_hparams(dir));
     TS_ASSIGN(m->tensors_, io::TensorSet::open_dir(dir));
+    TS_ASSIGN(m->note_, model::unstack_experts(m->hp_, *m->tensors_));
   }
   TS_ASSIGN(m->weights_, model::bind_weights(m->hp_, *m->tensors_));
   m->counts_ = model::count_weights(m->hp_, m->weights_);

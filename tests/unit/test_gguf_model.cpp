@@ -139,10 +139,15 @@ TEST_P(GgufFixture, LoadsAsItsCheckpointWithTheSameLogits) {
         << "position " << t;
 }
 
-// Every fixture: the families whose GGUF architectures the loader maps are all of them
-// (llama = mixtral, qwen2moe, qwen3moe, olmoe, deepseek2 = deepseek_v2 / v3, glm4moe,
-// minimax-m2).
-std::vector<std::string> gguf_fixture_names() { return ts_test::fixture_names(); }
+// Every fixture of the families whose GGUF architectures the loader maps (llama = mixtral,
+// qwen2moe, qwen3moe, olmoe, deepseek2 = deepseek_v2 / v3, glm4moe, minimax-m2); not gpt-oss,
+// whose GGUF files (llama.cpp's gpt-oss arch, MXFP4 experts) are not read yet.
+std::vector<std::string> gguf_fixture_names() {
+  std::vector<std::string> out;
+  for (const std::string& name : ts_test::fixture_names())
+    if (name.rfind("gpt_oss", 0) != 0) out.push_back(name);
+  return out;
+}
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GgufFixture, ::testing::ValuesIn(gguf_fixture_names()));
 

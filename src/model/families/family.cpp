@@ -6,12 +6,12 @@
 namespace ts::model {
 
 extern const FamilyDef kMixtralFamily, kQwen2MoeFamily, kQwen3MoeFamily, kOlmoeFamily,
-    kDeepseekV2Family, kDeepseekV3Family, kGlm4MoeFamily, kMinimaxM2Family;
+    kDeepseekV2Family, kDeepseekV3Family, kGlm4MoeFamily, kMinimaxM2Family, kGptOssFamily;
 
 std::span<const FamilyDef* const> all_families() {
   static const FamilyDef* const kAll[] = {&kMixtralFamily, &kQwen2MoeFamily,   &kQwen3MoeFamily,
                                           &kOlmoeFamily,   &kDeepseekV2Family, &kDeepseekV3Family,
-                                          &kGlm4MoeFamily, &kMinimaxM2Family};
+                                          &kGlm4MoeFamily, &kMinimaxM2Family, &kGptOssFamily};
   return kAll;
 }
 
