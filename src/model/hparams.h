@@ -112,7 +112,7 @@ struct HParams {
   int d_shared = 0;        // shared expert hidden size, 0 if none
   bool shared_expert_gate = false;  // sigmoid gate on the shared expert (qwen2_moe)
   bool qkv_bias = false;
-  bool o_bias = false;     // a bias on o_proj (gpt-oss)
+  bool o_bias = false;  // a bias on o_proj (gpt-oss)
   QkNorm qk_norm = QkNorm::kNone;
   AttentionKind attention = AttentionKind::kGqa;
   MlaSpec mla;

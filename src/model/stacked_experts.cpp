@@ -1,5 +1,6 @@
 #include "model/stacked_experts.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -25,22 +26,28 @@ Result<const io::TensorView*> stacked_tensor(const io::TensorSet& set, const std
                       ", config.json implies " + shape_str(shape));
   if (t->dtype != DType::kF32 && t->dtype != DType::kF16 && t->dtype != DType::kBF16)
     return make_error("tensor " + name + " in " + t->file + " is " +
-                      std::string(dtype_name(t->dtype)) + "; stacked experts must be F32, F16 or BF16");
+                      std::string(dtype_name(t->dtype)) +
+                      "; stacked experts must be F32, F16 or BF16");
   return t;
 }
 
-// dst[c][r] = src[r][first + c * step] for r < rows, c < cols: columns first, first + step,
-// ... of a [rows, width] matrix, transposed into [cols, rows]. Elements of `elem` bytes,
-// copied in 32 x 32 tiles so that both sides are read and written along cache lines.
-void transpose_columns(const uint8_t* src, int64_t rows, int64_t width, int64_t first,
-                       int64_t step, int64_t cols, size_t elem, uint8_t* dst) {
+// Columns first, first + step, ... (cols of them) of a row-major [rows, width] matrix.
+struct Columns {
+  const uint8_t* data;
+  int64_t rows, width;
+  int64_t first, step, cols;
+};
+
+// dst[c][r] = src[r][first + c * step]: the columns, transposed into [cols, rows]. Elements of
+// `elem` bytes, copied in 32 x 32 tiles so that both sides move along cache lines.
+void transpose_columns(const Columns& src, size_t elem, uint8_t* dst) {
   constexpr int64_t kTile = 32;
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile)
-    for (int64_t c0 = 0; c0 < cols; c0 += kTile)
-      for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c)
-        for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r)
-          std::memcpy(dst + size_t(c * rows + r) * elem,
-                      src + size_t(r * width + first + c * step) * elem, elem);
+  for (int64_t r0 = 0; r0 < src.rows; r0 += kTile)
+    for (int64_t c0 = 0; c0 < src.cols; c0 += kTile)
+      for (int64_t c = c0; c < std::min(src.cols, c0 + kTile); ++c)
+        for (int64_t r = r0; r < std::min(src.rows, r0 + kTile); ++r)
+          std::memcpy(dst + size_t(c * src.rows + r) * elem,
+                      src.data + size_t(r * src.width + src.first + c * src.step) * elem, elem);
 }
 
 // One owned buffer of `views` laid end to end (sizes from each view's n_bytes), filled by
@@ -77,8 +84,8 @@ Result<std::string> unstack_experts(const HParams& hp, io::TensorSet& set) {
     TS_ASSIGN(const io::TensorView* dn, stacked_tensor(set, p + st->down, {n_e, ff, d}));
     TS_ASSIGN(const io::TensorView* dnb, stacked_tensor(set, p + st->down_bias, {n_e, d}));
     auto view = [](const io::TensorView& from, std::string name, std::vector<int64_t> shape) {
-      const size_t bytes = size_t(shape[0]) * (shape.size() > 1 ? size_t(shape[1]) : 1) *
-                           dtype_size(from.dtype);
+      const size_t bytes =
+          size_t(shape[0]) * (shape.size() > 1 ? size_t(shape[1]) : 1) * dtype_size(from.dtype);
       return io::TensorView{.name = std::move(name),
                             .dtype = from.dtype,
                             .shape = std::move(shape),
@@ -101,14 +108,14 @@ Result<std::string> unstack_experts(const HParams& hp, io::TensorSet& set) {
     // View i is expert i / 2's gate (i even: columns 0, 2, ...) or up (odd: 1, 3, ...).
     TS_TRY(add_copies(set, std::move(mats), [&](size_t i, uint8_t* out) {
       const uint8_t* src = gu->data + (i / 2) * size_t(d * 2 * ff) * gu_elem;
-      transpose_columns(src, d, 2 * ff, int64_t(i % 2), 2, ff, gu_elem, out);
+      transpose_columns({src, d, 2 * ff, int64_t(i % 2), 2, ff}, gu_elem, out);
     }));
     TS_TRY(add_copies(set, std::move(biases), [&](size_t i, uint8_t* out) {
       const uint8_t* src = gub->data + (i / 2) * size_t(2 * ff) * gub_elem;
-      transpose_columns(src, 1, 2 * ff, int64_t(i % 2), 2, ff, gub_elem, out);
+      transpose_columns({src, 1, 2 * ff, int64_t(i % 2), 2, ff}, gub_elem, out);
     }));
     TS_TRY(add_copies(set, std::move(downs), [&](size_t e, uint8_t* out) {
-      transpose_columns(dn->data + e * size_t(ff * d) * dn_elem, ff, d, 0, 1, d, dn_elem, out);
+      transpose_columns({dn->data + e * size_t(ff * d) * dn_elem, ff, d, 0, 1, d}, dn_elem, out);
     }));
     TS_TRY(add_copies(set, std::move(down_biases), [&](size_t e, uint8_t* out) {
       std::memcpy(out, dnb->data + e * size_t(d) * dnb_elem, size_t(d) * dnb_elem);

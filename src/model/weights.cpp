@@ -152,9 +152,9 @@ WeightCounts count_weights(const HParams& hp, const BoundWeights& bw) {
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
     for (const Matrix* m : L.matrices()) add_dense(*m);
-    for (const auto* v : {&L.attn_norm, &L.ffn_norm, &L.bq, &L.bk, &L.bv, &L.bo, &L.sinks,
-                          &L.q_norm, &L.k_norm, &L.q_a_norm, &L.kv_a_norm, &L.router_bias,
-                          &L.router_logit_bias})
+    for (const auto* v :
+         {&L.attn_norm, &L.ffn_norm, &L.bq, &L.bk, &L.bv, &L.bo, &L.sinks, &L.q_norm, &L.k_norm,
+          &L.q_a_norm, &L.kv_a_norm, &L.router_bias, &L.router_logit_bias})
       add_vec(*v);
     // Experts' biases are resident (dense bytes); a token reads top_k experts' rows of them.
     for (const auto* v : {&L.expert_gate_bias, &L.expert_up_bias, &L.expert_down_bias}) {

@@ -48,8 +48,8 @@ struct LayerWeights {
   Matrix kv_b;                   // [n_heads * (nope_dim + v_dim), kv_lora_rank]: per head,
                                  // nope_dim rows of W_UK then v_dim rows of W_UV
   std::vector<float> bq, bk, bv;  // biases when qkv_bias, else empty
-  std::vector<float> bo;         // [d_model] when o_bias, else empty
-  std::vector<float> sinks;      // [n_heads] when attention_sinks, else empty
+  std::vector<float> bo;          // [d_model] when o_bias, else empty
+  std::vector<float> sinks;       // [n_heads] when attention_sinks, else empty
   std::vector<float> q_norm;     // [head_dim] per head, or [q_dim] full projection, or empty
   std::vector<float> k_norm;     // [head_dim] or [kv_dim] or empty
   std::vector<float> ffn_norm;   // [d_model]

@@ -295,12 +295,12 @@ TEST_F(Cli, GptOssBadInputIsNamed) {
   struct Case {
     std::string from, to, needle;
   };
-  for (const Case& c : std::vector<Case>{
-           {types, R"("sliding_attention", "full_attention")", "layer_types"},
-           {types, R"("sliding_attention", "full_attention", "local_attention")",
-            "local_attention"},
-           {"\"intermediate_size\": 64", "\"intermediate_size\": 32",
-            "model.layers.0.mlp.experts.gate_up_proj"}}) {
+  for (const Case& c :
+       std::vector<Case>{{types, R"("sliding_attention", "full_attention")", "layer_types"},
+                         {types, R"("sliding_attention", "full_attention", "local_attention")",
+                          "local_attention"},
+                         {"\"intermediate_size\": 64", "\"intermediate_size\": 32",
+                          "model.layers.0.mlp.experts.gate_up_proj"}}) {
     fs::path d = copy_model();
     std::string cfg = config;
     ASSERT_NE(cfg.find(c.from), std::string::npos) << c.from;
@@ -315,9 +315,9 @@ TEST_F(Cli, GptOssBadInputIsNamed) {
   ASSERT_NE(at, std::string::npos);
   bytes[at + 25] = 'X';  // "sinks" -> "Xinks"
   std::ofstream(d / "model.safetensors", std::ios::binary) << bytes;
-  expect_error(run("logits --model " + d.string() + " --tokens 1,2 --out " +
-                   (tmp_ / "x.npy").string()),
-               "model.layers.2.self_attn.sinks");
+  expect_error(
+      run("logits --model " + d.string() + " --tokens 1,2 --out " + (tmp_ / "x.npy").string()),
+      "model.layers.2.self_attn.sinks");
   EXPECT_FALSE(fs::exists(tmp_ / "x.npy"));
 }
 

@@ -217,7 +217,7 @@ TEST(Router, EverySpecMatchesTheReferenceRule) {
        .n_group = 4,
        .topk_group = 2,
        .group_score = GroupScore::kMax,
-       .scale = 1.5f},  // DeepSeek-V2 group_limited_greedy
+       .scale = 1.5f},                                         // DeepSeek-V2 group_limited_greedy
       {.scoring = ScoreFn::kTopkSoftmax, .logit_bias = true},  // gpt-oss
       {.scoring = ScoreFn::kSigmoid,
        .correction_bias = true,
@@ -490,20 +490,20 @@ TEST(Ops, AttentionSinksAndSlidingWindowMatchTheRule) {
   for (int window : {0, 1, 4, 5, 40}) {
     for (bool with_sinks : {false, true}) {
       std::vector<float> out(q.size(), NAN);
-      ts::cpu::attention(pool, {.q = q.data(),
-                                .k_cache = k.data(),
-                                .v_cache = v.data(),
-                                .rows = {},
-                                .out = out.data(),
-                                .n_tokens = T,
-                                .pos0 = pos0,
-                                .n_heads = H,
-                                .n_kv_heads = KV,
-                                .head_dim = D,
-                                .scale = 0.35f,
-                                .window = window,
-                                .sinks = with_sinks ? std::span<const float>(sinks)
-                                                    : std::span<const float>()});
+      ts::cpu::attention(
+          pool, {.q = q.data(),
+                 .k_cache = k.data(),
+                 .v_cache = v.data(),
+                 .rows = {},
+                 .out = out.data(),
+                 .n_tokens = T,
+                 .pos0 = pos0,
+                 .n_heads = H,
+                 .n_kv_heads = KV,
+                 .head_dim = D,
+                 .scale = 0.35f,
+                 .window = window,
+                 .sinks = with_sinks ? std::span<const float>(sinks) : std::span<const float>()});
       for (int t = 0; t < T; ++t)
         for (int h = 0; h < H; ++h) {
           const int p = pos0 + t, g = h / (H / KV);
@@ -571,11 +571,15 @@ TEST(Families, GptOssStackedExpertsSplitByColumnParity) {
   auto write = [&](const ts_test::TempDir& dir, bool short_down, bool no_gate_up_bias) {
     std::vector<ts::io::TensorToWrite> t = {
         {p + "gate_up_proj", ts::DType::kF32, {E, d, 2 * ff}, gu.data(), gu.size() * 4},
-        {p + "down_proj", ts::DType::kF32, {E, short_down ? ff - 1 : ff, d}, dn.data(),
+        {p + "down_proj",
+         ts::DType::kF32,
+         {E, short_down ? ff - 1 : ff, d},
+         dn.data(),
          size_t(E * (short_down ? ff - 1 : ff) * d) * 4},
         {p + "down_proj_bias", ts::DType::kF32, {E, d}, dnb.data(), dnb.size() * 4}};
     if (!no_gate_up_bias)
-      t.push_back({p + "gate_up_proj_bias", ts::DType::kF32, {E, 2 * ff}, gub.data(), gub.size() * 4});
+      t.push_back(
+          {p + "gate_up_proj_bias", ts::DType::kF32, {E, 2 * ff}, gub.data(), gub.size() * 4});
     EXPECT_TRUE(ts::io::write_safetensors(dir.file("model.safetensors"), t).ok());
     auto set = ts::io::TensorSet::open_dir(dir.path().string());
     EXPECT_TRUE(set.ok()) << set.error().message;
@@ -639,9 +643,9 @@ TEST(Families, GptOssMissingTensorsNameThemselves) {
   const auto dir = ts_test::data_dir() / "models" / "gpt_oss";
   auto hp = ts::model::load_hparams(dir.string());
   ASSERT_TRUE(hp.ok()) << hp.error().message;
-  for (const std::string cut : {"model.layers.1.self_attn.sinks",
-                                "model.layers.2.mlp.experts.gate_up_proj",
-                                "model.layers.0.self_attn.o_proj.bias", "model.layers.2.mlp.router.bias"}) {
+  for (const std::string cut :
+       {"model.layers.1.self_attn.sinks", "model.layers.2.mlp.experts.gate_up_proj",
+        "model.layers.0.self_attn.o_proj.bias", "model.layers.2.mlp.router.bias"}) {
     auto set = ts::io::TensorSet::open_dir(dir.string());
     ASSERT_TRUE(set.ok()) << set.error().message;
     set.value()->drop(cut);

@@ -41,8 +41,8 @@ void rope_apply(float* x, int n_heads, const RopeTable& rope, int position);
 // h[i] = silu(g[i]) * u[i]
 void silu_mul(const float* g, const float* u, float* h, int64_t n);
 
-// gpt-oss's clamped SwiGLU, as transformers' GptOssExperts._apply_gate: with
-// g = min(g[i], limit) and u = clamp(u[i], -limit, limit), h[i] = (u + 1) * (g * sigmoid(alpha * g)).
+// gpt-oss's clamped SwiGLU, as transformers' GptOssExperts._apply_gate: with g = min(g[i],
+// limit) and u = clamp(u[i], -limit, limit), h[i] = (u + 1) * (g * sigmoid(alpha * g)).
 void clamped_swiglu(const float* g, const float* u, float* h, int64_t n, float limit, float alpha);
 
 // Where a sequence's cache rows lie: position j is row blocks[j / block_tokens] *

@@ -11,7 +11,7 @@ extern const FamilyDef kMixtralFamily, kQwen2MoeFamily, kQwen3MoeFamily, kOlmoeF
 std::span<const FamilyDef* const> all_families() {
   static const FamilyDef* const kAll[] = {&kMixtralFamily, &kQwen2MoeFamily,   &kQwen3MoeFamily,
                                           &kOlmoeFamily,   &kDeepseekV2Family, &kDeepseekV3Family,
-                                          &kGlm4MoeFamily, &kMinimaxM2Family, &kGptOssFamily};
+                                          &kGlm4MoeFamily, &kMinimaxM2Family,  &kGptOssFamily};
   return kAll;
 }
 

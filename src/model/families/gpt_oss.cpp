@@ -38,7 +38,8 @@ Status read_layer_types(const ConfigReader& c, HParams& hp) {
   if (c.j.contains("sliding_window") && c.j.at("sliding_window").is_null())
     return c.err("sliding_window", "is null, but layer_types has sliding_attention layers");
   TS_ASSIGN(int window, c.integer_or("sliding_window", 128));
-  for (int l = 0; l < hp.n_layers; ++l) hp.layer_window[size_t(l)] = sliding[size_t(l)] ? window : 0;
+  for (int l = 0; l < hp.n_layers; ++l)
+    hp.layer_window[size_t(l)] = sliding[size_t(l)] ? window : 0;
   return {};
 }
 

@@ -401,11 +401,10 @@ TEST(CudaErrors, LayerKindsItDoesNotRunAreRefusedByName) {
     const std::string& msg = e.error().message;
     EXPECT_NE(msg.find("does not run yet"), std::string::npos) << msg;
     const bool gpt_oss = name.rfind("gpt_oss", 0) == 0;
-    for (const char* kind : gpt_oss ? std::vector<const char*>{"attention sinks",
-                                                               "sliding-window attention",
-                                                               "the clamped SwiGLU",
-                                                               "expert biases"}
-                                    : std::vector<const char*>{"latent attention"})
+    for (const char* kind :
+         gpt_oss ? std::vector<const char*>{"attention sinks", "sliding-window attention",
+                                            "the clamped SwiGLU", "expert biases"}
+                 : std::vector<const char*>{"latent attention"})
       EXPECT_NE(msg.find(kind), std::string::npos) << msg;
     ++refused;
   }
