@@ -38,16 +38,25 @@ struct Columns {
   int64_t first, step, cols;
 };
 
-// dst[c][r] = src[r][first + c * step]: the columns, transposed into [cols, rows]. Elements of
-// `elem` bytes, copied in 32 x 32 tiles so that both sides move along cache lines.
-void transpose_columns(const Columns& src, size_t elem, uint8_t* dst) {
+// dst[c][r] = src[r][first + c * step]: the columns, transposed into [cols, rows], in 32 x 32
+// tiles so that both sides move along cache lines. T: an element of the tensor's dtype.
+template <class T>
+void transpose_columns(const Columns& src, uint8_t* dst_bytes) {
   constexpr int64_t kTile = 32;
+  const T* in = reinterpret_cast<const T*>(src.data);
+  T* out = reinterpret_cast<T*>(dst_bytes);
   for (int64_t r0 = 0; r0 < src.rows; r0 += kTile)
     for (int64_t c0 = 0; c0 < src.cols; c0 += kTile)
       for (int64_t c = c0; c < std::min(src.cols, c0 + kTile); ++c)
         for (int64_t r = r0; r < std::min(src.rows, r0 + kTile); ++r)
-          std::memcpy(dst + size_t(c * src.rows + r) * elem,
-                      src.data + size_t(r * src.width + src.first + c * src.step) * elem, elem);
+          out[c * src.rows + r] = in[r * src.width + src.first + c * src.step];
+}
+// F32 as 4-byte words, F16 / BF16 as 2-byte ones: values move bit for bit.
+void transpose_columns(const Columns& src, size_t elem, uint8_t* dst) {
+  if (elem == 4)
+    transpose_columns<uint32_t>(src, dst);
+  else
+    transpose_columns<uint16_t>(src, dst);
 }
 
 // One owned buffer of `views` laid end to end (sizes from each view's n_bytes), filled by
@@ -73,7 +82,7 @@ Result<std::string> unstack_experts(const HParams& hp, io::TensorSet& set) {
   const StackedExperts* st = names.stacked;
   if (!st) return std::string();
   const int64_t n_e = hp.n_experts, d = hp.d_model, ff = hp.d_expert;
-  bool any = false;
+  uint64_t copied_bytes = 0;
   for (int l = 0; l < hp.n_layers; ++l) {
     if (!hp.layer_is_moe[size_t(l)]) continue;
     const std::string p = "model.layers." + std::to_string(l) + "." + names.moe_block + ".experts.";
@@ -120,14 +129,15 @@ Result<std::string> unstack_experts(const HParams& hp, io::TensorSet& set) {
     TS_TRY(add_copies(set, std::move(down_biases), [&](size_t e, uint8_t* out) {
       std::memcpy(out, dnb->data + e * size_t(d) * dnb_elem, size_t(d) * dnb_elem);
     }));
+    for (const io::TensorView* t : {gu, gub, dn, dnb}) copied_bytes += t->n_bytes;
     for (const char* stacked : {st->gate_up, st->gate_up_bias, st->down, st->down_bias})
       set.drop(p + stacked);
-    any = true;
   }
-  if (!any) return std::string();
+  if (copied_bytes == 0) return std::string();
   return std::string(family_def(hp.family).name) + "'s stacked experts (" + names.moe_block +
          ".experts." + st->gate_up + ", " + st->down +
-         ") were split per expert and transposed at load, into memory";
+         ") were split per expert and transposed at load, into " +
+         std::to_string((copied_bytes + 999999) / 1000000) + " MB of memory";
 }
 
 }  // namespace ts::model
