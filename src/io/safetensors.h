@@ -65,6 +65,9 @@ class TensorSet {
   // Adds tensors whose bytes live in `bytes` (a rearranged copy of a file's tensor), taking
   // ownership. Their `file` names where the bytes came from; they are not streamable.
   Status add_owned(std::unique_ptr<uint8_t[]> bytes, std::vector<TensorView> views);
+  // Removes a tensor from the set's index (one rearranged into owned copies, so that nothing
+  // reads or packs it twice); its file stays mapped. No-op when absent.
+  void drop(const std::string& name) { tensors_.erase(name); }
 
  private:
   Status add_file(const std::string& path);

@@ -222,6 +222,7 @@ Result<HParams> parse_hparams(const std::string& text, const std::string& source
 
   hp.layer_is_moe.assign(size_t(hp.n_layers), true);
   hp.layer_mixer.assign(size_t(hp.n_layers), MixerKind::kAttention);
+  hp.layer_window.assign(size_t(hp.n_layers), 0);
   TS_TRY(def->parse(c, hp));
 
   const bool mla = hp.attention == AttentionKind::kMla;

@@ -21,6 +21,7 @@ enum class Family : uint8_t {
   kGlm4Moe,
   kMinimaxM2,
   kQwen3Next,  // also qwen3_5_moe_text (Qwen3.5 / 3.6 MoE)
+  kGptOss,
 };
 
 // Where q/k RMSNorm is applied, if anywhere.
@@ -31,13 +32,18 @@ enum class QkNorm : uint8_t {
 };
 
 // How a token's experts are chosen and weighted (model/router.h has the one reference).
-enum class ScoreFn : uint8_t { kSoftmax, kSigmoid };
+enum class ScoreFn : uint8_t {
+  kSoftmax,      // softmax over all experts' logits
+  kSigmoid,      // a sigmoid per expert
+  kTopkSoftmax,  // gpt-oss: the top_k logits win; the weights are a softmax over those k
+};
 enum class GroupScore : uint8_t {
   kTop2Sum,  // DeepSeek-V3 / GLM-4.5: sum of the group's two best (biased) scores
   kMax,      // DeepSeek-V2 group_limited_greedy: the group's best score
 };
 struct RouterSpec {
-  ScoreFn scoring = ScoreFn::kSoftmax;  // over all experts (softmax) or per expert (sigmoid)
+  ScoreFn scoring = ScoreFn::kSoftmax;
+  bool logit_bias = false;       // the router's linear has a bias (gpt-oss): logits = W x + b
   bool correction_bias = false;  // a per-expert bias added to the scores for selection only
   int n_group = 1;               // experts split into n_group equal groups, of which only
   int topk_group = 1;            // the topk_group best groups may be selected
@@ -62,6 +68,18 @@ struct RopeSpec {
   bool yarn = false;
   float factor = 1.0f;          // YaRN's scaling factor and mscale_all_dim, which MLA's
   float mscale_all_dim = 0.0f;  // softmax scale also reads
+};
+
+// The routed experts' activation between the gate|up and down projections.
+enum class ExpertAct : uint8_t {
+  kSiluMul,        // silu(gate) * up
+  kClampedSwiglu,  // gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit),
+                   // (u + 1) * g * sigmoid(alpha * g)
+};
+struct ExpertActSpec {
+  ExpertAct kind = ExpertAct::kSiluMul;
+  float limit = 0.0f;  // kClampedSwiglu's clamp
+  float alpha = 0.0f;  // kClampedSwiglu's sigmoid slope
 };
 
 enum class AttentionKind : uint8_t {
@@ -121,9 +139,18 @@ struct HParams {
   int d_shared = 0;        // shared expert hidden size, 0 if none
   bool shared_expert_gate = false;  // sigmoid gate on the shared expert (qwen2_moe)
   bool qkv_bias = false;
+  bool o_bias = false;  // a bias on o_proj (gpt-oss)
   QkNorm qk_norm = QkNorm::kNone;
   AttentionKind attention = AttentionKind::kGqa;
   MlaSpec mla;
+  // gpt-oss: a learned logit per query head that joins its softmax's denominator (and takes
+  // a share of the probability that no value receives).
+  bool attention_sinks = false;
+  // [n_layers]: a query at position p sees the keys j with p - j < layer_window[l] (a sliding
+  // window, as transformers' sliding_window_overlay), or every earlier key when 0.
+  std::vector<int> layer_window;
+  bool expert_bias = false;  // routed experts' gate, up and down projections have biases
+  ExpertActSpec expert_act;
   float attn_scale = 0;    // softmax scale of q.k (1 / sqrt(head_dim), or MLA's with mscale)
   RouterSpec router;
   float rms_eps = 1e-6f;

@@ -33,8 +33,10 @@ void select_experts(std::span<const float> logits, std::span<const float> bias,
       sum += p[i];
     }
     for (float& v : p) v /= sum;
-  } else {
+  } else if (spec.scoring == ScoreFn::kSigmoid) {
     for (size_t i = 0; i < n; ++i) p[i] = 1.0f / (1.0f + std::exp(-logits[i]));
+  } else {
+    p.assign(logits.begin(), logits.end());  // ranked as they are; weighed below
   }
   std::vector<float> choice(p);
   if (spec.correction_bias)
@@ -81,6 +83,16 @@ void select_experts(std::span<const float> logits, std::span<const float> bias,
     taken[best] = true;
     out.ids[r] = int(best);
     out.weights[r] = p[best];
+  }
+  if (spec.scoring == ScoreFn::kTopkSoftmax) {
+    // transformers' GptOssTopKRouter: softmax over the k chosen logits (the first is the max).
+    const float mx = out.weights[0];
+    float sum = 0;
+    for (float& w : out.weights) {
+      w = std::exp(w - mx);
+      sum += w;
+    }
+    for (float& w : out.weights) w /= sum;
   }
   if (spec.renormalize) {
     float s = 0;

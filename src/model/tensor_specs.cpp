@@ -69,6 +69,8 @@ std::vector<TensorSpec> checkpoint_tensors(const HParams& hp) {
         add(a + "k_proj.bias", {hp.kv_dim()}, K::kBias, R::kBk);
         add(a + "v_proj.bias", {hp.kv_dim()}, K::kBias, R::kBv);
       }
+      if (hp.o_bias) add(a + "o_proj.bias", {d}, K::kBias, R::kBo);
+      if (hp.attention_sinks) add(a + "sinks", {hp.n_heads}, K::kBias, R::kSinks);
       if (hp.qk_norm == QkNorm::kPerHead) {
         add(a + "q_norm.weight", {hp.head_dim}, K::kNorm, R::kQNorm);
         add(a + "k_norm.weight", {hp.head_dim}, K::kNorm, R::kKNorm);
@@ -79,12 +81,21 @@ std::vector<TensorSpec> checkpoint_tensors(const HParams& hp) {
     }
     if (hp.layer_is_moe[size_t(layer)]) {
       std::string m = p + names.moe_block + ".";
-      add(m + "gate.weight", {hp.n_experts, d}, K::kRouter, R::kRouter);
+      const std::string router = m + names.router + ".";
+      add(router + "weight", {hp.n_experts, d}, K::kRouter, R::kRouter);
+      if (hp.router.logit_bias) add(router + "bias", {hp.n_experts}, K::kBias, R::kRouterLogitBias);
       if (hp.router.correction_bias)
         add(m + names.correction_bias, {hp.n_experts}, K::kBias, R::kRouterBias);
-      for (expert = 0; expert < hp.n_experts; ++expert)
-        mlp(m + "experts." + std::to_string(expert) + ".", names.expert_gate, names.expert_up,
-            names.expert_down, hp.d_expert, K::kExpert, R::kExpertGate);
+      for (expert = 0; expert < hp.n_experts; ++expert) {
+        const std::string e = m + "experts." + std::to_string(expert) + ".";
+        mlp(e, names.expert_gate, names.expert_up, names.expert_down, hp.d_expert, K::kExpert,
+            R::kExpertGate);
+        if (hp.expert_bias) {
+          add(e + names.expert_gate + ".bias", {hp.d_expert}, K::kBias, R::kExpertGateBias);
+          add(e + names.expert_up + ".bias", {hp.d_expert}, K::kBias, R::kExpertUpBias);
+          add(e + names.expert_down + ".bias", {d}, K::kBias, R::kExpertDownBias);
+        }
+      }
       expert = -1;
       if (hp.d_shared > 0) {
         mlp(m + names.shared + ".", "gate_proj", "up_proj", "down_proj", hp.d_shared, K::kLinear,

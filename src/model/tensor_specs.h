@@ -19,11 +19,12 @@ enum class TensorKind : uint8_t { kEmbedding, kLinear, kRouter, kNorm, kBias, kE
 enum class TensorRole : uint8_t {
   kEmbed, kFinalNorm, kLmHead,
   kAttnNorm, kFfnNorm,
-  kWq, kWk, kWv, kWo, kBq, kBk, kBv, kQNorm, kKNorm,  // GQA
+  kWq, kWk, kWv, kWo, kBq, kBk, kBv, kBo, kQNorm, kKNorm, kSinks,  // GQA
   kQa, kQaNorm, kQb, kKva, kKvaNorm, kKvb,             // MLA (kWq when no q LoRA, kWo)
   kDnQkvz, kDnBa, kDnQkv, kDnZ, kDnB, kDnA,            // gated DeltaNet input projections
   kDnConv, kDnALog, kDnDtBias, kDnNorm, kDnOut,
-  kRouter, kRouterBias,
+  kRouter, kRouterBias, kRouterLogitBias,
+  kExpertGateBias, kExpertUpBias, kExpertDownBias,  // one [d_expert] / [d_model] per expert
   // each MLP's gate, up, down in this order (checkpoint_tensors counts on it)
   kSharedGate, kSharedUp, kSharedDown, kSharedExpertGate,
   kDenseGate, kDenseUp, kDenseDown,
@@ -41,6 +42,9 @@ struct TensorSpec {
 };
 
 // In checkpoint order: embedding, each layer's tensors, final norm, lm_head (absent when tied).
+// Routed experts are listed one by one (`experts.E.<gate>.weight`, and `.bias` when
+// expert_bias), also for a family whose checkpoint stacks them (FamilyNames::stacked):
+// stacked_experts.h presents such a checkpoint under these names.
 std::vector<TensorSpec> checkpoint_tensors(const HParams& hp);
 
 }  // namespace ts::model

@@ -67,6 +67,11 @@ Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensor
       if (hp.norm_plus_one && norm)
         for (float& x : v) x = 1.0f + x;
       LayerWeights* L = s.layer >= 0 ? &w.layers[size_t(s.layer)] : nullptr;
+      // An expert's bias goes to its place in the layer's array of all experts' biases.
+      auto expert_row = [&](std::vector<float>& all) {
+        all.resize(size_t(hp.n_experts) * v.size());
+        std::copy(v.begin(), v.end(), all.begin() + long(size_t(s.expert) * v.size()));
+      };
       switch (s.role) {
         case R::kDnConv: L->deltanet.conv = std::move(v); break;
         case R::kDnALog: L->deltanet.a_log = std::move(v); break;
@@ -83,6 +88,12 @@ Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensor
         case R::kQaNorm: L->q_a_norm = std::move(v); break;
         case R::kKvaNorm: L->kv_a_norm = std::move(v); break;
         case R::kRouterBias: L->router_bias = std::move(v); break;
+        case R::kBo: L->bo = std::move(v); break;
+        case R::kSinks: L->sinks = std::move(v); break;
+        case R::kRouterLogitBias: L->router_logit_bias = std::move(v); break;
+        case R::kExpertGateBias: expert_row(L->expert_gate_bias); break;
+        case R::kExpertUpBias: expert_row(L->expert_up_bias); break;
+        case R::kExpertDownBias: expert_row(L->expert_down_bias); break;
         default: TS_CHECK(false, "a vector role binds to a vector field");
       }
       continue;
@@ -161,10 +172,20 @@ WeightCounts count_weights(const HParams& hp, const BoundWeights& bw) {
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
     for (const Matrix* m : L.matrices()) add_dense(*m);
-    for (const auto* v : {&L.attn_norm, &L.ffn_norm, &L.bq, &L.bk, &L.bv, &L.q_norm, &L.k_norm,
-                          &L.q_a_norm, &L.kv_a_norm, &L.router_bias, &L.deltanet.conv,
-                          &L.deltanet.a_log, &L.deltanet.dt_bias, &L.deltanet.norm})
+    for (const auto* v :
+         {&L.attn_norm, &L.ffn_norm, &L.bq, &L.bk, &L.bv, &L.bo, &L.sinks, &L.q_norm, &L.k_norm,
+          &L.q_a_norm, &L.kv_a_norm, &L.router_bias, &L.router_logit_bias, &L.deltanet.conv,
+          &L.deltanet.a_log, &L.deltanet.dt_bias, &L.deltanet.norm})
       add_vec(*v);
+    // Experts' biases are resident (dense bytes); a token reads top_k experts' rows of them.
+    for (const auto* v : {&L.expert_gate_bias, &L.expert_up_bias, &L.expert_down_bias}) {
+      if (v->empty()) continue;
+      const int64_t per_token = int64_t(v->size()) / hp.n_experts * hp.top_k;
+      c.params_total += int64_t(v->size());
+      c.params_active += per_token;
+      c.dense_bytes += v->size() * 4;
+      c.decode_bytes += uint64_t(per_token) * 4;
+    }
     const auto& experts = bw.experts[l];
     for (size_t e = 0; e < experts.size(); ++e) {
       const ExpertWeights& ew = experts[e];

@@ -55,6 +55,8 @@ struct LayerWeights {
     std::vector<float> conv, a_log, dt_bias, norm;
   } deltanet;
   std::vector<float> bq, bk, bv;  // biases when qkv_bias, else empty
+  std::vector<float> bo;          // [d_model] when o_bias, else empty
+  std::vector<float> sinks;       // [n_heads] when attention_sinks, else empty
   std::vector<float> q_norm;     // [head_dim] per head, or [q_dim] full projection, or empty
   std::vector<float> k_norm;     // [head_dim] or [kv_dim] or empty
   std::vector<float> ffn_norm;   // [d_model]
@@ -62,6 +64,12 @@ struct LayerWeights {
   bool is_moe = false;
   Matrix router;                 // [n_experts, d_model]
   std::vector<float> router_bias;  // [n_experts] selection-only correction bias, or empty
+  std::vector<float> router_logit_bias;  // [n_experts] when router.logit_bias, else empty
+  // Routed experts' biases when expert_bias (else empty), expert e's at e * width: small, so
+  // kept with the dense weights rather than in the expert store.
+  std::vector<float> expert_gate_bias;  // [n_experts * d_expert]
+  std::vector<float> expert_up_bias;    // [n_experts * d_expert]
+  std::vector<float> expert_down_bias;  // [n_experts * d_model]
   ExpertWeights shared;          // shared expert (d_shared), absent if none
   Matrix shared_gate;            // [1, d_model] sigmoid gate on the shared expert
   ExpertWeights dense;           // dense MLP (d_ff) on layers without experts

@@ -9,6 +9,7 @@
 #include "io/pack.h"
 #include "io/safetensors.h"
 #include "model/gguf_model.h"
+#include "model/stacked_experts.h"
 
 namespace ts::runtime {
 namespace {
@@ -129,6 +130,7 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
   } else {
     TS_ASSIGN(m->hp_, model::load_hparams(dir));
     TS_ASSIGN(m->tensors_, io::TensorSet::open_dir(dir));
+    TS_ASSIGN(m->note_, model::unstack_experts(m->hp_, *m->tensors_));
   }
   TS_ASSIGN(m->weights_, model::bind_weights(m->hp_, *m->tensors_));
   m->counts_ = model::count_weights(m->hp_, m->weights_);
@@ -141,10 +143,11 @@ Result<std::unique_ptr<LoadedModel>> LoadedModel::load(const std::string& dir,
       break;
     }
     case experts::Residency::kStreamed: {
-      // Streaming reads experts from their file: a converted copy has no place there.
+      // Streaming reads experts' matrices from their file: a converted copy has no place
+      // there (experts' biases are dense weights, never streamed).
       if (!pack)
         for (const auto& [name, view] : m->tensors_->tensors())
-          if (view.owned && name.find(".experts.") != std::string::npos)
+          if (view.owned && view.shape.size() == 2 && name.find(".experts.") != std::string::npos)
             return make_error(dir + ": tensor " + name + " was converted at load (" + m->note_ +
                               "), so it cannot be streamed from the file; use " +
                               "--residency mapped or resident, or make a pack (turbospark " +

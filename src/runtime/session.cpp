@@ -35,6 +35,26 @@ void add_bias(float* y, const std::vector<float>& b, int n) {
     for (size_t i = 0; i < b.size(); ++i) y[size_t(t) * b.size() + i] += b[i];
 }
 
+// y[t, :] += b[row * width ..] for n rows of `width`: expert `row`'s bias out of the layer's
+// array of all experts' biases (nothing when that array is empty).
+void add_expert_bias(float* y, const std::vector<float>& all, int row, int n, int width) {
+  if (all.empty()) return;
+  const float* b = all.data() + size_t(row) * size_t(width);
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < width; ++i) y[size_t(t) * size_t(width) + size_t(i)] += b[i];
+}
+
+// h = act(g, u) over n values, by the model's expert activation.
+void expert_activation(const model::ExpertActSpec& act, const float* g, const float* u, float* h,
+                       int64_t n) {
+  switch (act.kind) {
+    case model::ExpertAct::kSiluMul: cpu::silu_mul(g, u, h, n); break;
+    case model::ExpertAct::kClampedSwiglu:
+      cpu::clamped_swiglu(g, u, h, n, act.limit, act.alpha);
+      break;
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -393,6 +413,7 @@ void Session::attention_block(int layer, int n) {
     gqa_attention(layer, n);
   }
   linear(pool_, *out, att_.data(), n, tmp_.data());
+  add_bias(tmp_.data(), L.bo, n);
   const size_t d = size_t(model_.hp().d_model);
   for (size_t i = 0; i < size_t(n) * d; ++i) x_[i] += tmp_[i];
   phases_.attention_us += us_since(t0);
@@ -505,7 +526,9 @@ void Session::gqa_attention(int layer, int n) {
                            .n_heads = hp.n_heads,
                            .n_kv_heads = hp.n_kv_heads,
                            .head_dim = hp.head_dim,
-                           .scale = hp.attn_scale});
+                           .scale = hp.attn_scale,
+                           .window = hp.layer_window[size_t(layer)],
+                           .sinks = L.sinks});
   }
   if (hp.attn_output_gate)
     for (size_t i = 0; i < size_t(n) * size_t(qd); ++i)
@@ -593,6 +616,7 @@ Status Session::moe_block(int layer, int n) {
   auto t0 = Clock::now();
   cpu::rmsnorm_rows(x_.data(), L.ffn_norm.data(), xn_.data(), n, int64_t(d), hp.rms_eps);
   linear(pool_, L.router, xn_.data(), n, router_.data());
+  add_bias(router_.data(), L.router_logit_bias, n);
   for (int t = 0; t < n; ++t) {
     model::select_experts(
         std::span<const float>(router_.data() + size_t(t) * size_t(hp.n_experts),
@@ -652,7 +676,8 @@ Status Session::moe_block(int layer, int n) {
         return st;
       }
       t0 = Clock::now();
-      const auto& slots = slots_of[size_t(used[b0 + u])];
+      const int e = used[b0 + u];
+      const auto& slots = slots_of[size_t(e)];
       const int m = int(slots.size());
       // phase 1: gate|up + activation over the tokens routed to this expert.
       for (int i = 0; i < m; ++i)
@@ -660,9 +685,13 @@ Status Session::moe_block(int layer, int n) {
                     gather_.data() + size_t(i) * d);
       linear(pool_, views[u].gate, gather_.data(), m, h1_.data());
       linear(pool_, views[u].up, gather_.data(), m, h2_.data());
-      cpu::silu_mul(h1_.data(), h2_.data(), h1_.data(), int64_t(m) * hp.d_expert);
+      add_expert_bias(h1_.data(), L.expert_gate_bias, e, m, hp.d_expert);
+      add_expert_bias(h2_.data(), L.expert_up_bias, e, m, hp.d_expert);
+      expert_activation(hp.expert_act, h1_.data(), h2_.data(), h1_.data(),
+                        int64_t(m) * hp.d_expert);
       // phase 2 (first half): down projection into each slot's own row.
       linear(pool_, views[u].down, h1_.data(), m, h3_.data());
+      add_expert_bias(h3_.data(), L.expert_down_bias, e, m, hp.d_model);
       for (int i = 0; i < m; ++i)
         std::copy_n(h3_.data() + size_t(i) * d, d, slots_.data() + size_t(slots[size_t(i)]) * d);
       phases_.expert_compute_us += us_since(t0);

@@ -283,6 +283,43 @@ TEST_F(Cli, ShapeMismatchIsNamed) {
   expect_error(run("inspect --model " + d.string()), "experts.0.gate_proj.weight");
 }
 
+// gpt-oss's bad input: a layer_types list of the wrong length or with an unknown kind, a
+// missing sinks tensor, stacked experts of the wrong shape; each one line naming it, exit 2.
+TEST_F(Cli, GptOssBadInputIsNamed) {
+  model_ = (fs::path(TS_TEST_DATA_DIR) / "models" / "gpt_oss").string();
+  const std::string config = read_all(fs::path(model_) / "config.json");
+  const std::string types = R"("sliding_attention",
+    "full_attention",
+    "sliding_attention")";
+  ASSERT_NE(config.find(types), std::string::npos);
+  struct Case {
+    std::string from, to, needle;
+  };
+  for (const Case& c :
+       std::vector<Case>{{types, R"("sliding_attention", "full_attention")", "layer_types"},
+                         {types, R"("sliding_attention", "full_attention", "local_attention")",
+                          "local_attention"},
+                         {"\"intermediate_size\": 64", "\"intermediate_size\": 32",
+                          "model.layers.0.mlp.experts.gate_up_proj"}}) {
+    fs::path d = copy_model();
+    std::string cfg = config;
+    ASSERT_NE(cfg.find(c.from), std::string::npos) << c.from;
+    cfg.replace(cfg.find(c.from), c.from.size(), c.to);
+    std::ofstream(d / "config.json") << cfg;
+    expect_error(run("inspect --model " + d.string()), c.needle);
+    fs::remove_all(d);
+  }
+  fs::path d = copy_model();
+  std::string bytes = read_all(d / "model.safetensors");
+  size_t at = bytes.find("model.layers.2.self_attn.sinks");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 25] = 'X';  // "sinks" -> "Xinks"
+  std::ofstream(d / "model.safetensors", std::ios::binary) << bytes;
+  expect_error(
+      run("logits --model " + d.string() + " --tokens 1,2 --out " + (tmp_ / "x.npy").string()),
+      "model.layers.2.self_attn.sinks");
+  EXPECT_FALSE(fs::exists(tmp_ / "x.npy"));
+}
 
 TEST_F(Cli, SteeringBadInputIsRejected) {
   // qwen3_moe: d_model 96, 3 layers.

@@ -15,6 +15,7 @@
 #include "io/safetensors.h"
 #include "model/hparams.h"
 #include "model/router.h"
+#include "model/stacked_experts.h"
 #include "model/tensor_specs.h"
 #include "model/weights.h"
 #include "test_data.h"
@@ -159,7 +160,7 @@ TEST(Families, BadConfigsNameTheKey) {
           "kv_lora_rank":16,"qk_nope_head_dim":8,"qk_rope_head_dim":8,"v_head_dim":8,
           "topk_method":"noaux"})",
        "topk_method"},
-      {R"({"model_type":"gpt_oss","hidden_size":64})", "deepseek_v3"},  // names the supported list
+      {R"({"model_type":"llama4","hidden_size":64})", "gpt_oss"},  // names the supported list
       {qwen3_next(R"("layer_types":["linear_attention","full_attention"])"), "layer_types"},
       {qwen3_next(R"("layer_types":["linear_attention","full_attention","sliding_attention"])"),
        "sliding_attention"},
@@ -189,6 +190,8 @@ Ref reference_route(const std::vector<float>& logits, const std::vector<float>& 
     double mx = *std::max_element(logits.begin(), logits.end()), sum = 0;
     for (int i = 0; i < n; ++i) sum += p[size_t(i)] = std::exp(double(logits[size_t(i)]) - mx);
     for (double& v : p) v /= sum;
+  } else if (s.scoring == ts::model::ScoreFn::kTopkSoftmax) {
+    for (int i = 0; i < n; ++i) p[size_t(i)] = logits[size_t(i)];  // weighed after the choice
   } else {
     for (int i = 0; i < n; ++i) p[size_t(i)] = 1 / (1 + std::exp(-double(logits[size_t(i)])));
   }
@@ -218,8 +221,13 @@ Ref reference_route(const std::vector<float>& logits, const std::vector<float>& 
   for (int r = 0; r < k; ++r) {
     out.ids.push_back(order[size_t(r)]);
     out.w.push_back(p[size_t(order[size_t(r)])]);
-    sum += out.w.back();
   }
+  if (s.scoring == ts::model::ScoreFn::kTopkSoftmax) {  // softmax over the k winners' logits
+    double z = 0;
+    for (double v : out.w) z += std::exp(v);
+    for (double& v : out.w) v = std::exp(v) / z;
+  }
+  for (double v : out.w) sum += v;
   for (double& v : out.w) v = (s.renormalize ? v / sum : v) * s.scale;
   return out;
 }
@@ -241,7 +249,8 @@ TEST(Router, EverySpecMatchesTheReferenceRule) {
        .n_group = 4,
        .topk_group = 2,
        .group_score = GroupScore::kMax,
-       .scale = 1.5f},  // DeepSeek-V2 group_limited_greedy
+       .scale = 1.5f},                                         // DeepSeek-V2 group_limited_greedy
+      {.scoring = ScoreFn::kTopkSoftmax, .logit_bias = true},  // gpt-oss
       {.scoring = ScoreFn::kSigmoid,
        .correction_bias = true,
        .n_group = 4,
@@ -414,6 +423,275 @@ TEST(Families, MissingTensorsNameThemselves) {
   EXPECT_NE(b.error().message.find("model.layers.3.mlp.gate.e_score_correction_bias"),
             std::string::npos)
       << b.error().message;
+}
+
+// gpt-oss: the fixture's config gives sinks, windows by layer_types, the biases, the router
+// rule, the clamped SwiGLU and transformers' YaRN (truncate absent: true).
+TEST(Families, GptOssConfigGivesSinksWindowsBiasesAndItsRouter) {
+  auto r = ts::model::load_hparams((ts_test::data_dir() / "models" / "gpt_oss").string());
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  const auto& hp = r.value();
+  EXPECT_EQ(hp.family, ts::model::Family::kGptOss);
+  EXPECT_EQ(hp.layer_window, (std::vector<int>{6, 0, 6}));
+  EXPECT_TRUE(hp.attention_sinks);
+  EXPECT_TRUE(hp.qkv_bias);
+  EXPECT_TRUE(hp.o_bias);
+  EXPECT_EQ(hp.router.scoring, ts::model::ScoreFn::kTopkSoftmax);
+  EXPECT_TRUE(hp.router.logit_bias);
+  EXPECT_FALSE(hp.router.renormalize);
+  EXPECT_TRUE(hp.expert_bias);
+  EXPECT_EQ(hp.expert_act.kind, ts::model::ExpertAct::kClampedSwiglu);
+  EXPECT_EQ(hp.expert_act.limit, 7.0f);
+  EXPECT_EQ(hp.expert_act.alpha, 1.702f);
+  EXPECT_EQ(hp.d_expert, 64);
+  EXPECT_EQ(hp.n_experts, 16);
+  EXPECT_TRUE(hp.rope.yarn);
+  EXPECT_EQ(hp.rope.layout, ts::model::RopeLayout::kHalf);
+  EXPECT_EQ(hp.rope.theta, 150000.0f);
+  EXPECT_FLOAT_EQ(hp.rope.attention_factor, float(0.1 * std::log(32.0) + 1.0));
+  // Without layer_types, transformers' default: even layers slide (sliding_window 128 when absent).
+  auto d = parse_hparams(R"({"model_type":"gpt_oss","hidden_size":64,"num_hidden_layers":4,
+      "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":64,
+      "num_local_experts":4,"num_experts_per_tok":2,"intermediate_size":32})",
+                         "d.json");
+  ASSERT_TRUE(d.ok()) << d.error().message;
+  EXPECT_EQ(d.value().layer_window, (std::vector<int>{128, 0, 128, 0}));
+}
+
+std::string gpt_oss(const std::string& extra) {
+  return R"({"model_type":"gpt_oss","hidden_size":64,"num_hidden_layers":3,
+    "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":64,
+    "num_local_experts":4,"num_experts_per_tok":2,"intermediate_size":32,"sliding_window":8)" +
+         extra + "}";
+}
+
+TEST(Families, GptOssBadConfigsNameTheKey) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {gpt_oss(R"(,"layer_types":["sliding_attention","full_attention"])"), "layer_types"},
+      {gpt_oss(R"(,"layer_types":["sliding_attention","full_attention","chunked_attention"])"),
+       "chunked_attention"},
+      {gpt_oss(R"(,"layer_types":"sliding_attention")"), "layer_types"},
+      {gpt_oss(R"(,"layer_types":["sliding_attention",1,"full_attention"])"), "layer_types"},
+      {gpt_oss(R"(,"swiglu_limit":8.0)"), "swiglu_limit"},
+      {gpt_oss(R"(,"quantization_config":{"quant_method":"mxfp4"})"), "quantization_config"},
+      {gpt_oss("").replace(gpt_oss("").find("\"sliding_window\":8"), 18, "\"sliding_window\":null"),
+       "sliding_window"},
+      {gpt_oss("").replace(gpt_oss("").find("\"sliding_window\":8"), 18, "\"sliding_window\":0"),
+       "sliding_window"},
+  };
+  for (const auto& [json, key] : cases) {
+    auto r = parse_hparams(json, "dir/config.json");
+    ASSERT_FALSE(r.ok()) << json;
+    EXPECT_NE(r.error().message.find(key), std::string::npos) << r.error().message;
+    EXPECT_NE(r.error().message.find("dir/config.json"), std::string::npos) << r.error().message;
+  }
+  // Full attention everywhere needs no window.
+  auto full = parse_hparams(
+      gpt_oss(R"(,"layer_types":["full_attention","full_attention","full_attention"])")
+          .replace(gpt_oss("").find("\"sliding_window\":8"), 18, "\"sliding_window\":null"),
+      "full.json");
+  ASSERT_TRUE(full.ok()) << full.error().message;
+  EXPECT_EQ(full.value().layer_window, (std::vector<int>{0, 0, 0}));
+}
+
+// gpt-oss's router: the top_k logits win and their weights are a softmax over those k alone,
+// not the full softmax's probabilities (which here sum to less than 1).
+TEST(Router, TopkSoftmaxWeighsOnlyTheChosenLogits) {
+  std::vector<float> logits = {1.0f, 3.0f, 2.0f, 0.0f, 2.5f};
+  std::vector<int> ids(2);
+  std::vector<float> w(2);
+  ts::model::select_experts(logits, {}, {.scoring = ts::model::ScoreFn::kTopkSoftmax},
+                            {.ids = ids, .weights = w});
+  EXPECT_EQ(ids, (std::vector<int>{1, 4}));
+  const double e = std::exp(-0.5);
+  EXPECT_NEAR(w[0], 1 / (1 + e), 1e-7);
+  EXPECT_NEAR(w[1], e / (1 + e), 1e-7);
+}
+
+// Attention with sinks and a sliding window against the rule written out in double: the
+// query at p sees keys j <= p with p - j < window, and each head's sink joins the softmax
+// denominator only. Random inputs, several windows (one wider than the context).
+TEST(Ops, AttentionSinksAndSlidingWindowMatchTheRule) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int H = 4, KV = 2, D = 8, T = 11, pos0 = 3, keys = pos0 + T;
+  std::vector<float> q(size_t(T * H * D)), k(size_t(keys * KV * D)), v(k.size()), sinks(H);
+  for (auto* x : {&q, &k, &v, &sinks})
+    for (float& f : *x) f = 1.5f * nd(rng);
+  ts::ThreadPool pool(2);
+  for (int window : {0, 1, 4, 5, 40}) {
+    for (bool with_sinks : {false, true}) {
+      std::vector<float> out(q.size(), NAN);
+      ts::cpu::attention(
+          pool, {.q = q.data(),
+                 .k_cache = k.data(),
+                 .v_cache = v.data(),
+                 .rows = {},
+                 .out = out.data(),
+                 .n_tokens = T,
+                 .pos0 = pos0,
+                 .n_heads = H,
+                 .n_kv_heads = KV,
+                 .head_dim = D,
+                 .scale = 0.35f,
+                 .window = window,
+                 .sinks = with_sinks ? std::span<const float>(sinks) : std::span<const float>()});
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h) {
+          const int p = pos0 + t, g = h / (H / KV);
+          std::vector<double> s;
+          std::vector<int> seen;
+          for (int j = 0; j <= p; ++j) {
+            if (window > 0 && !(p - j < window)) continue;
+            double dot = 0;
+            for (int i = 0; i < D; ++i)
+              dot += double(q[size_t((t * H + h) * D + i)]) * k[size_t((j * KV + g) * D + i)];
+            s.push_back(dot * 0.35);
+            seen.push_back(j);
+          }
+          double mx = with_sinks ? sinks[size_t(h)] : -INFINITY;
+          for (double x : s) mx = std::max(mx, x);
+          double z = with_sinks ? std::exp(sinks[size_t(h)] - mx) : 0;
+          for (double x : s) z += std::exp(x - mx);
+          for (int i = 0; i < D; ++i) {
+            double o = 0;
+            for (size_t m = 0; m < s.size(); ++m)
+              o += std::exp(s[m] - mx) / z * v[size_t((seen[m] * KV + g) * D + i)];
+            EXPECT_NEAR(out[size_t((t * H + h) * D + i)], o, 2e-5 * (1 + std::fabs(o)))
+                << "window " << window << (with_sinks ? " sinks" : "") << " t " << t << " h " << h;
+          }
+        }
+    }
+  }
+}
+
+// The clamped SwiGLU at and past its limits, against transformers' _apply_gate in double:
+// the gate is clamped from above only, up on both sides, and up + 1 multiplies.
+TEST(Ops, ClampedSwigluAtAndPastItsLimits) {
+  const std::vector<float> g = {-20.0f, -8.0f, -7.0f, -1.0f, 0.0f, 0.5f, 6.99f, 7.0f, 7.5f, 30.0f};
+  const std::vector<float> u = {-30.0f, -7.5f, -7.0f, -1.0f, 0.0f, 2.0f, 6.99f, 7.0f, 9.0f, -9.0f};
+  for (float ui : u) {
+    std::vector<float> us(g.size(), ui), h(g.size());
+    ts::cpu::clamped_swiglu(g.data(), us.data(), h.data(), int64_t(g.size()), 7.0f, 1.702f);
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double gate = std::min(double(g[i]), 7.0), up = std::clamp(double(ui), -7.0, 7.0);
+      const double want = (up + 1) * gate / (1 + std::exp(-1.702 * gate));
+      EXPECT_NEAR(h[i], want, 1e-6 * (1e-3 + std::fabs(want))) << "g " << g[i] << " u " << ui;
+    }
+  }
+}
+
+// gpt-oss's Hub layout: each layer's experts in stacked tensors, gate and up interleaved by
+// column, stored for x @ W. Distinct values everywhere show that every per-expert view holds
+// the columns the rule says, transposed; the stacked names leave the set; and bad tensors are
+// errors naming them.
+TEST(Families, GptOssStackedExpertsSplitByColumnParity) {
+  auto hp = parse_hparams(R"({"model_type":"gpt_oss","hidden_size":4,"num_hidden_layers":1,
+      "num_attention_heads":2,"num_key_value_heads":1,"head_dim":2,"vocab_size":8,
+      "num_local_experts":2,"num_experts_per_tok":1,"intermediate_size":3,
+      "layer_types":["full_attention"]})",
+                          "tiny.json");
+  ASSERT_TRUE(hp.ok()) << hp.error().message;
+  const int E = 2, d = 4, ff = 3;
+  std::vector<float> gu(size_t(E * d * 2 * ff)), gub(size_t(E * 2 * ff)), dn(size_t(E * ff * d)),
+      dnb(size_t(E * d));
+  for (size_t i = 0; i < gu.size(); ++i) gu[i] = float(i) + 0.25f;
+  for (size_t i = 0; i < gub.size(); ++i) gub[i] = -float(i) - 0.5f;
+  for (size_t i = 0; i < dn.size(); ++i) dn[i] = 1000.0f + float(i);
+  for (size_t i = 0; i < dnb.size(); ++i) dnb[i] = 2000.0f + float(i);
+  const std::string p = "model.layers.0.mlp.experts.";
+  auto write = [&](const ts_test::TempDir& dir, bool short_down, bool no_gate_up_bias) {
+    std::vector<ts::io::TensorToWrite> t = {
+        {p + "gate_up_proj", ts::DType::kF32, {E, d, 2 * ff}, gu.data(), gu.size() * 4},
+        {p + "down_proj",
+         ts::DType::kF32,
+         {E, short_down ? ff - 1 : ff, d},
+         dn.data(),
+         size_t(E * (short_down ? ff - 1 : ff) * d) * 4},
+        {p + "down_proj_bias", ts::DType::kF32, {E, d}, dnb.data(), dnb.size() * 4}};
+    if (!no_gate_up_bias)
+      t.push_back(
+          {p + "gate_up_proj_bias", ts::DType::kF32, {E, 2 * ff}, gub.data(), gub.size() * 4});
+    EXPECT_TRUE(ts::io::write_safetensors(dir.file("model.safetensors"), t).ok());
+    auto set = ts::io::TensorSet::open_dir(dir.path().string());
+    EXPECT_TRUE(set.ok()) << set.error().message;
+    return std::move(set.value());
+  };
+  ts_test::TempDir tmp("ts_gptoss");
+  auto set = write(tmp, false, false);
+  auto note = ts::model::unstack_experts(hp.value(), *set);
+  ASSERT_TRUE(note.ok()) << note.error().message;
+  EXPECT_NE(note.value().find("gate_up_proj"), std::string::npos) << note.value();
+  auto at = [&](const std::string& name) {
+    const ts::io::TensorView* v = set->find(name);
+    EXPECT_NE(v, nullptr) << name;
+    return v ? reinterpret_cast<const float*>(v->data) : nullptr;
+  };
+  for (int e = 0; e < E; ++e) {
+    const std::string pe = p + std::to_string(e) + ".";
+    const float *gate = at(pe + "gate_proj.weight"), *up = at(pe + "up_proj.weight"),
+                *down = at(pe + "down_proj.weight"), *gate_b = at(pe + "gate_proj.bias"),
+                *up_b = at(pe + "up_proj.bias"), *down_b = at(pe + "down_proj.bias");
+    ASSERT_TRUE(gate && up && down && gate_b && up_b && down_b);
+    EXPECT_EQ(set->find(pe + "gate_proj.weight")->shape, (std::vector<int64_t>{ff, d}));
+    EXPECT_EQ(set->find(pe + "down_proj.weight")->shape, (std::vector<int64_t>{d, ff}));
+    for (int r = 0; r < ff; ++r) {
+      for (int i = 0; i < d; ++i) {
+        EXPECT_EQ(gate[r * d + i], gu[size_t((e * d + i) * 2 * ff + 2 * r)]) << e << r << i;
+        EXPECT_EQ(up[r * d + i], gu[size_t((e * d + i) * 2 * ff + 2 * r + 1)]) << e << r << i;
+        EXPECT_EQ(down[i * ff + r], dn[size_t((e * ff + r) * d + i)]) << e << r << i;
+      }
+      EXPECT_EQ(gate_b[r], gub[size_t(e * 2 * ff + 2 * r)]);
+      EXPECT_EQ(up_b[r], gub[size_t(e * 2 * ff + 2 * r + 1)]);
+    }
+    for (int i = 0; i < d; ++i) EXPECT_EQ(down_b[i], dnb[size_t(e * d + i)]);
+  }
+  for (const char* stacked : {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"})
+    EXPECT_EQ(set->find(p + stacked), nullptr) << stacked;
+  // Split once, a set names each expert (as a pack does): nothing more to do.
+  auto again = ts::model::unstack_experts(hp.value(), *set);
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value(), "");
+
+  ts_test::TempDir bad1("ts_gptoss"), bad2("ts_gptoss");
+  auto short_down = write(bad1, true, false);
+  auto e1 = ts::model::unstack_experts(hp.value(), *short_down);
+  ASSERT_FALSE(e1.ok());
+  EXPECT_NE(e1.error().message.find("tensor " + p + "down_proj in "), std::string::npos)
+      << e1.error().message;
+  EXPECT_NE(e1.error().message.find("has shape [2, 2, 4], config.json implies [2, 3, 4]"),
+            std::string::npos)
+      << e1.error().message;
+  auto no_bias = write(bad2, false, true);
+  auto e2 = ts::model::unstack_experts(hp.value(), *no_bias);
+  ASSERT_FALSE(e2.ok());
+  EXPECT_NE(e2.error().message.find(p + "gate_up_proj_bias is missing"), std::string::npos)
+      << e2.error().message;
+}
+
+// The fixture without one of its sinks, or without a layer's stacked experts: errors naming
+// the tensor.
+TEST(Families, GptOssMissingTensorsNameThemselves) {
+  const auto dir = ts_test::data_dir() / "models" / "gpt_oss";
+  auto hp = ts::model::load_hparams(dir.string());
+  ASSERT_TRUE(hp.ok()) << hp.error().message;
+  for (const std::string cut :
+       {"model.layers.1.self_attn.sinks", "model.layers.2.mlp.experts.gate_up_proj",
+        "model.layers.0.self_attn.o_proj.bias", "model.layers.2.mlp.router.bias"}) {
+    auto set = ts::io::TensorSet::open_dir(dir.string());
+    ASSERT_TRUE(set.ok()) << set.error().message;
+    set.value()->drop(cut);
+    auto note = ts::model::unstack_experts(hp.value(), *set.value());
+    std::string msg;
+    if (!note.ok()) {
+      msg = note.error().message;
+    } else {
+      auto b = ts::model::bind_weights(hp.value(), *set.value());
+      ASSERT_FALSE(b.ok()) << cut;
+      msg = b.error().message;
+    }
+    EXPECT_NE(msg.find("tensor " + cut + " is missing"), std::string::npos) << msg;
+  }
 }
 
 }  // namespace

@@ -259,6 +259,9 @@ TEST_P(Fixture, LogitsByteIdenticalAcrossResidencyModes) {
     int slots;
     CachePolicy policy;
   };
+  // Experts rearranged at load (gpt-oss's stacked layout) are not in the file to stream from:
+  // refused, naming the pack that does (test_pack.cpp streams gpt-oss's pack).
+  const bool converted = !model_->load_note().empty();
   std::vector<Mode> modes = {{Residency::kResident, 0, CachePolicy::kLru}};
   for (int slots : {1, 2, top_k, n_experts})
     for (CachePolicy p : {CachePolicy::kLru, CachePolicy::kLfu})
@@ -269,6 +272,11 @@ TEST_P(Fixture, LogitsByteIdenticalAcrossResidencyModes) {
     opt.streamed.slots_per_layer = std::max(1, mode.slots);
     opt.streamed.policy = mode.policy;
     auto m = ts::runtime::LoadedModel::load(dir_, opt);
+    if (converted && mode.residency == Residency::kStreamed) {
+      ASSERT_FALSE(m.ok());
+      EXPECT_NE(m.error().message.find("turbospark pack"), std::string::npos) << m.error().message;
+      continue;
+    }
     ASSERT_TRUE(m.ok()) << m.error().message;
     // repeats cover cold then warm caches; chunk 5 makes several acquires per layer.
     for (int chunk : {256, 5}) {

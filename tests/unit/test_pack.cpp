@@ -78,6 +78,29 @@ TEST_F(Pack, LogitsByteIdenticalToSourceInEveryMode) {
   }
 }
 
+// gpt-oss's stacked experts, split per expert at load, are packed per expert (their biases
+// with the dense weights), so its pack streams: logits byte-identical to the checkpoint's in
+// every residency mode.
+TEST_F(Pack, GptOssPackIsByteIdenticalInEveryMode) {
+  const std::string src = (fs::path(TS_TEST_DATA_DIR) / "models" / "gpt_oss").string();
+  const std::string pack = (tmp_ / "gpt_oss").string();
+  const CmdResult made = run("pack --model " + src + " --out " + pack);
+  ASSERT_EQ(made.code, 0) << made.err;
+  EXPECT_NE(made.err.find("split per expert"), std::string::npos) << made.err;
+  const std::vector<float> ref = logits(src, {});
+  ASSERT_FALSE(ref.empty());
+  using ts::experts::Residency;
+  for (Residency r : {Residency::kMapped, Residency::kResident, Residency::kStreamed}) {
+    ts::runtime::LoadOptions opt;
+    opt.residency = r;
+    opt.streamed.slots_per_layer = 2;
+    std::vector<float> got = logits(pack, opt);
+    ASSERT_EQ(got.size(), ref.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), ref.size() * 4))
+        << ts::experts::residency_name(r);
+  }
+}
+
 // A read that fails while streaming (an expert file cut short after the pack was opened) is
 // an error naming the expert, layer and file, never garbage; the failed batch leaves no slot
 // claiming an expert it does not hold, so once the file is whole again the same model gives

@@ -66,6 +66,14 @@ void silu_mul(const float* g, const float* u, float* h, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+void clamped_swiglu(const float* g, const float* u, float* h, int64_t n, float limit, float alpha) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gate = std::min(g[i], limit), up = std::clamp(u[i], -limit, limit);
+    const float glu = gate / (1.0f + std::exp(-gate * alpha));
+    h[i] = (up + 1.0f) * glu;
+  }
+}
+
 void attention(ThreadPool& pool, const AttentionArgs& a) {
   const int group = a.n_heads / a.n_kv_heads;
   const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
@@ -76,23 +84,25 @@ void attention(ThreadPool& pool, const AttentionArgs& a) {
     for (int64_t job = b; job < e; ++job) {
       const int t = int(job / a.n_heads), h = int(job % a.n_heads), g = h / group;
       const int n_keys = a.pos0 + t + 1;
+      const int first = a.window > 0 ? std::max(0, n_keys - a.window) : 0;
       const float* q = a.q + size_t(t) * q_dim + size_t(h) * a.head_dim;
-      float mx = -INFINITY;
-      for (int j = 0; j < n_keys; ++j) {
+      float mx = a.sinks.empty() ? -INFINITY : a.sinks[size_t(h)];
+      for (int j = first; j < n_keys; ++j) {
         scores[size_t(j)] =
             dot(q, a.k_cache + a.rows.row(j) * kv_dim + size_t(g) * a.head_dim, a.head_dim) *
             scale;
         mx = std::max(mx, scores[size_t(j)]);
       }
       float sum = 0;
-      for (int j = 0; j < n_keys; ++j) {
+      for (int j = first; j < n_keys; ++j) {
         scores[size_t(j)] = std::exp(scores[size_t(j)] - mx);
         sum += scores[size_t(j)];
       }
+      if (!a.sinks.empty()) sum += std::exp(a.sinks[size_t(h)] - mx);
       const float inv = 1.0f / sum;
       float* o = a.out + size_t(t) * q_dim + size_t(h) * a.head_dim;
       std::fill(o, o + a.head_dim, 0.0f);
-      for (int j = 0; j < n_keys; ++j) {
+      for (int j = first; j < n_keys; ++j) {
         const float p = scores[size_t(j)] * inv;
         const float* v = a.v_cache + a.rows.row(j) * kv_dim + size_t(g) * a.head_dim;
         for (int d = 0; d < a.head_dim; ++d) o[d] += p * v[d];

@@ -41,6 +41,10 @@ void rope_apply(float* x, int n_heads, const RopeTable& rope, int position);
 // h[i] = silu(g[i]) * u[i]
 void silu_mul(const float* g, const float* u, float* h, int64_t n);
 
+// gpt-oss's clamped SwiGLU, as transformers' GptOssExperts._apply_gate: with g = min(g[i],
+// limit) and u = clamp(u[i], -limit, limit), h[i] = (u + 1) * (g * sigmoid(alpha * g)).
+void clamped_swiglu(const float* g, const float* u, float* h, int64_t n, float limit, float alpha);
+
 // Where a sequence's cache rows lie: position j is row blocks[j / block_tokens] *
 // block_tokens + j % block_tokens of the cache (a paged KV cache), or row j when blocks is
 // null (one contiguous range).
@@ -54,8 +58,11 @@ struct KvRows {
 };
 
 // Causal grouped-query attention for n_tokens queries at positions pos0 .. pos0+n_tokens-1,
-// over a cache whose rows for positions 0 .. pos0+n_tokens-1 are filled. Each query's
-// result depends only on it and its keys: the same bits whatever else a call holds.
+// over a cache whose rows for positions 0 .. pos0+n_tokens-1 are filled. The query at p sees
+// keys j <= p, and with a window only those with p - j < window. With sinks, head h's softmax
+// takes sinks[h] as one more logit in its denominator, whose share no value receives:
+// p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sinks[h] - m)), m the max over both. Each
+// query's result depends only on it and its keys: the same bits whatever else a call holds.
 struct AttentionArgs {
   const float* q;       // [n_tokens, n_heads * head_dim]
   const float* k_cache;  // rows of n_kv_heads * head_dim, placed by `rows`
@@ -68,6 +75,8 @@ struct AttentionArgs {
   int n_kv_heads;
   int head_dim;
   float scale;          // of q.k before the softmax
+  int window = 0;       // > 0: a sliding window of that many keys (the query's own included)
+  std::span<const float> sinks = {};  // [n_heads], or empty: no sink
 };
 void attention(ThreadPool& pool, const AttentionArgs& a);
 

@@ -1242,18 +1242,36 @@ Status check_weights_fit(const std::string& what, uint64_t bytes, bool at_least,
 }
 
 // The layer kinds the CUDA forward pass runs: GQA with rotate-half RoPE on all or the first
-// part of each head (no YaRN), and every RouterSpec. Others are refused before any upload.
+// part of each head (no YaRN), full causal attention without sinks, output gates or biases on
+// o_proj (no gated DeltaNet layers), and
+// every RouterSpec but gpt-oss's (a router bias, a softmax over the top-k logits) with experts
+// of SiLU * up and no biases. Others are refused before any upload, each missing kind named.
 Status check_cuda_runs(const model::HParams& hp) {
-  std::string missing;
-  if (hp.attention == model::AttentionKind::kMla) missing = "multi-head latent attention (MLA)";
-  else if (hp.has_deltanet()) missing = "gated DeltaNet linear attention";
-  else if (hp.attn_output_gate) missing = "an attention output gate";
-  else if (hp.rope.layout != model::RopeLayout::kHalf) missing = "interleaved RoPE";
-  else if (hp.rope.yarn) missing = "YaRN RoPE";
-  else if (hp.n_experts > kMaxExperts) missing = "more than 512 experts";
-  else if (hp.router.n_group > 64) missing = "more than 64 expert groups";
+  std::vector<std::string> missing;
+  auto need = [&](bool cond, const char* what) {
+    if (cond) missing.push_back(what);
+  };
+  bool sliding = false;
+  for (int w : hp.layer_window) sliding |= w > 0;
+  need(hp.attention == model::AttentionKind::kMla, "multi-head latent attention (MLA)");
+  need(hp.has_deltanet(), "gated DeltaNet linear attention");
+  need(hp.attn_output_gate, "an attention output gate");
+  need(hp.rope.layout != model::RopeLayout::kHalf, "interleaved RoPE");
+  need(hp.rope.yarn, "YaRN RoPE");
+  need(hp.attention_sinks, "attention sinks");
+  need(sliding, "sliding-window attention");
+  need(hp.o_bias, "an o_proj bias");
+  need(hp.router.logit_bias, "a router bias");
+  need(hp.router.scoring == model::ScoreFn::kTopkSoftmax, "a softmax over the top-k router logits");
+  need(hp.expert_bias, "expert biases");
+  need(hp.expert_act.kind == model::ExpertAct::kClampedSwiglu, "the clamped SwiGLU");
+  need(hp.n_experts > kMaxExperts, "more than 512 experts");
+  need(hp.router.n_group > 64, "more than 64 expert groups");
   if (missing.empty()) return {};
-  return make_error("--device cuda: " + hp.model_type + " needs " + missing +
+  std::string list;
+  for (size_t i = 0; i < missing.size(); ++i)
+    list += (i == 0 ? "" : i + 1 == missing.size() ? " and " : ", ") + missing[i];
+  return make_error("--device cuda: " + hp.model_type + " needs " + list +
                     ", which the CUDA backend does not run yet; use --device cpu");
 }
 }  // namespace

@@ -15,6 +15,15 @@
 namespace ts::cli {
 namespace {
 
+const char* scoring_name(model::ScoreFn f) {
+  switch (f) {
+    case model::ScoreFn::kSoftmax: return "softmax";
+    case model::ScoreFn::kSigmoid: return "sigmoid";
+    case model::ScoreFn::kTopkSoftmax: return "softmax over the top-k";
+  }
+  return "?";
+}
+
 nlohmann::json describe(const runtime::LoadedModel& m) {
   const model::HParams& hp = m.hp();
   const model::WeightCounts& c = m.counts();
@@ -36,17 +45,22 @@ nlohmann::json describe(const runtime::LoadedModel& m) {
       {"d_ff", hp.d_ff},
       {"d_shared", hp.d_shared},
       {"rope_theta", hp.rope.theta},
-      {"rope", {{"dim", hp.rope.dim},
-                {"layout", hp.rope.layout == model::RopeLayout::kInterleaved ? "interleaved" : "half"},
-                {"yarn", hp.rope.yarn},
-                {"attention_factor", hp.rope.attention_factor}}},
+      {"rope",
+       {{"dim", hp.rope.dim},
+        {"layout", hp.rope.layout == model::RopeLayout::kInterleaved ? "interleaved" : "half"},
+        {"yarn", hp.rope.yarn},
+        {"attention_factor", hp.rope.attention_factor}}},
       {"attention", hp.attention == model::AttentionKind::kMla ? "mla" : "gqa"},
-      {"router", {{"scoring", hp.router.scoring == model::ScoreFn::kSigmoid ? "sigmoid" : "softmax"},
-                  {"correction_bias", hp.router.correction_bias},
-                  {"n_group", hp.router.n_group},
-                  {"topk_group", hp.router.topk_group},
-                  {"renormalize", hp.router.renormalize},
-                  {"scale", hp.router.scale}}},
+      {"attention_sinks", hp.attention_sinks},
+      {"layer_window", hp.layer_window},
+      {"router",
+       {{"scoring", scoring_name(hp.router.scoring)},
+        {"logit_bias", hp.router.logit_bias},
+        {"correction_bias", hp.router.correction_bias},
+        {"n_group", hp.router.n_group},
+        {"topk_group", hp.router.topk_group},
+        {"renormalize", hp.router.renormalize},
+        {"scale", hp.router.scale}}},
       {"mtp_layers_skipped", hp.n_nextn_layers},
       {"tie_word_embeddings", hp.tie_word_embeddings},
       {"params_total", c.params_total},
@@ -83,14 +97,28 @@ Status cmd_inspect(const Args& args) {
                 "cache %d floats a position and layer\n",
                 hp.mla.q_lora_rank, hp.mla.kv_lora_rank, hp.mla.nope_dim, hp.mla.rope_dim,
                 hp.mla.v_dim, hp.cache_row());
+  int n_window = 0;
+  for (int w : hp.layer_window) n_window += w > 0;
+  if (hp.attention_sinks || n_window > 0)
+    std::printf("attention  %s%s%d of %d layers with a sliding window of %d\n",
+                hp.attention_sinks ? "a sink logit per head, " : "",
+                hp.o_bias ? "o_proj bias, " : "", n_window, hp.n_layers,
+                *std::max_element(hp.layer_window.begin(), hp.layer_window.end()));
   std::printf("rope       theta %g, %d of each head's dims, %s%s\n", double(hp.rope.theta),
               hp.rope.dim, j["rope"]["layout"].get<std::string>().c_str(),
               hp.rope.yarn ? ", YaRN" : "");
-  std::printf("router     %s%s, groups %d (best %d), %s, scale %g\n",
+  std::printf("router     %s%s%s, groups %d (best %d), %s, scale %g\n",
               j["router"]["scoring"].get<std::string>().c_str(),
+              hp.router.logit_bias ? ", logits with a bias" : "",
               hp.router.correction_bias ? " + correction bias" : "", hp.router.n_group,
               hp.router.topk_group, hp.router.renormalize ? "renormalised" : "not renormalised",
               double(hp.router.scale));
+  if (hp.expert_act.kind == model::ExpertAct::kClampedSwiglu)
+    std::printf("experts    %sclamped SwiGLU (limit %g, alpha %g)\n",
+                hp.expert_bias ? "with biases, " : "", double(hp.expert_act.limit),
+                double(hp.expert_act.alpha));
+  else if (hp.expert_bias)
+    std::printf("experts    with biases\n");
   if (hp.n_nextn_layers > 0)
     std::printf("mtp        %d multi-token-prediction layer(s) in the config: not loaded\n",
                 hp.n_nextn_layers);

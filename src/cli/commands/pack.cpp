@@ -31,9 +31,10 @@
 #include "hub/hub_cache.h"
 #include "io/gguf.h"
 #include "io/mapped_file.h"
-#include "model/gguf_model.h"
 #include "model/families/family.h"
+#include "model/gguf_model.h"
 #include "model/hparams.h"
+#include "model/stacked_experts.h"
 #include "model/weights.h"
 #include "tokenizer/gguf_vocab.h"
 #include "tokenizer/tokenizer_json.h"
@@ -185,6 +186,8 @@ Status cmd_pack(const Args& args) {
   } else {
     TS_ASSIGN(hp, model::load_hparams(src));
     TS_ASSIGN(set, io::TensorSet::open_dir(src));
+    TS_ASSIGN(std::string note, model::unstack_experts(hp, *set));
+    if (!note.empty()) std::fprintf(stderr, "turbospark pack: %s: %s\n", src.c_str(), note.c_str());
     std::ifstream cf(src + "/config.json");
     config = nlohmann::json::parse(cf, nullptr, false);
   }

@@ -6,12 +6,14 @@
 namespace ts::model {
 
 extern const FamilyDef kMixtralFamily, kQwen2MoeFamily, kQwen3MoeFamily, kOlmoeFamily,
-    kDeepseekV2Family, kDeepseekV3Family, kGlm4MoeFamily, kMinimaxM2Family, kQwen3NextFamily;
+    kDeepseekV2Family, kDeepseekV3Family, kGlm4MoeFamily, kMinimaxM2Family, kQwen3NextFamily,
+    kGptOssFamily;
 
 std::span<const FamilyDef* const> all_families() {
   static const FamilyDef* const kAll[] = {&kMixtralFamily, &kQwen2MoeFamily,   &kQwen3MoeFamily,
                                           &kOlmoeFamily,   &kDeepseekV2Family, &kDeepseekV3Family,
-                                          &kGlm4MoeFamily, &kMinimaxM2Family, &kQwen3NextFamily};
+                                          &kGlm4MoeFamily, &kMinimaxM2Family, &kQwen3NextFamily,
+                                          &kGptOssFamily};
   return kAll;
 }
 

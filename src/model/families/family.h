@@ -12,14 +12,29 @@
 
 namespace ts::model {
 
+// A checkpoint that stores a layer's routed experts as one tensor per kind (gpt-oss), names
+// below `<moe_block>.experts.`: gate_up [n_experts, d_model, 2 * d_expert] (x @ W, gate and up
+// interleaved by column: gate = columns 0, 2, 4, ..., up = 1, 3, 5, ...), gate_up_bias
+// [n_experts, 2 * d_expert] (interleaved alike), down [n_experts, d_expert, d_model] (h @ W),
+// down_bias [n_experts, d_model]. model/stacked_experts.h splits them into the per-expert
+// tensors of the table at load.
+struct StackedExperts {
+  const char* gate_up;
+  const char* gate_up_bias;
+  const char* down;
+  const char* down_bias;
+};
+
 // Checkpoint (Hub) tensor names that differ between families; paths below a layer's MoE block.
 struct FamilyNames {
   const char* moe_block = "mlp";  // "mlp" or "block_sparse_moe"
+  const char* router = "gate";    // gpt-oss: "router"
   const char* expert_gate = "gate_proj";
   const char* expert_up = "up_proj";
   const char* expert_down = "down_proj";
   const char* correction_bias = "gate.e_score_correction_bias";
   const char* shared = "shared_expert";  // qwen2_moe; DeepSeek / GLM: "shared_experts"
+  const StackedExperts* stacked = nullptr;  // null: each expert's matrices are named
 };
 
 struct FamilyDef {

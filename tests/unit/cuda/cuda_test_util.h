@@ -14,7 +14,8 @@ inline bool have_gpu() {
 }
 
 // The fixtures whose layer kinds the CUDA backend runs (GQA attention: the Llama-style
-// families, GLM-4.5, MiniMax-M2); the others (MLA) it refuses, which
+// families, GLM-4.5, MiniMax-M2); the others (MLA; gpt-oss's sinks, sliding windows, clamped
+// SwiGLU and biases) it refuses, which
 // CudaErrors.LayerKindsItDoesNotRunAreRefusedByName checks.
 inline bool cuda_runs_fixture(const std::string& name) {
   for (const char* family : {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2"})
