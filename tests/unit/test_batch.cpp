@@ -159,6 +159,8 @@ TEST_P(Batch, EachSequenceGetsItsAloneLogitsInAnyBatch) {
   opt.streamed.slots_per_layer = 2;
   auto streamed = ts::runtime::LoadedModel::load(
       (ts_test::data_dir() / "models" / GetParam()).string(), opt);
+  // Experts split at load (gpt-oss's stacked layout) stream only from a pack (test_pack.cpp).
+  if (!streamed.ok() && streamed.error().message.find("make a pack") != std::string::npos) return;
   ASSERT_TRUE(streamed.ok()) << streamed.error().message;
   expect_same(want, batched(48, false, streamed->get()), "streamed, 2 slots");
   const auto st = (*streamed)->experts().stats();
