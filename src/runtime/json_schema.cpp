@@ -22,12 +22,17 @@ uint8_t type_bit(const std::string& t) {
 // The kinds of value a first byte starts.
 uint8_t kinds_of_first(uint8_t c) {
   switch (c) {
-    case '{': return SchemaNode::kObject;
-    case '[': return SchemaNode::kArray;
-    case '"': return SchemaNode::kString;
+    case '{':
+      return SchemaNode::kObject;
+    case '[':
+      return SchemaNode::kArray;
+    case '"':
+      return SchemaNode::kString;
     case 't':
-    case 'f': return SchemaNode::kBoolean;
-    case 'n': return SchemaNode::kNull;
+    case 'f':
+      return SchemaNode::kBoolean;
+    case 'n':
+      return SchemaNode::kNull;
     default:
       return c == '-' || (c >= '0' && c <= '9') ? SchemaNode::kNumber | SchemaNode::kInteger : 0;
   }
@@ -90,16 +95,16 @@ struct Compiler {
       return id;
     }
     static const std::set<std::string> kAnnotations = {
-        "title", "description", "default", "examples", "$schema", "$id", "$comment", "strict",
-        "$defs", "definitions"};
-    static const std::set<std::string> kRules = {"type",     "properties", "required",
-                                                 "additionalProperties",   "items",
-                                                 "minItems", "maxItems",   "enum",
-                                                 "const",    "anyOf"};
+        "title", "description", "default", "examples", "$schema",
+        "$id",   "$comment",    "strict",  "$defs",    "definitions"};
+    static const std::set<std::string> kRules = {
+        "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+        "enum", "const",      "anyOf"};
     for (auto it = s.begin(); it != s.end(); ++it)
       if (!kAnnotations.count(it.key()) && !kRules.count(it.key()))
-        return err(path, "'" + it.key() + "' is not supported (supported: type, properties, "
-                         "required, items, minItems, maxItems, enum, const, anyOf, $ref)");
+        return err(path, "'" + it.key() +
+                             "' is not supported (supported: type, properties, "
+                             "required, items, minItems, maxItems, enum, const, anyOf, $ref)");
     const int id = int(out.nodes.size());
     out.nodes.emplace_back();
     SchemaNode n;
@@ -234,8 +239,8 @@ bool SchemaPrefix::start_value(uint8_t c) {
   }
   if (c == '{' || c == '[') {
     if (depth_ == kMaxDepth) return false;
-    frames_[size_t(depth_++)] = {.node = int16_t(node), .pending = -1, .count = 0, .key_at = 0,
-                                 .seen = 0, .key_cand = 0};
+    frames_[size_t(depth_++)] = {
+        .node = int16_t(node), .pending = -1, .count = 0, .key_at = 0, .seen = 0, .key_cand = 0};
     return true;
   }
   scalar_ = {.active = true,
@@ -243,7 +248,9 @@ bool SchemaPrefix::start_value(uint8_t c) {
              .node = int16_t(node),
              .cand = cand,
              .at = 1,
-             .kind = c == '"' ? '"' : (c == 't' || c == 'f' || c == 'n') ? 'l' : '0'};
+             .kind = c == '"'                             ? '"'
+                     : (c == 't' || c == 'f' || c == 'n') ? 'l'
+                                                          : '0'};
   return true;
 }
 
@@ -254,7 +261,8 @@ bool SchemaPrefix::scalar_byte(uint8_t c) {
     if (!lit.empty()) {
       uint64_t keep = 0;
       for (size_t i = 0; i < lit.size(); ++i)
-        if ((scalar_.cand >> i & 1) && lit[i].size() > scalar_.at && uint8_t(lit[i][scalar_.at]) == c)
+        if ((scalar_.cand >> i & 1) && lit[i].size() > scalar_.at &&
+            uint8_t(lit[i][scalar_.at]) == c)
           keep |= uint64_t(1) << i;
       if (!keep) return false;
       scalar_.cand = keep;
@@ -296,7 +304,8 @@ bool SchemaPrefix::step(uint8_t c) {
     if (part) {
       if (!scalar_byte(c) || !json_.step(c)) return false;
       const M n = json_.mode_;
-      const bool inside = scalar_.kind == '"'   ? n == M::kString || n == M::kEscape || n == M::kUnicode
+      const bool inside = scalar_.kind == '"'
+                              ? n == M::kString || n == M::kEscape || n == M::kUnicode
                           : scalar_.kind == 'l' ? n == M::kLiteral
                                                 : true;
       if (!inside) {
@@ -318,9 +327,8 @@ bool SchemaPrefix::step(uint8_t c) {
   const bool has_frame = depth_ > 0;
   Frame* f = has_frame ? &frames_[size_t(depth_ - 1)] : nullptr;
   const SchemaNode* n = f && f->node >= 0 ? &schema_->nodes[size_t(f->node)] : nullptr;
-  const uint64_t all_keys = n ? (n->keys.size() == 64 ? ~uint64_t(0)
-                                                      : (uint64_t(1) << n->keys.size()) - 1)
-                              : 0;
+  const uint64_t all_keys =
+      n ? (n->keys.size() == 64 ? ~uint64_t(0) : (uint64_t(1) << n->keys.size()) - 1) : 0;
   switch (m) {
     case M::kStart:
     case M::kValue:

@@ -87,13 +87,13 @@ class SchemaPrefix {
     char kind = 0;  // '"' string, '0' number, 'l' literal
   };
   bool step(uint8_t c);
-  int expected_node() const;             // the schema of a value starting now (-1: any)
+  int expected_node() const;                   // the schema of a value starting now (-1: any)
   int resolve(int node, uint8_t first) const;  // anyOf -> the alternative taking `first`
   bool start_value(uint8_t c);
-  bool scalar_byte(uint8_t c);      // c is part of the active scalar
-  bool scalar_done() const;         // the active scalar's text is a whole literal
-  bool free_string() const;         // a string value whose text no literal constrains
-  void value_ended();               // a value of the top frame (or the root) is complete
+  bool scalar_byte(uint8_t c);  // c is part of the active scalar
+  bool scalar_done() const;     // the active scalar's text is a whole literal
+  bool free_string() const;     // a string value whose text no literal constrains
+  void value_ended();           // a value of the top frame (or the root) is complete
 
   const JsonSchema* schema_;
   JsonPrefix json_;

@@ -58,12 +58,12 @@ class KvBlocks {
   };
   Name name(int parent, std::span<const int> tokens) const;
 
-  std::vector<int> refs_;               // sequences holding each block
-  std::vector<uint32_t> generation_;    // moves on each time the block is taken
-  std::vector<uint64_t> last_use_;      // tick of the last hold or release
-  std::vector<bool> named_;             // the block is in by_name_
-  std::vector<Name> name_of_;           // its name, where named_
-  std::vector<int> free_;               // taken from the back
+  std::vector<int> refs_;                   // sequences holding each block
+  std::vector<uint32_t> generation_;        // moves on each time the block is taken
+  std::vector<uint64_t> last_use_;          // tick of the last hold or release
+  std::vector<bool> named_;                 // the block is in by_name_
+  std::vector<Name> name_of_;               // its name, where named_
+  std::vector<int> free_;                   // taken from the back
   std::set<std::pair<uint64_t, int>> lru_;  // named blocks no sequence holds, oldest first
   std::unordered_map<Name, int, NameHash> by_name_;
   uint64_t tick_ = 0;

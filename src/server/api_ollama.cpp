@@ -39,7 +39,8 @@ std::optional<ApiError> copy_options(const json& body, json& out) {
     if (o.contains(k) && !o[k].is_null()) out[k] = o[k];
   if (o.contains("num_predict") && !o["num_predict"].is_null()) {
     const json& n = o["num_predict"];
-    if (!n.is_number_integer()) return bad("options.num_predict", "'options.num_predict' must be an integer");
+    if (!n.is_number_integer())
+      return bad("options.num_predict", "'options.num_predict' must be an integer");
     // -1 (and -2, "fill the context") is Ollama's "no limit": the rest of the context.
     if (n.get<int64_t>() >= 0) out["max_tokens"] = n;
   }
@@ -49,7 +50,8 @@ std::optional<ApiError> copy_options(const json& body, json& out) {
 
 // format "json" is JSON mode; a schema object is response_format json_schema.
 std::optional<ApiError> copy_format(const json& body, json& out) {
-  if (!body.contains("format") || body["format"].is_null() || body["format"] == "") return std::nullopt;
+  if (!body.contains("format") || body["format"].is_null() || body["format"] == "")
+    return std::nullopt;
   if (body["format"] == "json") {
     out["response_format"] = {{"type", "json_object"}};
     return std::nullopt;
@@ -79,11 +81,12 @@ Parsed<json> openai_message(const json& m, const std::string& at) {
         return bad(at + ".tool_calls", "'" + at + ".tool_calls[" + std::to_string(i) +
                                            "].function.name' must be a string");
       const json args = fn->contains("arguments") ? (*fn)["arguments"] : json::object();
-      calls.push_back({{"id", "call_" + std::to_string(i)},
-                       {"type", "function"},
-                       {"function",
-                        {{"name", (*fn)["name"]},
-                         {"arguments", args.is_string() ? args.get<std::string>() : args.dump()}}}});
+      calls.push_back(
+          {{"id", "call_" + std::to_string(i)},
+           {"type", "function"},
+           {"function",
+            {{"name", (*fn)["name"]},
+             {"arguments", args.is_string() ? args.get<std::string>() : args.dump()}}}});
     }
     out["tool_calls"] = std::move(calls);
     if (!out.contains("content") || out["content"] == "") out["content"] = nullptr;
@@ -147,8 +150,8 @@ namespace {
 // The fields of the last object: why it stopped, counts, and nanosecond timings.
 void add_done(json& j, const runtime::Generation& gen, bool has_calls) {
   j["done"] = true;
-  j["done_reason"] = gen.stop_reason == runtime::StopReason::kLength && !has_calls ? "length"
-                                                                                   : "stop";
+  j["done_reason"] =
+      gen.stop_reason == runtime::StopReason::kLength && !has_calls ? "length" : "stop";
   const auto ns = [](double s) { return int64_t(s * 1e9); };
   j["total_duration"] = ns(gen.prefill_s + gen.decode_s);
   j["load_duration"] = 0;
@@ -162,7 +165,9 @@ json tool_calls_json(const std::vector<ToolCall>& calls) {
   json out = json::array();
   for (const ToolCall& c : calls) {
     json args = json::parse(c.arguments, nullptr, false);
-    out.push_back({{"function", {{"name", c.name}, {"arguments", args.is_discarded() ? json::object() : args}}}});
+    out.push_back(
+        {{"function",
+          {{"name", c.name}, {"arguments", args.is_discarded() ? json::object() : args}}}});
   }
   return out;
 }
@@ -172,8 +177,8 @@ class OllamaNdjson final : public SseWriter {
   OllamaNdjson(Api api, StreamSpec spec)
       : api_(api),
         spec_(std::move(spec)),
-        parser_({.starts_in_reasoning = spec_.starts_in_reasoning,
-                 .parse_tools = spec_.parse_tools}) {}
+        parser_(
+            {.starts_in_reasoning = spec_.starts_in_reasoning, .parse_tools = spec_.parse_tools}) {}
   std::string begin(int64_t) override { return {}; }
   std::string text(std::string_view piece, const std::vector<TokenLogprob>&) override {
     return lines(parser_.feed(piece));

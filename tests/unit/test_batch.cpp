@@ -157,8 +157,8 @@ TEST_P(Batch, EachSequenceGetsItsAloneLogitsInAnyBatch) {
   ts::runtime::LoadOptions opt;
   opt.residency = ts::experts::Residency::kStreamed;
   opt.streamed.slots_per_layer = 2;
-  auto streamed = ts::runtime::LoadedModel::load(
-      (ts_test::data_dir() / "models" / GetParam()).string(), opt);
+  auto streamed =
+      ts::runtime::LoadedModel::load((ts_test::data_dir() / "models" / GetParam()).string(), opt);
   // Experts split at load (gpt-oss's stacked layout) stream only from a pack (test_pack.cpp).
   if (!streamed.ok() && streamed.error().message.find("make a pack") != std::string::npos) return;
   ASSERT_TRUE(streamed.ok()) << streamed.error().message;
@@ -183,7 +183,8 @@ TEST_P(Batch, ClosedBlocksReusedByANewSequenceAndThePoolRunsOut) {
   // A different prompt fills the blocks first, so stale rows would show.
   std::vector<int> other(p.rbegin(), p.rend());
   std::vector<float> logits;
-  ASSERT_TRUE(s.step(std::vector<Engine::SeqInput>{{.seq = *first, .tokens = other}}, &logits).ok());
+  ASSERT_TRUE(
+      s.step(std::vector<Engine::SeqInput>{{.seq = *first, .tokens = other}}, &logits).ok());
   s.close_sequence(*first);
   EXPECT_EQ(s.free_kv_tokens(), 3 * Session::kKvBlock);
   auto second = s.open_sequence(int(p.size()) + kNew);
@@ -210,8 +211,8 @@ TEST_P(Batch, PrefixBlocksAreSharedAndGiveTheAloneLogits) {
   };
   const auto run = [&](Session& s, int seq, std::span<const int> tokens) {
     std::vector<float> logits;
-    const ts::Status st = s.step(std::vector<Engine::SeqInput>{{.seq = seq, .tokens = tokens}},
-                                 &logits);
+    const ts::Status st =
+        s.step(std::vector<Engine::SeqInput>{{.seq = seq, .tokens = tokens}}, &logits);
     EXPECT_TRUE(st.ok()) << st.error().message;
     return logits;
   };

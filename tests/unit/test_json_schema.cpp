@@ -91,8 +91,7 @@ TEST(JsonSchema, RefusesTheFirstByteThatBreaksARule) {
       {R"({"name": "x", "age": 1, "nested": {"next": 5)", 43, "recursion through $ref"},
       {R"(["x"])", 0, "a top-level array"},
   };
-  for (const Case& c : cases)
-    EXPECT_EQ(refused_at(*s, c.text), c.at) << c.why << ": " << c.text;
+  for (const Case& c : cases) EXPECT_EQ(refused_at(*s, c.text), c.at) << c.why << ": " << c.text;
 }
 
 TEST(JsonSchema, UnsupportedRulesAreRefusedByName) {
@@ -155,7 +154,8 @@ bool valid(const ojson& v, const JsonSchema& s, int node) {
 TEST(JsonSchema, ConstrainedWalksEndInObjectsTheSchemaAccepts) {
   auto s = schema();
   ASSERT_TRUE(s);
-  auto tok = ts::tokenizer::Tokenizer::load((ts_test::data_dir() / "models" / "qwen3_moe").string());
+  auto tok =
+      ts::tokenizer::Tokenizer::load((ts_test::data_dir() / "models" / "qwen3_moe").string());
   ASSERT_TRUE(tok.ok()) << tok.error().message;
   const ts::tokenizer::Tokenizer& t = *tok.value();
   std::vector<std::string> bytes(size_t(t.vocab_size()));
