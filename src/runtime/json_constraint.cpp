@@ -248,6 +248,10 @@ bool JsonConstraint::allowed(int token) const {
   if (token < 0 || size_t(token) >= bytes_.size() || state_->complete()) return false;
   const std::string& b = bytes_[size_t(token)];
   if (b.empty()) return false;
+  if (!state_->schema()) {
+    JsonPrefix s = state_->json();
+    return s.feed_all(b);
+  }
   SchemaPrefix s = *state_;
   return s.feed_all(b);
 }
@@ -260,8 +264,13 @@ void JsonConstraint::mask(std::span<const float> logits, std::vector<float>& out
   const bool in_string = state_->in_plain_string();
   std::array<bool, 256> first_ok;
   for (int b = 0; b < 256; ++b) {
-    SchemaPrefix s = *state_;
-    first_ok[size_t(b)] = !state_->complete() && s.feed(uint8_t(b));
+    if (state_->schema()) {
+      SchemaPrefix s = *state_;
+      first_ok[size_t(b)] = !state_->complete() && s.feed(uint8_t(b));
+    } else {
+      JsonPrefix s = state_->json();
+      first_ok[size_t(b)] = !state_->complete() && s.feed(uint8_t(b));
+    }
   }
   const auto range = [&](int64_t i0, int64_t i1) {
     for (size_t i = size_t(i0); i < size_t(i1); ++i) {

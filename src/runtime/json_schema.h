@@ -62,6 +62,9 @@ class SchemaPrefix {
   bool feed(uint8_t c);
   bool feed_all(std::string_view s);
   bool complete() const { return json_.complete(); }
+  // Without a schema the state is the JsonPrefix alone (cheaper to copy per candidate token).
+  const JsonSchema* schema() const { return schema_; }
+  const JsonPrefix& json() const { return json_; }
   // Inside a string whose content is free (no key, no enum), between characters.
   bool in_plain_string() const {
     return json_.in_plain_string() && (!schema_ || (!json_.key_ && free_string()));
