@@ -26,9 +26,9 @@
 
 namespace {
 
-using ts_test::have_gpu;
 using ts_test::data_dir;
 using ts_test::fixture_names;
+using ts_test::have_gpu;
 
 namespace fs = std::filesystem;
 
@@ -192,7 +192,8 @@ TEST_P(CudaFixture, ChunkedPrefillMatchesTransformers) {
     std::vector<float> got;
     ASSERT_TRUE(s->forward(prompt_, &got).ok());
     for (size_t t = 0; t < prompt_.size(); ++t)
-      EXPECT_LE(rel_err(&got[t * V_], &ref_[t * V_], V_), kTol) << "chunk " << chunk << " position " << t;
+      EXPECT_LE(rel_err(&got[t * V_], &ref_[t * V_], V_), kTol)
+          << "chunk " << chunk << " position " << t;
   }
 }
 
@@ -401,14 +402,17 @@ TEST(CudaErrors, LayerKindsItDoesNotRunAreRefusedByName) {
     const std::string& msg = e.error().message;
     EXPECT_NE(msg.find("does not run yet"), std::string::npos) << msg;
     const bool gpt_oss = name.rfind("gpt_oss", 0) == 0;
+    const bool deltanet = name.rfind("qwen3_next", 0) == 0 || name.rfind("qwen3_5_moe", 0) == 0;
     for (const char* kind :
-         gpt_oss ? std::vector<const char*>{"attention sinks", "sliding-window attention",
-                                            "the clamped SwiGLU", "expert biases"}
-                 : std::vector<const char*>{"latent attention"})
+         gpt_oss    ? std::vector<const char*>{"attention sinks", "sliding-window attention",
+                                               "the clamped SwiGLU", "expert biases"}
+         : deltanet ? std::vector<const char*>{"gated DeltaNet", "attention output gate"}
+                    : std::vector<const char*>{"latent attention"})
       EXPECT_NE(msg.find(kind), std::string::npos) << msg;
     ++refused;
   }
-  EXPECT_GE(refused, 4);  // deepseek_v2, deepseek_v2_yarn, deepseek_v3, gpt_oss
+  // deepseek_v2, deepseek_v2_yarn, deepseek_v3, gpt_oss, qwen3_next, qwen3_5_moe
+  EXPECT_GE(refused, 6);
 }
 
 TEST(CudaErrors, BadDeviceIndexIsAClearError) {
