@@ -51,7 +51,7 @@ uint8_t declared_types(const json& s) {
     uint8_t t = 0;
     for (const json& e : s["type"].is_array() ? s["type"] : json::array({s["type"]}))
       t |= e.is_string() ? type_bit(e.get<std::string>()) : 0;
-    return t ? t : SchemaNode::kAny;
+    return t ? t : uint8_t(SchemaNode::kAny);
   }
   if (s.contains("properties")) return SchemaNode::kObject;
   if (s.contains("items")) return SchemaNode::kArray;

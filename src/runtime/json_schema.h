@@ -13,6 +13,7 @@
 // JSON serialisation writes); an integer has no fraction or exponent.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -59,6 +60,17 @@ class SchemaPrefix {
  public:
   static constexpr int kMaxDepth = 16;  // containers open at once under a schema
   explicit SchemaPrefix(const JsonSchema* schema = nullptr) : schema_(schema) {}
+  // Copies only the open containers' frames: the mask copies the state for every candidate
+  // token, and the depth is usually 1-3 of kMaxDepth.
+  SchemaPrefix(const SchemaPrefix& o)
+      : schema_(o.schema_), json_(o.json_), scalar_(o.scalar_), depth_(o.depth_) {
+    std::copy_n(o.frames_.begin(), o.depth_, frames_.begin());
+  }
+  SchemaPrefix& operator=(const SchemaPrefix& o) {
+    schema_ = o.schema_, json_ = o.json_, scalar_ = o.scalar_, depth_ = o.depth_;
+    std::copy_n(o.frames_.begin(), o.depth_, frames_.begin());
+    return *this;
+  }
   bool feed(uint8_t c);
   bool feed_all(std::string_view s);
   bool complete() const { return json_.complete(); }
@@ -102,7 +114,7 @@ class SchemaPrefix {
   JsonPrefix json_;
   Scalar scalar_;
   int depth_ = 0;
-  std::array<Frame, kMaxDepth> frames_{};
+  std::array<Frame, kMaxDepth> frames_;  // [0, depth_) in use; each set when pushed
 };
 
 }  // namespace ts::runtime

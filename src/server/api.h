@@ -154,6 +154,7 @@ struct StreamSpec {
   bool starts_in_reasoning = false;
   std::vector<std::string> stops;  // Anthropic reports which one matched
 };
+// The writer of a route's stream (Ollama's: make_ollama_writer's NDJSON lines).
 std::unique_ptr<SseWriter> make_sse_writer(Api api, const StreamSpec& spec);
 
 // Ollama: a /api/chat or /api/generate body as the OpenAI chat body (generate: its prompt as a

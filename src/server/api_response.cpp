@@ -418,6 +418,9 @@ std::unique_ptr<SseWriter> make_sse_writer(Api api, const StreamSpec& spec) {
       return std::make_unique<CompletionSse>(spec);
     case Api::kMessages:
       return std::make_unique<MessagesSse>(spec);
+    case Api::kOllamaChat:
+    case Api::kOllamaGenerate:
+      return make_ollama_writer(api, spec);
   }
   return nullptr;
 }

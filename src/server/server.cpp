@@ -636,8 +636,7 @@ void Server::Impl::handle_generate(Api api, const httplib::Request& req, httplib
                         .parse_tools = r.parse_tools,
                         .starts_in_reasoning = in_reasoning,
                         .stops = r.stops};
-  std::shared_ptr<SseWriter> writer =
-      ollama ? make_ollama_writer(api, spec) : make_sse_writer(api, spec);
+  std::shared_ptr<SseWriter> writer = make_sse_writer(api, spec);
   const char* content_type = ollama ? "application/x-ndjson" : "text/event-stream";
   const bool anthropic = api == Api::kMessages;
   res.set_header("Cache-Control", "no-cache");

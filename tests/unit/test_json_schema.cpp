@@ -177,10 +177,11 @@ TEST(JsonSchema, ConstrainedWalksEndInObjectsTheSchemaAccepts) {
       }
       for (int e : t.eos_ids()) logits[size_t(e)] += 20.0f;
       c.mask(logits, masked, step % 2 ? &pool : nullptr);
-      if (step % 16 == 0)
+      if (step % 16 == 0) {
         for (size_t i = 0; i < masked.size(); ++i)
           ASSERT_EQ(std::isfinite(masked[i]), c.allowed(int(i)))
               << "mask and allowed() differ on token " << i << " after " << text;
+      }
       const int next = int(std::max_element(masked.begin(), masked.end()) - masked.begin());
       ASSERT_TRUE(std::isfinite(masked[size_t(next)])) << "no token allowed after " << text;
       ASSERT_TRUE(c.accept(next));
