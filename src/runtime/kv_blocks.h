@@ -69,4 +69,9 @@ class KvBlocks {
   uint64_t tick_ = 0;
 };
 
+// The pool that holds `sequences` sequences of `positions` each (whole blocks per sequence).
+inline int64_t kv_pool_tokens(int64_t positions, int64_t sequences) {
+  return (positions + KvBlocks::kTokens - 1) / KvBlocks::kTokens * KvBlocks::kTokens * sequences;
+}
+
 }  // namespace ts::runtime

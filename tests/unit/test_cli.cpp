@@ -142,6 +142,26 @@ TEST_F(Cli, InspectJsonCountsExperts) {
   EXPECT_NE(r.out.find("\"bytes_routed_experts\""), std::string::npos) << r.out;
 }
 
+// bench --parallel: one report per sequence count, as llama-batched-bench prints them; the
+// counts a bad list names are refused before the model loads.
+TEST_F(Cli, BenchParallelReportsEachSequenceCount) {
+  RunResult r = run("bench --model " + model_ +
+                    " --threads 2 --prompt-tokens 20 --gen-tokens 5 --parallel 1,3 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.at("parallel").size(), 2u) << r.out;
+  for (size_t i = 0; i < 2; ++i) {
+    const nlohmann::json& p = j["parallel"][i];
+    EXPECT_EQ(p.at("parallel").get<int>(), i == 0 ? 1 : 3);
+    EXPECT_GT(p.at("decode_tokens_per_s").get<double>(), 0);
+    EXPECT_NEAR(p.at("decode_tokens_per_s").get<double>(),
+                p.at("decode_tokens_per_s_per_sequence").get<double>() * (i == 0 ? 1 : 3), 1e-6);
+    EXPECT_LE(p.at("ttft_p50_ms").get<double>(), p.at("ttft_p99_ms").get<double>());
+    EXPECT_GT(p.at("decode_bytes_per_step").get<double>(), 0);
+  }
+  expect_error(run("bench --model " + model_ + " --parallel 2,0"), "--parallel");
+}
+
 TEST_F(Cli, MissingDirectory) {
   expect_error(run("logits --model /nonexistent/dir --tokens 1 --out " + (tmp_ / "x.npy").string()),
                "/nonexistent/dir");

@@ -9,6 +9,7 @@
 #include "backend/cpu/kernels.h"
 #include "cli/commands/commands.h"
 #include "cli/commands/common.h"
+#include "runtime/kv_blocks.h"
 #include "runtime/sampler.h"
 #include "runtime/session.h"
 
@@ -238,7 +239,7 @@ Status cmd_bench(const Args& args) {
   TS_ASSIGN(std::unique_ptr<runtime::Engine> engine,
             make_session(flags, m,
                          {.n_ctx = int(n_prompt + n_gen),
-                          .kv_tokens = (n_prompt + n_gen) * most}));
+                          .kv_tokens = runtime::kv_pool_tokens(n_prompt + n_gen, most)}));
   runtime::Engine& session = *engine;
   std::vector<int> prompt(static_cast<size_t>(n_prompt));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int((i * 7919 + 13) % size_t(hp.vocab));

@@ -11,6 +11,7 @@
 
 #include "cli/commands/commands.h"
 #include "cli/commands/common.h"
+#include "runtime/kv_blocks.h"
 #include "server/engine.h"
 #include "server/server.h"
 #include "tokenizer/chat_template.h"
@@ -81,7 +82,7 @@ Status cmd_serve(const Args& args) {
     return make_error("--kv-tokens " + std::to_string(kv_tokens) +
                       " is less than the context (--n-ctx " + std::to_string(ctx) +
                       "): one full-length request would never fit");
-  const int64_t pool_tokens = kv_tokens > 0 ? kv_tokens : int64_t(ctx) * parallel;
+  const int64_t pool_tokens = kv_tokens > 0 ? kv_tokens : runtime::kv_pool_tokens(ctx, parallel);
   TS_ASSIGN(std::unique_ptr<runtime::Engine> session,
             make_session(flags, m,
                          {.n_ctx = ctx, .kv_tokens = pool_tokens, .interventions = std::move(iv)}));
@@ -115,8 +116,8 @@ Status cmd_serve(const Args& args) {
     engine.stop();
     http.stop();
   });
-  std::string batching = ", one request at a time (the " + engine.device_name() +
-                         " backend does not batch)";
+  std::string batching =
+      ", one request at a time (the " + engine.device_name() + " backend does not batch)";
   if (engine.parallel() > 1) {
     const model::HParams& hp = m.model->hp();
     const double kv_gb = double(pool_tokens) * double(hp.n_layers) * double(hp.cache_row()) *
