@@ -7,23 +7,14 @@
 
 #include "io/safetensors.h"
 #include "model/families/family.h"
+#include "model/weights.h"
 
 namespace ts::model {
 namespace {
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 Result<const io::TensorView*> stacked_tensor(const io::TensorSet& set, const std::string& name,
                                              const std::vector<int64_t>& shape) {
-  const io::TensorView* t = set.find(name);
-  if (!t) return make_error("tensor " + name + " is missing from the checkpoint");
-  if (t->shape != shape)
-    return make_error("tensor " + name + " in " + t->file + " has shape " + shape_str(t->shape) +
-                      ", config.json implies " + shape_str(shape));
+  TS_ASSIGN(const io::TensorView* t, find_tensor(set, name, shape, "config.json"));
   if (t->dtype != DType::kF32 && t->dtype != DType::kF16 && t->dtype != DType::kBF16)
     return make_error("tensor " + name + " in " + t->file + " is " +
                       std::string(dtype_name(t->dtype)) +

@@ -18,12 +18,7 @@ struct Binder {
   const io::TensorSet& tensors;
 
   Result<const io::TensorView*> get(const std::string& name, std::vector<int64_t> shape) const {
-    const io::TensorView* t = tensors.find(name);
-    if (!t) return make_error("tensor " + name + " is missing from the checkpoint");
-    if (t->shape != shape)
-      return make_error("tensor " + name + " in " + t->file + " has shape " + shape_str(t->shape) +
-                        ", the config (config.json or GGUF metadata) implies " + shape_str(shape));
-    return t;
+    return find_tensor(tensors, name, shape, "the config (config.json or GGUF metadata)");
   }
   Result<Matrix> matrix(const std::string& name, int64_t rows, int64_t cols) const {
     TS_ASSIGN(const io::TensorView* t, get(name, {rows, cols}));
@@ -45,6 +40,17 @@ struct Binder {
 };
 
 }  // namespace
+
+Result<const io::TensorView*> find_tensor(const io::TensorSet& set, const std::string& name,
+                                          const std::vector<int64_t>& shape,
+                                          const std::string& implied_by) {
+  const io::TensorView* t = set.find(name);
+  if (!t) return make_error("tensor " + name + " is missing from the checkpoint");
+  if (t->shape != shape)
+    return make_error("tensor " + name + " in " + t->file + " has shape " + shape_str(t->shape) +
+                      ", " + implied_by + " implies " + shape_str(shape));
+  return t;
+}
 
 Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensors) {
   Binder b{tensors};

@@ -14,6 +14,7 @@
 
 namespace ts::io {
 class TensorSet;
+struct TensorView;
 }
 
 namespace ts::model {
@@ -100,6 +101,12 @@ struct BoundWeights {
 
 // Binds every tensor the family needs from `tensors`, checking names, dtypes and shapes
 // against hp. Errors name the tensor and what was expected.
+// The tensor `name` of `set` with exactly `shape`; errors name the tensor, its file and the
+// shape `implied_by` (a config) gives.
+Result<const io::TensorView*> find_tensor(const io::TensorSet& set, const std::string& name,
+                                          const std::vector<int64_t>& shape,
+                                          const std::string& implied_by);
+
 Result<BoundWeights> bind_weights(const HParams& hp, const io::TensorSet& tensors);
 
 // Parameter and byte counts for `inspect` and `bench`.

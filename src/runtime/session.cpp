@@ -190,9 +190,12 @@ Status Session::grow_blocks(Sequence& s, int positions) {
   return {};
 }
 
+float* Session::kv_layer(float* cache, int layer, int row_floats) const {
+  return cache + size_t(layer) * size_t(n_blocks_) * kKvBlock * size_t(row_floats);
+}
+
 float* Session::kv_row(float* cache, int layer, int seq, int pos, int row_floats) {
-  const size_t layer_rows = size_t(n_blocks_) * kKvBlock;
-  return cache + (size_t(layer) * layer_rows + kv_rows(seq).row(pos)) * size_t(row_floats);
+  return kv_layer(cache, layer, row_floats) + kv_rows(seq).row(pos) * size_t(row_floats);
 }
 
 Result<int> Session::open_sequence(int max_tokens, std::span<const int> prefix) {
@@ -445,7 +448,7 @@ void Session::mla_attention(int layer, int n) {
   // The latent rows: kv_a -> RMSNorm over the first kv_lora_rank, RoPE on the shared key.
   linear(pool_, L.kv_a, xn_.data(), n, lat_.data());
   const cpu::RopeTable q_rope = rope_table(qk, m.nope_dim), k_rope = rope_table(row, m.kv_lora_rank);
-  const float* cache = k_cache_.get() + size_t(layer) * size_t(n_blocks_) * kKvBlock * size_t(row);
+  const float* cache = kv_layer(k_cache_.get(), layer, row);
   for (const Span& sp : spans_) {
     for (int t = sp.row0; t < sp.row0 + sp.n; ++t) {
       float* c = lat_.data() + size_t(t) * size_t(row);
@@ -507,7 +510,8 @@ void Session::gqa_attention(int layer, int n) {
       break;
   }
   const cpu::RopeTable rope = rope_table(hp.head_dim, 0);
-  const size_t layer_off = size_t(layer) * size_t(n_blocks_) * kKvBlock * size_t(kvd);
+  const float* k_layer = kv_layer(k_cache_.get(), layer, kvd);
+  const float* v_layer = kv_layer(v_cache_.get(), layer, kvd);
   for (const Span& sp : spans_) {
     for (int t = sp.row0; t < sp.row0 + sp.n; ++t) {
       const int pos = row_pos_[size_t(t)];
@@ -517,8 +521,8 @@ void Session::gqa_attention(int layer, int n) {
       std::copy_n(v_.data() + size_t(t) * kvd, kvd, kv_row(v_cache_.get(), layer, sp.seq, pos, kvd));
     }
     cpu::attention(pool_, {.q = q_.data() + size_t(sp.row0) * qd,
-                           .k_cache = k_cache_.get() + layer_off,
-                           .v_cache = v_cache_.get() + layer_off,
+                           .k_cache = k_layer,
+                           .v_cache = v_layer,
                            .rows = kv_rows(sp.seq),
                            .out = att_.data() + size_t(sp.row0) * qd,
                            .n_tokens = sp.n,

@@ -113,6 +113,7 @@ class Session final : public Engine {
   cpu::KvRows kv_rows(int seq) const { return {seqs_[size_t(seq)].blocks.data(), kKvBlock}; }
   // The cache row of `pos` of sequence `seq` at `layer` (K, or MLA's latent rows).
   float* kv_row(float* cache, int layer, int seq, int pos, int row_floats);
+  float* kv_layer(float* cache, int layer, int row_floats) const;  // the layer's first row
   void layer_boundary(int layer, int n, bool last_chunk);  // steering + capture
   void attention_block(int layer, int n);  // by hp.attention: gqa_attention or mla_attention
   void gqa_attention(int layer, int n);
